@@ -20,6 +20,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from decoding.modeling import check_bank_dim, hidden_size, unwrap_model  # noqa: E402,F401
 from transformers import (  # noqa: E402
     AutoConfig,
     AutoModelForCausalLM,
@@ -77,44 +78,6 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
-
-
-# --------------------------------------------------------------------------- wrappers
-
-
-def unwrap_model(model: torch.nn.Module) -> PreTrainedModel:
-    """The transformers model under PEFT and (Distributed)DataParallel wrappers (seed 000, 4.1).
-
-    PEFT injects its adapter layers in place, so the unwrapped model still runs them.
-    """
-    while True:
-        if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
-            model = model.module
-        elif hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
-            model = model.get_base_model()
-        else:
-            return model
-
-
-def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(backbone returning `last_hidden_state`, `lm_head`) of a decoder-only or Qwen3-VL model."""
-    base = unwrap_model(model)
-    return base.model, base.get_output_embeddings()
-
-
-def hidden_size(model: torch.nn.Module) -> int:
-    config = unwrap_model(model).config
-    return getattr(config, "text_config", config).hidden_size
-
-
-def check_bank_dim(model: torch.nn.Module, dim: int) -> None:
-    """Refuse a memory bank whose vectors do not fit the model's hidden size."""
-    expected = hidden_size(model)
-    if dim != expected:
-        raise ValueError(
-            f"memory bank has vectors of dimension {dim}, but the model's hidden size is {expected}: "
-            "build the bank with this model (or load the model the bank was built with)"
-        )
 
 
 # --------------------------------------------------------------------------- special tokens

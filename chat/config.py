@@ -1,0 +1,146 @@
+"""The one configuration: `config_qwen3vl.yaml`, loaded once into frozen, validated dataclasses.
+
+Precedence: defaults < the YAML file < environment variables < command-line `--set` overrides.
+An environment variable `RECALL_CHAT__GENERATION__TEMPERATURE=0.5` sets `generation.temperature`
+(sections joined by `__`); `--set generation.temperature=0.5` does the same from the command line.
+Values are parsed as YAML scalars (`true`, `0.5`, `null`, `[1, 2]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from decoding.settings import GenerationSettings, RecallSettings
+from memory.writer import HiddenStateSpec
+
+DEFAULT_PATH = Path(__file__).resolve().parent.parent / "config_qwen3vl.yaml"
+ENV_PREFIX = "RECALL_CHAT__"
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot be used; the message names key, value and what is allowed."""
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{key} is {value!r}; allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # a local model folder; None = the embedded SmolLM2-135M-Instruct
+    adapter: str | None = None  # a local PEFT adapter folder
+    device: str = "auto"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        _check(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(self.device)) is not None, "device", self.device,
+               "auto, cpu, mps, cuda or cuda:N")
+        _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype, "float32, bfloat16, float16")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    bank: str | None = None  # a bank file (.pt, .safetensors, .npy) loaded at start
+    index: str = "flat"  # flat = exact cosine; hnsw / ivf = approximate, for large banks
+    hidden_state: HiddenStateSpec = field(default_factory=HiddenStateSpec)  # what a written memory stores
+    max_upload_mb: int = 512
+    autoregressive_recall: RecallSettings = field(default_factory=RecallSettings)
+
+    def __post_init__(self):
+        _check(self.index in ("flat", "hnsw", "ivf"), "index", self.index, "flat, hnsw, ivf")
+        _check(isinstance(self.max_upload_mb, int) and self.max_upload_mb > 0, "max_upload_mb",
+               self.max_upload_mb, "a positive integer (megabytes)")
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    host: str = "127.0.0.1"
+    port: int = 7860
+    recall_first: bool = False  # start every answer with <recall>
+    ui_updates_per_second: float = 20.0
+
+    def __post_init__(self):
+        _check(isinstance(self.port, int) and 0 <= self.port < 65536, "port", self.port, "0..65535")
+        _check(isinstance(self.ui_updates_per_second, (int, float)) and self.ui_updates_per_second > 0,
+               "ui_updates_per_second", self.ui_updates_per_second, "a positive number")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    app: AppConfig = field(default_factory=AppConfig)
+
+
+def _build(cls, data: Any, path: str):
+    """`cls(**data)` with nested dataclasses, naming the full key in every error."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or 'the configuration'} must be a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(f"unknown key {where!r}; allowed keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else key
+        sub = hints[key]
+        kwargs[key] = _build(sub, value, where) if dataclasses.is_dataclass(sub) and value is not None else value
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for name in parents:
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted!r}: {name!r} is not a section")
+    node[leaf] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`"generation.temperature=0.5"` -> `("generation.temperature", 0.5)`."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. generation.temperature=0.5)")
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Read the YAML file (default: `config_qwen3vl.yaml` at the repo root), apply env and overrides."""
+    file = Path(path) if path is not None else DEFAULT_PATH
+    if path is not None and not file.is_file():
+        raise ConfigError(f"configuration file {str(file)!r} does not exist")
+    tree: dict = {}
+    if file.is_file():
+        try:
+            tree = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{file}: not valid YAML: {e}") from None
+    environ = os.environ if environ is None else environ
+    for name, raw in environ.items():
+        if name.startswith(ENV_PREFIX):
+            key = ".".join(part.lower() for part in name[len(ENV_PREFIX):].split("__"))
+            _set(tree, key, parse_override(f"{key}={raw}")[1])
+    for item in overrides:
+        _set(tree, *parse_override(item))
+    return _build(Config, tree, "")
