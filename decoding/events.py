@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -49,7 +49,7 @@ class GenerationResult:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     steps: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # [B, steps, V] raw logits, with output_logits=True
 
     @property
     def new_tokens(self) -> torch.LongTensor:

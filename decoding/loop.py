@@ -121,6 +121,7 @@ def stream_generate(
     interrupt_event: threading.Event | None = None,
     past_key_values=None,
     memory_vectors: Mapping[int, torch.Tensor] | Sequence[Mapping[int, torch.Tensor]] | None = None,
+    output_logits: bool = False,
 ) -> Iterator[Event]:
     """Generate from `inputs` (`input_ids` [B, L], optional `attention_mask`, Qwen3-VL vision
     kwargs), yielding token, recall and finish events, and a `DoneEvent` with the result last.
@@ -129,6 +130,7 @@ def stream_generate(
     is prefilled. `memory_vectors` maps `<|memory_pad|>` positions of the prompt to the vectors
     injected there in earlier turns; they are placed again at prefill. `logits_processor`
     replaces the list built from `settings`; `stopping_criteria` is added to the built one.
+    `output_logits` keeps each step's raw logits in the result (`logits`, [B, steps, V]).
     """
     base = unwrap_model(model)
     backbone, lm_head = backbone_and_head(model)
@@ -138,7 +140,7 @@ def stream_generate(
 
     input_ids = inputs["input_ids"].to(device)  # [B, L]
     batch, prompt_len = input_ids.shape
-    attention_mask = inputs.get("attention_mask")
+    attention_mask = prompt_mask = inputs.get("attention_mask")
     if attention_mask is not None:
         attention_mask = attention_mask.to(device)
         if bool(attention_mask.all()):
@@ -167,13 +169,14 @@ def stream_generate(
         torch.manual_seed(settings.seed)
     if logits_processor is None:
         negative = None
-        if settings.guidance_scale > 1 and settings.negative_prompt is not None:
+        if settings.guidance_scale != 1 and settings.negative_prompt is not None:
             if tokenizer is None:
                 raise ValueError("negative_prompt needs a tokenizer to be encoded")
             negative = tokenizer(settings.negative_prompt, return_tensors="pt").input_ids.to(device)
         logits_processor = build_logits_processor(
             settings, eos_token_id=eos or None, prompt_ids=input_ids, device=device,
-            vocab_size=lm_head.weight.shape[0], model=model, negative_prompt_ids=negative)
+            vocab_size=lm_head.weight.shape[0], model=model, negative_prompt_ids=negative,
+            attention_mask=None if prompt_mask is None else prompt_mask.to(device))
     criteria = build_stopping_criteria(settings, prompt_length=prompt_len, eos_token_id=eos or None,
                                        tokenizer=tokenizer)
     if stopping_criteria:
@@ -230,7 +233,10 @@ def stream_generate(
             prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
 
+            kept_logits: list[torch.Tensor] = []
             while True:
+                if output_logits:
+                    kept_logits.append(logits)
                 # 2. the next token of every row
                 scores = logits_processor(seq[:, :cur], logits) if logits_processor else logits
                 if settings.do_sample:
@@ -264,7 +270,7 @@ def stream_generate(
                         continue
                     text = detok[row].push(tokens[row]) if detok is not None else ""
                     events.append(TokenEvent(row, tokens[row], cur - 1, text))
-                    if settings.early_stop_on_tool_call and detok is not None and TOOL_CALL_END in detok.tail:
+                    if settings.early_stop_on_tool_call and detok is not None and TOOL_CALL_END in detok[row].tail:
                         unfinished[row] = False
                         still[row] = 0
                         events.append(finish(row, "tool_call"))
@@ -296,7 +302,8 @@ def stream_generate(
     decode_s = time.perf_counter() - t1
     yield DoneEvent(GenerationResult(
         sequences=seq[:, :cur], prompt_length=prompt_len, finish_reasons=reasons, injections=injections,
-        memory_vectors=memory, cache=cache, prefill_seconds=prefill_s, decode_seconds=decode_s, steps=steps))
+        memory_vectors=memory, cache=cache, prefill_seconds=prefill_s, decode_seconds=decode_s, steps=steps,
+        logits=torch.stack(kept_logits, dim=1) if output_logits else None))
 
 
 def _stop_reason(token: int, eos: list[int], cur: int, max_len: int, settings: GenerationSettings, t0: float) -> str:

@@ -1,0 +1,123 @@
+"""Decode speed of the recall loop against `model.generate`, on the embedded SmolLM2, in one run.
+
+    .venv/bin/python bench/generate.py [--tokens 64] [--repeats 5]
+
+Per-token decode time is (T(n tokens) - T(1 token)) / (n - 1) for both, so the prefill cancels
+out; the same prompt, settings (greedy, min_new_tokens = n so both run exactly n steps) and
+model object. Reports medians over repeats, time to first token, the cost of one recall at 10k
+and 100k memories, and tokens/s as a fraction of the memory-bandwidth bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from chat.models import load_model  # noqa: E402
+from decoding import GenerationSettings, RecallSettings, generate  # noqa: E402
+from decoding.settings import to_generation_config  # noqa: E402
+from memory import MemoryVectorDB  # noqa: E402
+
+PROMPT = "<|im_start|>user\nWrite a long story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second of one pass reading a large fp32 tensor."""
+    x = torch.ones(int(gib * 2**30 / 4))
+    x.sum()
+    best = min(timed(lambda: x.sum()) for _ in range(repeats))
+    return x.numel() * 4 / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    lm = load_model(None, device="cpu")
+    model, tok = lm.model, lm.tokenizer
+    inputs = tok([PROMPT], return_tensors="pt")
+    ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    n = args.tokens
+
+    def settings(k: int) -> GenerationSettings:
+        return GenerationSettings(max_new_tokens=k, min_new_tokens=k)
+
+    def hf(k: int):
+        return model.generate(**inputs, generation_config=to_generation_config(settings(k), **ids))
+
+    def ours(k: int, **kw):
+        return generate(model, inputs, settings(k), **ids, **kw)
+
+    assert hf(n).tolist() == ours(n).sequences.tolist(), "custom loop and generate disagree"
+    rows = {"generate": [], "custom": [], "ratio": [], "ttft_generate": [], "ttft_custom": []}
+    for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
+        g1, gn = timed(lambda: hf(1)), timed(lambda: hf(n))
+        c1, cn = timed(lambda: ours(1)), timed(lambda: ours(n))
+        g, c = (gn - g1) / (n - 1), (cn - c1) / (n - 1)
+        rows["generate"].append(g)
+        rows["custom"].append(c)
+        rows["ratio"].append(c / g)
+        rows["ttft_generate"].append(g1)
+        rows["ttft_custom"].append(c1)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+
+    # one recall: the prompt ends with <recall>; the same number of forwards with and without a
+    # bank, so the difference is the memory head (search + choice); the memory position itself
+    # is one ordinary decode step.
+    recall_ids = torch.cat([inputs["input_ids"], torch.tensor([[lm.tokens.recall]])], dim=1)
+    recall_inputs = {"input_ids": recall_ids}
+    recall_cost = {}
+    for size in (10_000, 100_000):
+        db = MemoryVectorDB(lm.hidden_size)
+        db.add(torch.randn(size, lm.hidden_size))
+        kw = dict(recall=RecallSettings(top_k=5), recall_token_ids=lm.tokens.as_dict(), **ids)
+        s = GenerationSettings(max_new_tokens=8, min_new_tokens=8)
+        with_bank, without = [], []
+        for _ in range(args.repeats):
+            with_bank.append(timed(lambda: generate(model, recall_inputs, s, memory_db=db, **kw)))
+            without.append(timed(lambda: generate(model, recall_inputs, s, memory_db=None, **kw)))
+        assert generate(model, recall_inputs, s, memory_db=db, **kw).injections, "no recall happened"
+        head = statistics.median(with_bank) - statistics.median(without)
+        recall_cost[size] = (head, (head + med["custom"]) / med["custom"])
+
+    bandwidth = read_bandwidth()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bound = bandwidth / weight_bytes
+    tps = 1 / med["custom"]
+
+    print(f"SmolLM2-135M fp32, {torch.get_num_threads()} threads, {n} tokens, median of {args.repeats}\n")
+    print("| measure | value |")
+    print("|---|---|")
+    print(f"| decode ms/token, model.generate | {med['generate'] * 1e3:.1f} |")
+    print(f"| decode ms/token, custom loop | {med['custom'] * 1e3:.1f} |")
+    print(f"| ratio custom / generate (median of per-repeat ratios) | {med['ratio']:.3f} |")
+    print(f"| time to first token, model.generate | {med['ttft_generate'] * 1e3:.0f} ms |")
+    print(f"| time to first token, custom loop | {med['ttft_custom'] * 1e3:.0f} ms |")
+    for size, (head, steps) in recall_cost.items():
+        print(f"| one recall at {size // 1000}k memories: memory head + memory position | "
+              f"{head * 1e3:.1f} ms + 1 step = {steps:.2f} decode steps |")
+    print(f"| measured read bandwidth | {bandwidth / 1e9:.1f} GB/s |")
+    print(f"| weight bytes read per token | {weight_bytes / 1e6:.0f} MB |")
+    print(f"| bandwidth bound | {bound:.1f} tokens/s |")
+    print(f"| custom loop | {tps:.1f} tokens/s = {tps / bound:.0%} of the bound |")
+
+
+if __name__ == "__main__":
+    main()

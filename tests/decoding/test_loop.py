@@ -1,0 +1,392 @@
+"""Proof that the recall loop is exact: parity with `model.generate`, replay of injections,
+the memory head's distribution, batch rows, interrupts, and multi-turn KV-cache reuse."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from chat.vision import IMAGE_PAD, encode_with_images
+from decoding import (
+    DoneEvent, FinishEvent, GenerationSettings, MemorySelector, RecallEvent, RecallSettings, TokenEvent,
+    custom_generate, generate, memory_embedding, memory_head, stream_generate,
+)
+from decoding.settings import to_generation_config
+from memory import MemoryVectorDB
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+SETTINGS = [
+    GenerationSettings(max_new_tokens=20),
+    GenerationSettings(max_new_tokens=20, repetition_penalty=1.3, no_repeat_ngram_size=2),
+    GenerationSettings(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=20),
+    GenerationSettings(do_sample=True, min_p=0.05, typical_p=0.9, repetition_penalty=1.2, max_new_tokens=20),
+    GenerationSettings(do_sample=True, epsilon_cutoff=3e-4, top_k=0, min_new_tokens=5, max_new_tokens=20),
+]
+
+
+def bank_for(lm, n: int = 12, seed: int = 0) -> MemoryVectorDB:
+    """Memories that look like the model's own hidden states: final-layer states of short texts."""
+    g = torch.Generator().manual_seed(seed)
+    h = lm.hidden_size
+    vectors = torch.randn(n, h, generator=g) * lm.model.get_input_embeddings().weight.std() * 3
+    db = MemoryVectorDB(h)
+    db.add(vectors, texts=[f"fact number {i}" for i in range(n)])
+    return db
+
+
+def ids_of(lm):
+    return dict(eos_token_id=lm.tokenizer.eos_token_id, pad_token_id=lm.tokenizer.pad_token_id)
+
+
+def assert_parity(lm, inputs, settings):
+    torch.manual_seed(1234)
+    expected = lm.model.generate(**inputs, generation_config=to_generation_config(settings, **ids_of(lm)))
+    torch.manual_seed(1234)
+    got = generate(lm.model, inputs, settings, tokenizer=lm.tokenizer, **ids_of(lm)).sequences
+    assert got.tolist() == expected.tolist()
+
+
+def vl_inputs(lm, image, text="What is in the picture?"):
+    prompt = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+        tokenize=False, add_generation_prompt=True)
+    return encode_with_images(lm.tokenizer, lm.image_processor, prompt, [image])
+
+
+# --------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=["greedy", "greedy-penalties", "sample", "sample-minp-typical",
+                                                    "sample-epsilon-minnew"])
+def test_parity_tiny_llama(tiny_llama, settings):
+    inputs = tiny_llama.tokenizer([CHAT.format("Tell me about the sea.")], return_tensors="pt")
+    assert_parity(tiny_llama, inputs, settings)
+
+
+@pytest.mark.parametrize("settings", SETTINGS[:3], ids=["greedy", "greedy-penalties", "sample"])
+def test_parity_tiny_qwen3vl_with_image(tiny_qwen3vl, small_image, settings):
+    assert_parity(tiny_qwen3vl, vl_inputs(tiny_qwen3vl, small_image), settings)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", [SETTINGS[1], SETTINGS[2]], ids=["greedy-penalties", "sample"])
+def test_parity_smollm2(smollm2, settings):
+    inputs = smollm2.tokenizer([CHAT.format("Write a short poem about rivers.")], return_tensors="pt")
+    assert_parity(smollm2, inputs, settings)
+
+
+def test_parity_left_padded_batch(tiny_llama):
+    inputs = tiny_llama.tokenizer(["Hello there, how", "The quick brown fox jumps over the"],
+                                  return_tensors="pt", padding=True, padding_side="left")
+    assert inputs["attention_mask"][0, 0] == 0  # really padded
+    assert_parity(tiny_llama, inputs, GenerationSettings(max_new_tokens=12))
+
+
+def test_empty_bank_or_disabled_recall_leaves_generation_untouched(tiny_llama):
+    lm = tiny_llama
+    prompt = lm.tokenizer([CHAT.format("Remember?")], return_tensors="pt")
+    ids = torch.cat([prompt["input_ids"], torch.tensor([[lm.tokens.recall]])], dim=1)  # ends with <recall>
+    inputs = {"input_ids": ids}
+    s = GenerationSettings(max_new_tokens=10)
+    expected = lm.model.generate(**inputs, generation_config=to_generation_config(s, **ids_of(lm)))
+    for db, recall in [(MemoryVectorDB(lm.hidden_size), RecallSettings()),
+                       (bank_for(lm), RecallSettings(enabled=False))]:
+        res = generate(lm.model, inputs, s, recall=recall, recall_token_ids=lm.tokens.as_dict(), memory_db=db,
+                       **ids_of(lm))
+        assert res.sequences.tolist() == expected.tolist() and res.injections == []
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def run_with_recalls(lm, inputs, db, seed=0, steps=24):
+    """Sample with a bias towards <recall> so the model recalls several times by itself."""
+    s = GenerationSettings(do_sample=True, max_new_tokens=steps, seed=seed,
+                           sequence_bias=(((lm.tokens.recall,), 6.0),))
+    return generate(lm.model, inputs, s, recall=RecallSettings(top_k=4, use_sampling=True),
+                    recall_token_ids=lm.tokens.as_dict(), memory_db=db, output_logits=True, **ids_of(lm))
+
+
+def replay_embeds(lm, result):
+    seq = result.sequences
+    emb = lm.model.get_input_embeddings()(seq).clone()  # [1, L, H]
+    for pos, vec in result.memory_vectors[0].items():
+        emb[0, pos] = vec
+    return seq, emb
+
+
+def check_replay(result, full_logits):
+    p = result.prompt_length
+    cached = result.logits[0]  # [steps, V]
+    replayed = full_logits[0, p - 1: p - 1 + cached.shape[0]].float()
+    torch.testing.assert_close(cached, replayed, atol=1e-4, rtol=1e-4)
+
+
+def test_replay_tiny_llama(tiny_llama):
+    lm = tiny_llama
+    db = bank_for(lm)
+    inputs = lm.tokenizer([CHAT.format("What do you remember?")], return_tensors="pt")
+    result = run_with_recalls(lm, inputs, db)
+    assert len(result.injections) >= 2
+    seq, emb = replay_embeds(lm, result)
+    for r in result.injections:
+        assert seq[0, r.position] == lm.tokens.memory_pad and seq[0, r.position - 1] == lm.tokens.recall
+        torch.testing.assert_close(result.memory_vectors[0][r.position], db.vector(r.memory_index))
+    with torch.no_grad():
+        full = lm.model(inputs_embeds=emb).logits
+    check_replay(result, full)
+
+
+def test_replay_tiny_qwen3vl_with_image(tiny_qwen3vl, small_image):
+    lm = tiny_qwen3vl
+    db = bank_for(lm)
+    inputs = vl_inputs(lm, small_image)
+    result = run_with_recalls(lm, inputs, db)
+    assert len(result.injections) >= 2
+    seq, emb = replay_embeds(lm, result)
+    types = (seq == lm.tokenizer.convert_tokens_to_ids(IMAGE_PAD)).int()
+    rope, _ = lm.model.model.get_rope_index(seq, mm_token_type_ids=types, image_grid_thw=inputs["image_grid_thw"])
+    text = torch.arange(seq.shape[1])[None, None]
+    with torch.no_grad():
+        full = lm.model(inputs_embeds=emb, pixel_values=inputs["pixel_values"],
+                        image_grid_thw=inputs["image_grid_thw"], mm_token_type_ids=types,
+                        position_ids=torch.cat([text, rope], dim=0)).logits
+    check_replay(result, full)
+
+
+def test_prompt_ending_with_recall_fires_once_at_prefill(tiny_llama):
+    lm = tiny_llama
+    db = bank_for(lm)
+    prompt = lm.tokenizer([CHAT.format("Recall something.")], return_tensors="pt")["input_ids"]
+    ids = torch.cat([prompt, torch.tensor([[lm.tokens.recall]])], dim=1)
+    res = generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=6),
+                   recall=RecallSettings(), recall_token_ids=lm.tokens.as_dict(), memory_db=db, **ids_of(lm))
+    assert res.sequences[0, ids.shape[1]] == lm.tokens.memory_pad
+    assert [r.position for r in res.injections] == [ids.shape[1]]
+    # greedy memory head: the most similar memory to the <recall> hidden state
+    with torch.no_grad():
+        query = lm.model(ids, output_hidden_states=True).hidden_states[-1][0, -1]
+    best = max(range(len(db)), key=lambda i: float(torch.cosine_similarity(query, db.vector(i), dim=0)))
+    assert res.injections[0].memory_index == best
+    assert res.injections[0].text == f"fact number {best}"
+
+
+# --------------------------------------------------------------------------- memory head
+
+
+def test_memory_head_greedy_picks_highest_cosine():
+    rng = np.random.default_rng(0)
+    vectors = rng.normal(size=(50, 32)).astype(np.float32)
+    db = MemoryVectorDB(32)
+    db.add(vectors)
+    selector = MemorySelector(db, RecallSettings(use_sampling=False, top_k=5))
+    for _ in range(20):
+        q = rng.normal(size=32).astype(np.float32)
+        cos = vectors @ q / np.linalg.norm(vectors, axis=1) / np.linalg.norm(q)
+        choice = selector.choose(torch.from_numpy(q))
+        assert choice.index == int(np.argmax(cos))
+        assert choice.score == pytest.approx(float(cos.max()), abs=1e-5)
+
+
+def reference_distribution(scores: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Temperature, then top-k, then top-p over all scores, written out independently of transformers."""
+    logits = scores / temperature
+    keep = np.zeros_like(logits, dtype=bool)
+    keep[np.argsort(-logits)[:top_k]] = True
+    probs = np.where(keep, np.exp(logits - logits.max()), 0.0)
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    cumulative = np.cumsum(probs[order])
+    cut = np.searchsorted(cumulative, top_p) + 1  # smallest prefix reaching top_p
+    final = np.zeros_like(probs)
+    final[order[:cut]] = probs[order[:cut]]
+    return final / final.sum()
+
+
+def test_memory_head_sampling_matches_warped_softmax():
+    rng = np.random.default_rng(1)
+    vectors = rng.normal(size=(40, 16)).astype(np.float32)
+    db = MemoryVectorDB(16)
+    db.add(vectors)
+    q = rng.normal(size=16).astype(np.float32)
+    cos = vectors @ q / np.linalg.norm(vectors, axis=1) / np.linalg.norm(q)
+    recall = RecallSettings(use_sampling=True, temperature=0.1, top_k=6, top_p=0.9)
+    expected = reference_distribution(cos, recall.temperature, recall.top_k, recall.top_p)
+    assert 2 <= (expected > 0).sum() <= 6
+
+    torch.manual_seed(0)
+    selector = MemorySelector(db, recall)
+    draws = 4000
+    counts = np.bincount([selector.choose(torch.from_numpy(q)).index for _ in range(draws)], minlength=40)
+    support = expected > 0
+    assert counts[~support].sum() == 0
+    stat = chisquare(counts[support], expected[support] * draws)
+    assert stat.pvalue > 0.001, (counts[support], expected[support] * draws)
+
+
+def test_seed_memory_head_and_embedding(tiny_llama):
+    db = bank_for(tiny_llama, n=7)
+    q = torch.randn(tiny_llama.hidden_size)
+    logits, candidates = memory_head(q, db)
+    assert logits.shape == (7,) and len(candidates) == 7
+    assert torch.all(logits[:-1] >= logits[1:])  # best first
+    assert sorted(c["index"] for c in candidates) == list(range(7))
+    emb = memory_embedding(candidates[0]["embedding"], tiny_llama.model)
+    assert emb.shape == (1, 1, tiny_llama.hidden_size) and emb.dtype == tiny_llama.dtype
+
+
+def test_wrong_dimension_bank_is_refused(tiny_llama):
+    db = MemoryVectorDB(tiny_llama.hidden_size + 1)
+    db.add(torch.randn(3, tiny_llama.hidden_size + 1))
+    inputs = tiny_llama.tokenizer(["hi"], return_tensors="pt")
+    with pytest.raises(ValueError, match=f"dimension {tiny_llama.hidden_size + 1}.*hidden size is {tiny_llama.hidden_size}"):
+        generate(tiny_llama.model, inputs, GenerationSettings(max_new_tokens=2), memory_db=db,
+                 recall_token_ids=tiny_llama.tokens.as_dict())
+
+
+# --------------------------------------------------------------------------- batch
+
+
+def test_batch_rows_recall_on_their_own_step_and_match_single_runs(tiny_llama):
+    lm = tiny_llama
+    db = bank_for(lm)
+    tok = lm.tokenizer
+    a = tok(CHAT.format("First question, a long one about many things?"))["input_ids"] + [lm.tokens.recall]
+    b = tok(CHAT.format("Second?"))["input_ids"]
+    s = GenerationSettings(max_new_tokens=10, sequence_bias=(((lm.tokens.recall,), 2.0),))
+    kwargs = dict(recall=RecallSettings(), recall_token_ids=lm.tokens.as_dict(), memory_db=db, **ids_of(lm))
+    singles = [generate(lm.model, {"input_ids": torch.tensor([x])}, s, **kwargs) for x in (a, b)]
+    width = max(len(a), len(b))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in (a, b)])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in (a, b)])
+    batch = generate(lm.model, {"input_ids": ids, "attention_mask": mask}, s, **kwargs)
+    for row, single in enumerate(singles):
+        assert batch.new_tokens[row].tolist() == single.new_tokens[0].tolist()
+        offset = width - single.prompt_length
+        assert [(r.position - offset, r.memory_index) for r in batch.injections if r.row == row] == \
+               [(r.position, r.memory_index) for r in single.injections]
+    assert {r.row for r in batch.injections} == {0, 1} or len(singles[1].injections) == 0
+    assert any(r.row == 0 and r.position == width for r in batch.injections)  # row 0 recalled at prefill
+
+
+# --------------------------------------------------------------------------- interrupt and streaming
+
+
+def test_interrupt_stops_within_one_step_and_model_stays_usable(tiny_qwen3vl, small_image):
+    lm = tiny_qwen3vl
+    inputs = vl_inputs(lm, small_image)
+    s = GenerationSettings(max_new_tokens=40)
+    stop = threading.Event()
+    tokens_after_stop = 0
+    result = None
+    for event in stream_generate(lm.model, inputs, s, tokenizer=lm.tokenizer, interrupt_event=stop, **ids_of(lm)):
+        if isinstance(event, TokenEvent):
+            if stop.is_set():
+                tokens_after_stop += 1
+            elif event.position - inputs["input_ids"].shape[1] == 4:
+                stop.set()
+        if isinstance(event, DoneEvent):
+            result = event.result
+    assert tokens_after_stop == 0
+    assert result.finish_reasons == ["interrupted"] and result.steps == 5
+    assert lm.model.model.rope_deltas is None  # no stale per-request state left behind
+    expected = lm.model.generate(**inputs, generation_config=to_generation_config(s, **ids_of(lm)))
+    assert generate(lm.model, inputs, s, **ids_of(lm)).sequences.tolist() == expected.tolist()
+
+
+def test_stream_events_text_and_finish(smollm2):
+    lm = smollm2
+    inputs = lm.tokenizer([CHAT.format("What is the capital of France?")], return_tensors="pt")
+    events = list(stream_generate(lm.model, inputs, GenerationSettings(max_new_tokens=30), tokenizer=lm.tokenizer,
+                                  **ids_of(lm)))
+    text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+    finish = [e for e in events if isinstance(e, FinishEvent)]
+    assert isinstance(events[-1], DoneEvent)
+    result = events[-1].result
+    assert text == lm.tokenizer.decode(result.new_tokens[0], skip_special_tokens=True)
+    assert "Paris" in text
+    assert finish == [FinishEvent(0, "stop")] and result.finish_reasons == ["stop"]
+
+
+def test_max_new_tokens_gives_length_and_stop_strings_stop(tiny_llama):
+    inputs = tiny_llama.tokenizer([CHAT.format("Count.")], return_tensors="pt")
+    res = generate(tiny_llama.model, inputs, GenerationSettings(max_new_tokens=5), **ids_of(tiny_llama))
+    assert res.finish_reasons == ["length"] and res.new_tokens.shape[1] == 5
+    first = tiny_llama.tokenizer.decode(res.new_tokens[0, 2:4])
+    res2 = generate(tiny_llama.model, inputs, GenerationSettings(max_new_tokens=5, stop_strings=(first,)),
+                    tokenizer=tiny_llama.tokenizer, **ids_of(tiny_llama))
+    assert res2.finish_reasons == ["stop"] and res2.new_tokens.shape[1] == 4
+
+
+def test_early_stop_on_tool_call(smollm2):
+    lm = smollm2
+    prompt = CHAT.format("Call the weather tool.") + "<tool_call>{\"name\": \"weather\"}"
+    inputs = lm.tokenizer([prompt], return_tensors="pt")
+    bias = tuple(((t,), 8.0) for t in lm.tokenizer("</tool_call>", add_special_tokens=False)["input_ids"][:1])
+    s = GenerationSettings(max_new_tokens=20, early_stop_on_tool_call=True, sequence_bias=bias)
+    events = list(stream_generate(lm.model, inputs, s, tokenizer=lm.tokenizer, **ids_of(lm)))
+    result = events[-1].result
+    text = lm.tokenizer.decode(result.new_tokens[0])
+    if "</tool_call>" in text:
+        assert result.finish_reasons == ["tool_call"] and text.rstrip().endswith("</tool_call>")
+    else:
+        pytest.fail(f"the biased model did not write </tool_call>: {text!r}")
+
+
+# --------------------------------------------------------------------------- multi-turn
+
+
+def test_cache_reuse_across_turns_equals_full_prefill(tiny_qwen3vl, small_image):
+    """Turn 2 on turn 1's KV cache (with a recalled memory and a new image) gives the same logits
+    as prefilling the whole conversation with every memory vector placed again."""
+    lm = tiny_qwen3vl
+    db = bank_for(lm)
+    first = vl_inputs(lm, small_image)
+    first["input_ids"] = torch.cat([first["input_ids"], torch.tensor([[lm.tokens.recall]])], dim=1)
+    first["mm_token_type_ids"] = torch.cat([first["mm_token_type_ids"], torch.zeros(1, 1, dtype=torch.int32)], 1)
+    kw = dict(recall=RecallSettings(), recall_token_ids=lm.tokens.as_dict(), memory_db=db, **ids_of(lm))
+    turn1 = generate(lm.model, first, GenerationSettings(max_new_tokens=6), **kw)
+    assert len(turn1.injections) == 1
+
+    second = vl_inputs(lm, small_image, "And this one?")
+    ids = torch.cat([turn1.sequences, second["input_ids"]], dim=1)
+    pad = lm.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    inputs = {"input_ids": ids, "mm_token_type_ids": (ids == pad).int(),
+              "pixel_values": torch.cat([first["pixel_values"], second["pixel_values"]]),
+              "image_grid_thw": torch.cat([first["image_grid_thw"], second["image_grid_thw"]])}
+    s = GenerationSettings(max_new_tokens=8)
+    cached = generate(lm.model, inputs, s, past_key_values=turn1.cache, memory_vectors=turn1.memory_vectors[0],
+                      output_logits=True, **kw)
+    fresh = generate(lm.model, inputs, s, memory_vectors=turn1.memory_vectors[0], output_logits=True, **kw)
+    torch.testing.assert_close(cached.logits, fresh.logits, atol=1e-4, rtol=1e-4)
+    assert cached.sequences.tolist() == fresh.sequences.tolist()
+    # and the memory really matters: without it the logits differ
+    without = generate(lm.model, inputs, s, output_logits=True, **{**kw, "memory_db": None})
+    assert not torch.allclose(without.logits, fresh.logits, atol=1e-3)
+
+
+# --------------------------------------------------------------------------- seed API
+
+
+def test_custom_generate_seed_signature(tiny_llama):
+    lm = tiny_llama
+    db = bank_for(lm)
+    prompt = lm.tokenizer([CHAT.format("Hello")], return_tensors="pt")
+    ids = torch.cat([prompt["input_ids"], torch.tensor([[lm.tokens.recall]])], dim=1)
+    config = {"memory": {"autoregressive_recall": {"enabled": True, "top_k": 3, "use_sampling": False}}}
+    out, positions = custom_generate(
+        lm.model, lm.tokenizer, db, lm.tokens.as_dict(), config, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+        max_new_tokens=5, stopping_criteria=None, logits_processor=None, temperature=1.0, top_k=0, top_p=1.0,
+        do_sample=False, pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id,
+        interrupt_event=None, early_stop_on_tool_call=False)
+    assert out.shape == (1, ids.shape[1] + 5)
+    assert positions[0][0] == ids.shape[1] and -1.0 <= positions[0][1] <= 1.0
+    plain = custom_generate(
+        lm.model, lm.tokenizer, None, lm.tokens.as_dict(), {}, prompt, 5, None, None, 1.0, 0, 1.0, False,
+        lm.tokenizer.pad_token_id, lm.tokenizer.eos_token_id, None, False)
+    assert isinstance(plain, torch.Tensor)
