@@ -195,10 +195,11 @@ def load_model(
     if config.model_type == "qwen3_vl":
         from transformers import Qwen3VLForConditionalGeneration
 
-        from chat.vision import load_image_processor
+        from chat.vision import ensure_chat_template, load_image_processor
 
         model = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=_DTYPES[dtype])
         image_processor = load_image_processor(folder)
+        ensure_chat_template(tokenizer)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[dtype])
     tokens = ensure_special_tokens(model, tokenizer)

@@ -148,8 +148,9 @@ class Conversation:
         self.ids = self.ids[:length]
         self.memory = {p: v for p, v in self.memory.items() if p < length}
         if self.cache is not None:
-            if self.cache.get_seq_length() >= length:
-                self.cache.crop(length - 1)
+            extra = self.cache.get_seq_length() - (length - 1)  # keep the cache short of the last token
+            if extra > 0:
+                self.cache.crop(-extra)
 
     def _run(self, inputs, prompt_len, settings, recall, memory_db, interrupt_event) -> Iterator[Event]:
         past = self.cache if self.cache is not None and self.cache.get_seq_length() < prompt_len else None

@@ -214,7 +214,7 @@ def stream_generate(
             emb = embed(input_ids[:, past_len:])  # [B, S, H]
             for row, vectors in enumerate(memory):
                 for pos, vec in vectors.items():
-                    if int(input_ids[row, pos]) != pad_mem_id:
+                    if pad_mem_id is not None and int(input_ids[row, pos]) != pad_mem_id:
                         raise ValueError(f"memory vector given for position {pos} of row {row}, "
                                          f"which holds token {int(input_ids[row, pos])}, not <|memory_pad|>")
                     if pos >= past_len:

@@ -11,10 +11,15 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from PIL import Image
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 from chat.models import LoadedModel, embedded_model_dir, ensure_special_tokens, load_model
 from chat.vision import CHAT_TEMPLATE, IMAGE_PAD, VISION_END, VISION_START, load_image_processor

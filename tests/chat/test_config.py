@@ -1,0 +1,67 @@
+from pathlib import Path
+
+import pytest
+
+from chat.config import DEFAULT_PATH, Config, ConfigError, load_config
+
+
+def test_repo_config_loads_into_typed_objects():
+    cfg = load_config(environ={})
+    assert isinstance(cfg, Config) and DEFAULT_PATH.name == "config_qwen3vl.yaml"
+    assert cfg.model.path is None  # the embedded default
+    assert cfg.generation.temperature == 0.7 and cfg.generation.max_new_tokens == 256
+    rec = cfg.memory.autoregressive_recall
+    assert (rec.enabled, rec.top_k, rec.use_sampling) == (True, 5, False)
+    assert cfg.memory.hidden_state.layer == -1 and cfg.memory.hidden_state.pooling == "last"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_names_the_key_and_the_allowed_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'generation.temprature'.*temperature"):
+        load_config(write(tmp_path, "generation:\n  temprature: 0.5\n"), environ={})
+    with pytest.raises(ConfigError, match=r"memory.autoregressive_recall.topk"):
+        load_config(write(tmp_path, "memory:\n  autoregressive_recall:\n    topk: 3\n"), environ={})
+    with pytest.raises(ConfigError, match=r"unknown key 'modle'"):
+        load_config(write(tmp_path, "modle: {}\n"), environ={})
+
+
+@pytest.mark.parametrize("text, words", [
+    ("generation:\n  top_p: 1.5\n", ["generation", "top_p", "1.5"]),
+    ("generation:\n  do_sample: true\n  temperature: 0\n", ["generation", "temperature", "do_sample=False"]),
+    ("memory:\n  autoregressive_recall:\n    top_k: -1\n", ["autoregressive_recall", "top_k", "-1"]),
+    ("memory:\n  index: annoy\n", ["memory", "index", "annoy", "hnsw"]),
+    ("model:\n  dtype: int8\n", ["model", "dtype", "int8", "bfloat16"]),
+    ("app:\n  port: 70000\n", ["app", "port", "70000"]),
+    ("memory:\n  hidden_state:\n    pooling: max\n", ["hidden_state", "pooling", "max"]),
+])
+def test_out_of_range_values_name_key_value_and_allowed(tmp_path, text, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text), environ={})
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_env_and_command_line_override_in_that_order(tmp_path):
+    path = write(tmp_path, "generation:\n  temperature: 0.3\n")
+    env = {"RECALL_CHAT__GENERATION__TEMPERATURE": "0.4", "RECALL_CHAT__MEMORY__AUTOREGRESSIVE_RECALL__TOP_K": "9"}
+    assert load_config(path, environ={}).generation.temperature == 0.3
+    cfg = load_config(path, environ=env)
+    assert cfg.generation.temperature == 0.4 and cfg.memory.autoregressive_recall.top_k == 9
+    cfg = load_config(path, overrides=["generation.temperature=0.5", "model.device=cpu"], environ=env)
+    assert cfg.generation.temperature == 0.5 and cfg.model.device == "cpu"
+    with pytest.raises(ConfigError, match="unknown key 'generation.nope'"):
+        load_config(path, overrides=["generation.nope=1"], environ={})
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(path, overrides=["generation.temperature"], environ={})
+
+
+def test_missing_or_broken_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml", environ={})
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "generation: [unclosed\n"), environ={})

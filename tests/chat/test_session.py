@@ -1,0 +1,140 @@
+import threading
+
+import pytest
+import torch
+
+from chat.session import Conversation, TextOnlyModelError
+from decoding import DoneEvent, GenerationSettings, RecallEvent, RecallSettings, TokenEvent, generate
+from memory import MemoryVectorDB
+
+GREEDY = GenerationSettings(max_new_tokens=8)
+
+
+@pytest.fixture
+def bank(tiny_llama):
+    g = torch.Generator().manual_seed(3)
+    db = MemoryVectorDB(tiny_llama.hidden_size)
+    db.add(torch.randn(10, tiny_llama.hidden_size, generator=g), texts=[f"memory {i}" for i in range(10)])
+    return db
+
+
+def run(conv, *args, **kwargs):
+    events = list(conv.stream(*args, **kwargs))
+    assert isinstance(events[-1], DoneEvent)
+    return events
+
+
+def test_memory_recalled_in_turn_one_is_still_seen_in_turn_three(tiny_llama, bank):
+    lm = tiny_llama
+    conv = Conversation(lm)
+    events = run(conv, "Who am I?", settings=GREEDY, recall=RecallSettings(), memory_db=bank, recall_first=True)
+    recall = next(e for e in events if isinstance(e, RecallEvent))
+    p = recall.position
+    assert conv.ids[p] == lm.tokens.memory_pad and conv.ids[p - 1] == lm.tokens.recall
+    torch.testing.assert_close(conv.memory[p], bank.vector(recall.memory_index))
+    assert conv.messages[-1].recalls[0]["position"] == p
+
+    ids_after_1 = list(conv.ids)
+    run(conv, "And then?", settings=GREEDY, memory_db=bank)
+    assert conv.ids[: len(ids_after_1)] == ids_after_1  # turns only ever append: the cache prefix stays valid
+    cache = conv.cache
+    assert cache.get_seq_length() == len(conv.ids) - 1
+
+    # turn 3 on the cache of turn 2 ...
+    inputs_before = None
+    events = run(conv, "Tell me more.", settings=GenerationSettings(max_new_tokens=6), memory_db=bank)
+    assert conv.cache is cache  # reused and extended, not rebuilt
+    turn3 = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    # ... equals a fresh prefill of the whole conversation with the turn-1 memory placed again
+    start = conv.messages[-1].start
+    prompt = {"input_ids": torch.tensor([conv.ids[:start]])}
+    fresh = generate(lm.model, prompt, GenerationSettings(max_new_tokens=6), memory_vectors={p: conv.memory[p]},
+                     recall_token_ids=lm.tokens.as_dict(), memory_db=bank, eos_token_id=lm.tokenizer.eos_token_id)
+    assert fresh.new_tokens[0].tolist() == turn3
+    without = generate(lm.model, prompt, GenerationSettings(max_new_tokens=6), output_logits=True,
+                       eos_token_id=lm.tokenizer.eos_token_id)
+    with_memory = generate(lm.model, prompt, GenerationSettings(max_new_tokens=6), output_logits=True,
+                           memory_vectors={p: conv.memory[p]}, eos_token_id=lm.tokenizer.eos_token_id)
+    assert not torch.allclose(without.logits, with_memory.logits, atol=1e-3)  # the memory matters in turn 3
+    del inputs_before
+
+
+def test_turn_template_matches_the_chat_template(smollm2):
+    conv = Conversation(smollm2)
+    run(conv, "Hi, who are you?", settings=GenerationSettings(max_new_tokens=12))
+    run(conv, "What is 2+2?", settings=GenerationSettings(max_new_tokens=12))
+    tok = smollm2.tokenizer
+    answer1 = conv.messages[1].text
+    expected = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi, who are you?"}, {"role": "assistant", "content": answer1},
+         {"role": "user", "content": "What is 2+2?"}], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(conv.ids[: conv.messages[-1].start]) == expected
+
+
+def test_stop_in_the_middle_of_a_recall_leaves_nothing_half_done(tiny_llama, bank):
+    lm = tiny_llama
+    conv = Conversation(lm)
+    stop = threading.Event()
+    events = []
+    for e in conv.stream("Remember", settings=GenerationSettings(max_new_tokens=20), memory_db=bank,
+                         interrupt_event=stop, recall_first=True):
+        events.append(e)
+        if isinstance(e, RecallEvent):
+            stop.set()  # right after the memory was chosen, before its position is forwarded
+    assert conv.messages[-1].finish_reason == "interrupted"
+    assert conv.ids[-1] == lm.tokens.memory_pad and len(conv.messages[-1].recalls) == 1
+    p = len(conv.ids) - 1
+    assert p in conv.memory  # the chosen vector is kept with its position ...
+    assert conv.cache.get_seq_length() == p  # ... and the cache stops before it
+    run(conv, "Go on", settings=GREEDY, memory_db=bank)  # the next turn prefills it with its vector
+    assert conv.messages[-1].finish_reason in ("length", "stop") and p in conv.memory
+
+
+def test_abandoned_stream_stores_nothing_of_the_turn(tiny_llama):
+    conv = Conversation(tiny_llama)
+    run(conv, "First", settings=GREEDY)
+    ids, n = list(conv.ids), len(conv.messages)
+    stream = conv.stream("Second", settings=GREEDY)
+    next(stream)
+    stream.close()  # the consumer went away mid-stream: the turn is dropped whole
+    assert conv.ids == ids and len(conv.messages) == n and conv.cache is None
+    run(conv, "Third", settings=GREEDY)
+    assert conv.messages[-2].text == "Third"
+
+
+def test_regenerate_and_save_load(tiny_llama, bank):
+    lm = tiny_llama
+    conv = Conversation(lm)
+    run(conv, "Hello", settings=GREEDY, memory_db=bank, recall_first=True)
+    run(conv, "Again", settings=GREEDY, memory_db=bank)
+    answer = conv.messages[-1].text
+    ids = list(conv.ids)
+    list(conv.regenerate(GREEDY, RecallSettings(), memory_db=bank))
+    assert conv.messages[-1].text == answer and conv.ids == ids  # greedy: the same answer again
+
+    saved = conv.to_json()
+    other = Conversation(lm)
+    other.load_json(saved)
+    assert other.ids == conv.ids and other.memory.keys() == conv.memory.keys()
+    assert [m.text for m in other.messages] == [m.text for m in conv.messages]
+    run(conv, "Continue", settings=GREEDY, memory_db=bank)
+    run(other, "Continue", settings=GREEDY, memory_db=bank)  # no cache: full prefill with vectors placed
+    assert other.ids == conv.ids
+    with pytest.raises(ValueError, match="not a saved recall-chat conversation"):
+        other.load_json('{"format": "something else"}')
+
+
+def test_images_for_a_text_only_model_are_refused_clearly(tiny_llama, small_image):
+    conv = Conversation(tiny_llama)
+    with pytest.raises(TextOnlyModelError, match="reads text only.*1 attached image"):
+        run(conv, "What is this?", [small_image], settings=GREEDY)
+    assert conv.ids == [] and conv.messages == []
+
+
+def test_vision_conversation_with_an_image_each_turn(tiny_qwen3vl, small_image):
+    conv = Conversation(tiny_qwen3vl)
+    run(conv, "What is this?", [small_image], settings=GREEDY)
+    cache = conv.cache
+    run(conv, "And this?", [small_image], settings=GREEDY)
+    assert conv.cache is cache and len(conv.pixels) == 2
+    assert conv.inputs()["image_grid_thw"].shape == (2, 3)

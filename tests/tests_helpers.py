@@ -1,0 +1,15 @@
+"""Small builders shared by tests (importable: tests/ is on sys.path via conftest)."""
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+
+def fresh_tiny_llama(like):
+    """A tiny random Llama and a tokenizer WITHOUT the recall tokens (re-read from the SmolLM2 files)."""
+    from chat.models import embedded_model_dir
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    return LlamaForCausalLM(config).eval(), tok
