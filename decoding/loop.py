@@ -13,6 +13,7 @@ rest stays on the device.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Iterator, Mapping, Sequence
@@ -26,6 +27,7 @@ from decoding.modeling import backbone_and_head, check_bank_dim, unwrap_model
 from decoding.settings import GenerationSettings, RecallSettings, build_logits_processor, build_stopping_criteria
 
 TOOL_CALL_END = "</tool_call>"
+log = logging.getLogger("decoding.loop")
 
 
 class Detokenizer:
@@ -248,12 +250,19 @@ def stream_generate(
                 recalled: dict[int, torch.Tensor] = {}
                 events: list[Event] = []
                 for row in recall_rows:
+                    if recall.debug:
+                        log.info("[recall] row %d: newest input is <recall> (id %d) at position %d; "
+                                 "its hidden state %s is the query", row, recall_id, cur - 1, tuple(hidden[row].shape))
                     choice = selector.choose(hidden[row])
                     recalled[row] = memory_db.vector(choice.index)
                     memory[row][cur] = recalled[row]
                     event = RecallEvent(row, cur, choice.score, choice.index, memory_db.text(choice.index))
                     injections.append(event)
                     events.append(event)
+                    if recall.debug:
+                        log.info("[inject] row %d: <|memory_pad|> at position %d carries memory %d "
+                                 "(similarity %.4f); its vector is the input embedding of the next forward",
+                                 row, cur, choice.index, choice.score)
                 if recalled:
                     next_tokens[list(recalled)] = pad_mem_id
                 if has_eos:

@@ -390,3 +390,22 @@ def test_custom_generate_seed_signature(tiny_llama):
         lm.model, lm.tokenizer, None, lm.tokens.as_dict(), {}, prompt, 5, None, None, 1.0, 0, 1.0, False,
         lm.tokenizer.pad_token_id, lm.tokenizer.eos_token_id, None, False)
     assert isinstance(plain, torch.Tensor)
+
+
+def test_debug_logs_each_recall_step(tiny_llama, caplog):
+    lm = tiny_llama
+    prompt = lm.tokenizer([CHAT.format("Hi")], return_tensors="pt")["input_ids"]
+    ids = torch.cat([prompt, torch.tensor([[lm.tokens.recall]])], dim=1)
+    with caplog.at_level("INFO"):
+        res = generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3),
+                       recall=RecallSettings(debug=True, use_sampling=True, top_k=3),
+                       recall_token_ids=lm.tokens.as_dict(), memory_db=bank_for(lm), **ids_of(lm))
+    text = caplog.text
+    r = res.injections[0]
+    assert f"at position {ids.shape[1] - 1}" in text and "3 candidates" in text
+    assert f"<|memory_pad|> at position {r.position} carries memory {r.memory_index}" in text
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=RecallSettings(),
+                 recall_token_ids=lm.tokens.as_dict(), memory_db=bank_for(lm), **ids_of(lm))
+    assert "[recall]" not in caplog.text
