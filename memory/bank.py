@@ -1,0 +1,271 @@
+"""`MemoryVectorDB`: hidden-state vectors with optional texts, searched by cosine similarity."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from memory.ann import INDEXES, AnnConfig, AnnIndex
+from memory.files import BankData, read_bank, write_bank
+from memory.validate import as_query, check_labels, normalise, prepare_vectors
+
+log = logging.getLogger("memory.bank")
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """One published state. Arrays are views of buffers that later writers only append past `n`."""
+
+    n: int
+    ids: np.ndarray  # [n] int64, ascending stable ids
+    raw: np.ndarray  # [n, D] float32, as added
+    normed: np.ndarray  # [n, D] float32, unit rows
+    texts: list  # [>= n] str | None; shared with later snapshots, read below n only
+    metadata: list  # [>= n] dict | None; same
+    ann: AnnIndex | None  # labels are row numbers of this generation
+
+
+def exact_topk(normed: np.ndarray, query: np.ndarray, k: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(scores [k], rows [k]) best first: cosine of a unit query [D] against unit rows [N, D]."""
+    scores = normed @ query  # [N]
+    if k is None or k >= len(scores):
+        order = np.argsort(-scores, kind="stable")
+    else:
+        part = np.argpartition(-scores, k - 1)[:k]
+        order = part[np.argsort(-scores[part], kind="stable")]
+    return scores[order], order
+
+
+class MemoryVectorDB:
+    """A bank of memory vectors searched by cosine similarity, exactly or through FAISS HNSW/IVF.
+
+    Vectors are kept twice: raw float32 as added (returned as `embedding`, injected into the model)
+    and L2-normalised (scored). `topk` is always exact (one BLAS matrix-vector product, faster here
+    than `faiss.IndexFlatIP` for one query, and no third copy); `search` goes through the
+    approximate index when one is configured and `top_k` is below the bank size.
+
+    Ids: `add` gives every vector a stable id (0, 1, 2, ... in order of adding), never reused;
+    `remove` leaves the other ids unchanged. A bank that never had a removal has id == row.
+    `save` writes rows in id order, so `load` renumbers them 0..N-1.
+
+    Threads: one writer at a time (a lock) and any number of readers. Each write builds a new
+    immutable snapshot and publishes it by one reference swap; readers work on the snapshot they
+    picked up, so they never see a half-added state and exact reads never wait. Appends write
+    past the end of the shared buffers (amortised O(K)); `remove` compacts into new buffers and
+    rebuilds the approximate index (O(N)). The FAISS HNSW/IVF index is mutated in place by `add`
+    and guarded by a readers-writer lock.
+    """
+
+    def __init__(self, dim: int, index: str = "flat", *, hnsw_m: int = 32, hnsw_ef_search: int = 64,
+                 ivf_nlist: int | None = None, ivf_nprobe: int | None = None) -> None:
+        if not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive integer, got {dim!r}")
+        if index not in INDEXES:
+            raise ValueError(f"index must be one of {INDEXES}, got {index!r}")
+        self._dim, self._kind = dim, index
+        self._ann_config = None if index == "flat" else AnnConfig(index, hnsw_m, hnsw_ef_search, ivf_nlist, ivf_nprobe)
+        self._lock = threading.Lock()
+        self._next_id = 0
+        empty = np.empty((0, dim), np.float32)
+        self._raw_buf, self._normed_buf, self._ids_buf = empty, empty, np.empty(0, np.int64)
+        self._snap = _Snapshot(0, self._ids_buf, empty, empty, [], [], None)
+        self.info: dict[str, Any] = {}  # bank-level JSON-compatible notes (e.g. how it was built), saved with it
+
+    # ----------------------------------------------------------------------- properties
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def index(self) -> str:
+        return self._kind
+
+    def __len__(self) -> int:
+        return self._snap.n
+
+    def __repr__(self) -> str:
+        return f"MemoryVectorDB(dim={self._dim}, index={self._kind!r}, size={len(self)})"
+
+    # ----------------------------------------------------------------------- writing
+
+    def add(self, vectors: Any, texts: Sequence[str | None] | None = None,
+            metadata: Sequence[dict | None] | None = None) -> list[int]:
+        """Add vectors [N, D] (tensor or array, any float dtype) with optional texts/metadata; return their ids.
+
+        Raises `BankError` for a wrong dimension, NaN/inf or all-zero rows (naming them), or
+        labels whose length is not N.
+        """
+        raw, norms = prepare_vectors(vectors, expected_dim=self._dim, source="add")
+        return self._append(raw, norms, texts, metadata, "add")
+
+    def _append(self, raw: np.ndarray, norms: np.ndarray, texts, metadata, source: str) -> list[int]:
+        texts, metadata = check_labels(texts, metadata, len(raw), source)
+        normed = normalise(raw, norms)
+        with self._lock:
+            snap, k = self._snap, len(raw)
+            n, end = snap.n, snap.n + len(raw)
+            ids = np.arange(self._next_id, self._next_id + k, dtype=np.int64)
+            if n == 0 and end > len(self._raw_buf):  # first rows: adopt our fresh copies as the buffers
+                self._raw_buf, self._normed_buf, self._ids_buf = raw, normed, ids.copy()
+            else:
+                if end > len(self._raw_buf):  # grow: copy into new buffers, old snapshots keep the old ones
+                    cap = max(end, 2 * len(self._raw_buf))
+                    for name in ("_raw_buf", "_normed_buf", "_ids_buf"):
+                        old = getattr(self, name)
+                        new = np.empty((cap, *old.shape[1:]), old.dtype)
+                        new[:n] = old[:n]
+                        setattr(self, name, new)
+                self._raw_buf[n:end], self._normed_buf[n:end], self._ids_buf[n:end] = raw, normed, ids
+            ann = snap.ann
+            if self._ann_config is not None:
+                ann = ann or AnnIndex(self._ann_config, self._dim)
+                ann.add(normed)
+            del snap.texts[n:], snap.metadata[n:]  # drop leftovers of a failed add
+            snap.texts.extend(texts or [None] * k)
+            snap.metadata.extend(metadata or [None] * k)
+            self._next_id += k
+            self._snap = _Snapshot(end, self._ids_buf[:end], self._raw_buf[:end], self._normed_buf[:end],
+                                   snap.texts, snap.metadata, ann)
+            return ids.tolist()
+
+    def remove(self, ids: Iterable[int]) -> int:
+        """Remove entries by id; return the number of entries left.
+
+        Other ids stay as they were (ids are stable, rows are compacted). Unknown ids raise
+        `KeyError` and remove nothing. With HNSW/IVF the approximate index is rebuilt (IVF retrained).
+        """
+        wanted = np.unique(np.fromiter((int(i) for i in ids), dtype=np.int64))
+        with self._lock:
+            snap = self._snap
+            if not len(wanted):
+                return snap.n
+            rows = np.searchsorted(snap.ids, wanted)
+            found = rows < snap.n
+            found[found] = snap.ids[rows[found]] == wanted[found]
+            if not found.all():
+                missing = wanted[~found]
+                more = " ..." if len(missing) > 5 else ""
+                raise KeyError(f"memory ids {missing[:5].tolist()}{more} are not in the bank")
+            keep = np.ones(snap.n, bool)
+            keep[rows] = False
+            self._raw_buf, self._normed_buf, self._ids_buf = snap.raw[keep], snap.normed[keep], snap.ids[keep]
+            texts = [t for t, k in zip(snap.texts[:snap.n], keep) if k]
+            metadata = [m for m, k in zip(snap.metadata[:snap.n], keep) if k]
+            ann = None
+            if self._ann_config is not None and len(self._ids_buf):
+                ann = AnnIndex(self._ann_config, self._dim)
+                ann.add(self._normed_buf)
+            self._snap = _Snapshot(len(self._ids_buf), self._ids_buf, self._raw_buf, self._normed_buf,
+                                   texts, metadata, ann)
+            return self._snap.n
+
+    # ----------------------------------------------------------------------- reading
+
+    def topk(self, query: Any, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact cosine top-k over all entries, whatever index is configured.
+
+        query: tensor (any dtype/device) or array, [D] or [1, D]. k=None (or k >= len) means all.
+        Returns (scores float32 [k], ids int64 [k]) on the CPU, best first.
+        """
+        snap = self._snap
+        q = as_query(query, self._dim)
+        if k is not None and k < 0:
+            raise ValueError(f"k must be >= 0 or None, got {k}")
+        scores, rows = exact_topk(snap.normed, q, k)
+        return torch.from_numpy(scores), torch.from_numpy(snap.ids[rows])
+
+    def search(self, query_vector: Any, top_k: int, debug: bool = False) -> list[dict[str, Any]]:
+        """Best `top_k` entries (clamped to the bank size), best first, as dicts.
+
+        Each: {"embedding": raw float32 tensor [D], "score": cosine, "index": id} plus "text" and
+        "metadata" when the entry has them. Approximate when an HNSW/IVF index is configured and
+        top_k < len. With debug=True, logs the query and every candidate on logger "memory.bank".
+        """
+        snap = self._snap
+        q = as_query(query_vector, self._dim)
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        k = min(top_k, snap.n)
+        approximate = snap.ann is not None and k < snap.n
+        if k == 0:
+            scores, rows = np.empty(0, np.float32), np.empty(0, np.int64)
+        elif approximate:
+            scores, rows = snap.ann.search(q, k, snap.n)
+        else:
+            scores, rows = exact_topk(snap.normed, q, k)
+        results = [self._entry(snap, int(r), float(s)) for s, r in zip(scores, rows)]
+        if debug:
+            shape = tuple(query_vector.shape) if hasattr(query_vector, "shape") else (len(q),)
+            log.info("[memory search] query shape %s, top_k=%d, %s over %d entries: %d candidates",
+                     shape, top_k, f"{self._kind} (approximate)" if approximate else "exact", snap.n, len(results))
+            for rank, r in enumerate(results, 1):
+                log.info("  [%d] score=%.4f index=%d%s", rank, r["score"], r["index"],
+                         f" text={r['text'][:60]!r}" if "text" in r else "")
+        return results
+
+    def _entry(self, snap: _Snapshot, row: int, score: float) -> dict[str, Any]:
+        out = {"embedding": torch.from_numpy(snap.raw[row].copy()), "score": score, "index": int(snap.ids[row])}
+        if snap.texts[row] is not None:
+            out["text"] = snap.texts[row]
+        if snap.metadata[row] is not None:
+            out["metadata"] = dict(snap.metadata[row])
+        return out
+
+    def _row(self, snap: _Snapshot, i: int) -> int:
+        i = int(i)  # also a 0-d tensor from `topk`
+        row = int(np.searchsorted(snap.ids, i))
+        if row >= snap.n or snap.ids[row] != i:
+            raise KeyError(f"memory id {i} is not in the bank ({snap.n} entries)")
+        return row
+
+    def vector(self, i: int) -> torch.Tensor:
+        """The raw float32 vector [D] of id `i` (a copy)."""
+        snap = self._snap
+        return torch.from_numpy(snap.raw[self._row(snap, i)].copy())
+
+    def text(self, i: int) -> str | None:
+        snap = self._snap
+        return snap.texts[self._row(snap, i)]
+
+    def metadata(self, i: int) -> dict | None:
+        snap = self._snap
+        m = snap.metadata[self._row(snap, i)]
+        return None if m is None else dict(m)
+
+    def entries(self, start: int = 0, count: int = 5) -> list[dict[str, Any]]:
+        """A sample for display, by row position: [{"index": id, "text", "metadata", "norm"}]."""
+        if start < 0 or count < 0:
+            raise ValueError(f"start and count must be >= 0, got start={start}, count={count}")
+        snap = self._snap
+        rows = range(start, min(start + count, snap.n))
+        return [{"index": int(snap.ids[r]), "text": snap.texts[r],
+                 "metadata": None if snap.metadata[r] is None else dict(snap.metadata[r]),
+                 "norm": float(np.linalg.norm(snap.raw[r]))} for r in rows]
+
+    # ----------------------------------------------------------------------- files
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically; the format follows the extension (.pt, .safetensors, .npy = vectors only)."""
+        snap = self._snap
+        texts, metadata = snap.texts[:snap.n], snap.metadata[:snap.n]
+        write_bank(path, BankData(snap.raw, texts if any(t is not None for t in texts) else None,
+                                  metadata if any(m is not None for m in metadata) else None, dict(self.info)))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, index: str = "flat", expected_dim: int | None = None,
+             max_bytes: int | None = None, **index_options: Any) -> "MemoryVectorDB":
+        """Read a bank file (see `memory.files`); every problem raises `BankError` naming the file."""
+        data = read_bank(path, max_bytes=max_bytes)
+        source = os.path.basename(path)
+        raw, norms = prepare_vectors(data.vectors, expected_dim=expected_dim, source=source)
+        db = cls(raw.shape[1], index, **index_options)
+        db._append(raw, norms, data.texts, data.metadata, source)
+        db.info = dict(data.info)
+        return db

@@ -1,0 +1,213 @@
+"""Memory bank files: `.pt`, `.safetensors`, `.npy` in, the same out, atomically.
+
+Reading never runs code from the file: `.pt` goes through `torch.load(weights_only=True)`,
+`.npy` through `np.load(allow_pickle=False)`, `.safetensors` holds no code by design. This module
+checks the layout only; the vectors themselves are checked by `validate.prepare_vectors`.
+
+Layouts read:
+  .pt           tensor [N, D] | list of [D] tensors |
+                {"embeddings": tensor [N, D] or list of [D] tensors,
+                 "texts"?: [str], "metadata"?: [dict], "info"?: dict}
+  .safetensors  tensor "embeddings" [N, D]; "texts", "metadata", "info" as JSON in the header metadata
+  .npy          float array [N, D] (vectors only: saving to .npy drops texts, metadata and info)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable
+
+import numpy as np
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+from memory.validate import BankError
+
+log = logging.getLogger(__name__)
+
+FORMATS = {".pt": "PyTorch .pt", ".pth": "PyTorch .pt", ".safetensors": "safetensors", ".npy": "NumPy .npy"}
+_PT_KEYS = {"embeddings", "texts", "metadata", "info"}
+
+
+@dataclass
+class BankData:
+    """What a bank file holds: vectors (not yet validated) and optional labels."""
+
+    vectors: Any  # torch.Tensor | np.ndarray, [N, D]
+    texts: list | None = None
+    metadata: list | None = None
+    info: dict = field(default_factory=dict)
+
+
+def _format(path: Path) -> str:
+    ext = path.suffix.lower()
+    if ext not in FORMATS:
+        raise BankError(f"{path.name}: expected a memory bank file ending in .pt, .safetensors or .npy, "
+                        f"got {ext or 'no extension'!r}")
+    return ext
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _stack(items: list | tuple, name: str) -> torch.Tensor:
+    if not items:
+        raise BankError(f"{name}: expected at least one vector, got an empty bank (0 rows)")
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor) or t.ndim != 1:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise BankError(f"{name}: expected a list of 1-D [D] tensors, got {got} at item {i}")
+        if t.shape != items[0].shape:
+            raise BankError(f"{name}: expected all vectors of dimension {items[0].shape[0]}, "
+                            f"got {t.shape[0]} at item {i}")
+    return torch.stack(list(items))
+
+
+def _from_pt(obj: Any, name: str) -> BankData:
+    if isinstance(obj, torch.Tensor):
+        return BankData(obj)
+    if isinstance(obj, (list, tuple)):
+        return BankData(_stack(obj, name))
+    if isinstance(obj, dict):
+        if "embeddings" not in obj:
+            raise BankError(f"{name}: expected a dict with key 'embeddings', got keys {sorted(map(str, obj))}")
+        extra = set(obj) - _PT_KEYS
+        if extra:
+            raise BankError(f"{name}: expected dict keys among {sorted(_PT_KEYS)}, "
+                            f"got unknown keys {sorted(map(str, extra))}")
+        emb = obj["embeddings"]
+        if isinstance(emb, (list, tuple)):
+            emb = _stack(emb, name)
+        elif not isinstance(emb, torch.Tensor):
+            raise BankError(f"{name}: expected 'embeddings' as a tensor [N, D] or a list of [D] tensors, "
+                            f"got {type(emb).__name__}")
+        info = obj.get("info") or {}
+        if not isinstance(info, dict):
+            raise BankError(f"{name}: expected 'info' as a dict, got {type(info).__name__}")
+        return BankData(emb, obj.get("texts"), obj.get("metadata"), info)
+    raise BankError(
+        f"{name}: expected a tensor [N, D], a list of [D] tensors or a dict with 'embeddings', got {type(obj).__name__}"
+    )
+
+
+def _read_pt(path: Path) -> BankData:
+    return _from_pt(torch.load(path, weights_only=True, map_location="cpu"), path.name)
+
+
+def _json_field(header: dict[str, str], key: str, name: str) -> Any:
+    if key not in header:
+        return None
+    try:
+        return json.loads(header[key])
+    except json.JSONDecodeError as e:
+        raise BankError(f"{name}: expected JSON in safetensors metadata {key!r}, got invalid JSON ({e})") from None
+
+
+def _read_safetensors(path: Path) -> BankData:
+    with safe_open(path, framework="pt") as f:
+        keys = list(f.keys())
+        if "embeddings" not in keys:
+            raise BankError(f"{path.name}: expected a tensor named 'embeddings', got tensors {sorted(keys)}")
+        header = f.metadata() or {}
+        vectors = f.get_tensor("embeddings")
+    info = _json_field(header, "info", path.name) or {}
+    if not isinstance(info, dict):
+        raise BankError(f"{path.name}: expected 'info' as a JSON object, got {type(info).__name__}")
+    return BankData(vectors, _json_field(header, "texts", path.name), _json_field(header, "metadata", path.name), info)
+
+
+def _read_npy(path: Path) -> BankData:
+    return BankData(np.load(path, allow_pickle=False))
+
+
+_READERS: dict[str, Callable[[Path], BankData]] = {
+    ".pt": _read_pt, ".pth": _read_pt, ".safetensors": _read_safetensors, ".npy": _read_npy,
+}
+
+
+def read_bank(path: str | os.PathLike, *, max_bytes: int | None = None) -> BankData:
+    """Read a bank file; raise `BankError` naming the file for anything unusable."""
+    path = Path(path)
+    ext = _format(path)
+    size = path.stat().st_size  # FileNotFoundError for a missing file
+    if max_bytes is not None and size > max_bytes:
+        raise BankError(f"{path.name}: file is {size} bytes, over the limit of {max_bytes} bytes")
+    if size == 0:
+        raise BankError(f"{path.name}: expected a {FORMATS[ext]} memory bank, got an empty file (0 bytes)")
+    try:
+        return _READERS[ext](path)
+    except BankError:
+        raise
+    except Exception as e:  # library errors on corrupt / hostile files
+        raise BankError(f"{path.name}: expected a readable {FORMATS[ext]} file, got a corrupt or refused one "
+                        f"({_describe(e)})") from e
+
+
+def _describe(error: Exception) -> str:
+    text = str(error)
+    if "Weights only load failed" in text:  # torch's hint to retry unsafely must not reach a user
+        found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", text)
+        what = f" ({found.group(1)})" if found else ""
+        return f"it holds Python objects{what} beyond tensors and plain containers; not loaded, nothing run"
+    return f"{type(error).__name__}: {(text.strip().splitlines() or [''])[0][:200]}"
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _write_pt(fh: IO[bytes], data: BankData) -> None:
+    obj: dict[str, Any] = {"embeddings": torch.as_tensor(data.vectors)}
+    for key in ("texts", "metadata", "info"):
+        if getattr(data, key):
+            obj[key] = getattr(data, key)
+    torch.save(obj, fh)
+
+
+def _write_safetensors(fh: IO[bytes], data: BankData) -> None:
+    header = {k: json.dumps(getattr(data, k)) for k in ("texts", "metadata", "info") if getattr(data, k)}
+    fh.write(safetensors.torch.save({"embeddings": torch.as_tensor(data.vectors).contiguous()}, metadata=header))
+
+
+def _write_npy(fh: IO[bytes], data: BankData) -> None:
+    if data.texts or data.metadata:
+        log.warning("saving a memory bank as .npy keeps the vectors only: texts and metadata are dropped")
+    np.save(fh, np.asarray(data.vectors), allow_pickle=False)
+
+
+_WRITERS: dict[str, Callable[[IO[bytes], BankData], None]] = {
+    ".pt": _write_pt, ".pth": _write_pt, ".safetensors": _write_safetensors, ".npy": _write_npy,
+}
+
+
+def write_bank(path: str | os.PathLike, data: BankData) -> None:
+    """Write atomically: a temporary file in the same folder, fsync, `os.replace`.
+
+    A crash or error at any point leaves the old file (if any) untouched and no temporary behind.
+    """
+    path = Path(path)
+    writer = _WRITERS[_format(path)]
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            writer(fh, data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    with suppress(OSError):  # make the rename itself durable (not possible on every platform)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -1,0 +1,126 @@
+"""Checks shared by `MemoryVectorDB.add` and `MemoryVectorDB.load`: vectors, labels, queries."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+_CHUNK_ELEMENTS = 1 << 22  # per pass when computing norms: bounds the float64 temporary to 32 MB
+_SHOW = 5  # offending row numbers named in a message
+
+
+class BankError(ValueError):
+    """A memory bank (file or vectors) that cannot be used; the message says what was expected."""
+
+
+def to_numpy(vectors: Any, source: str) -> np.ndarray:
+    """A float32 numpy copy of a tensor / ndarray (any float dtype, any device)."""
+    if isinstance(vectors, torch.Tensor):
+        if not vectors.is_floating_point():
+            raise BankError(f"{source}: expected floating-point vectors, got dtype {vectors.dtype}")
+        return vectors.detach().to("cpu", torch.float32).numpy().copy()
+    if isinstance(vectors, np.ndarray):
+        if not np.issubdtype(vectors.dtype, np.floating):
+            raise BankError(f"{source}: expected floating-point vectors, got dtype {vectors.dtype}")
+        return np.array(vectors, dtype=np.float32, order="C", copy=True)
+    raise BankError(f"{source}: expected a torch.Tensor or numpy array of vectors, got {type(vectors).__name__}")
+
+
+def _chunk_rows(dim: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(dim, 1))
+
+
+def _rows(rows: np.ndarray) -> str:
+    shown = ", ".join(str(int(r)) for r in rows[:_SHOW])
+    return shown + (f", ... ({len(rows)} rows in all)" if len(rows) > _SHOW else "")
+
+
+def prepare_vectors(
+    vectors: Any, *, expected_dim: int | None = None, source: str = "vectors"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validate a batch of memory vectors; return (raw float32 [N, D], float64 L2 norms [N]).
+
+    Rejects: not 2-D, 0 rows or 0 columns, a dimension other than `expected_dim`, rows holding
+    NaN/inf, all-zero rows (no direction, so no cosine). Messages name the offending rows.
+    """
+    raw = to_numpy(vectors, source)
+    if raw.ndim != 2:
+        raise BankError(f"{source}: expected a 2-D array of vectors [N, D], got shape {tuple(raw.shape)}")
+    n, d = raw.shape
+    if n == 0:
+        raise BankError(f"{source}: expected at least one vector, got an empty bank (0 rows)")
+    if d == 0:
+        raise BankError(f"{source}: expected vectors of dimension > 0, got shape {tuple(raw.shape)}")
+    if expected_dim is not None and d != expected_dim:
+        raise BankError(f"{source}: expected vectors of dimension {expected_dim}, got dimension {d}")
+    norms = np.empty(n, dtype=np.float64)
+    step = _chunk_rows(d)
+    for s in range(0, n, step):
+        norms[s:s + step] = np.linalg.norm(raw[s:s + step].astype(np.float64), axis=1)  # inf/nan propagate
+    bad = np.flatnonzero(~np.isfinite(norms))
+    if len(bad):
+        raise BankError(f"{source}: expected finite vectors, got NaN/inf in rows {_rows(bad)}")
+    zero = np.flatnonzero(norms == 0)
+    if len(zero):
+        raise BankError(f"{source}: expected non-zero vectors (cosine needs a direction), "
+                        f"got all-zero rows {_rows(zero)}")
+    return raw, norms
+
+
+def normalise(raw: np.ndarray, norms: np.ndarray) -> np.ndarray:
+    """Unit-length float32 copy of `raw` [N, D] given its float64 `norms` [N]."""
+    out = np.empty_like(raw)
+    step = _chunk_rows(raw.shape[1])
+    for s in range(0, len(raw), step):
+        out[s:s + step] = raw[s:s + step] / norms[s:s + step, None]
+    return out
+
+
+def check_labels(
+    texts: Sequence[str | None] | None, metadata: Sequence[dict | None] | None, n: int, source: str = "vectors"
+) -> tuple[list[str | None] | None, list[dict | None] | None]:
+    """Texts (str or None) and metadata (JSON-compatible dict or None), one per row, as lists."""
+    if texts is not None:
+        if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
+            raise BankError(f"{source}: expected texts as a list of strings, got {type(texts).__name__}")
+        if len(texts) != n:
+            raise BankError(f"{source}: expected {n} texts (one per vector), got {len(texts)}")
+        bad = [i for i, t in enumerate(texts) if t is not None and not isinstance(t, str)]
+        if bad:
+            raise BankError(f"{source}: expected each text to be a string, "
+                            f"got {type(texts[bad[0]]).__name__} at rows {_rows(np.array(bad))}")
+        texts = list(texts)
+    if metadata is not None:
+        if isinstance(metadata, (str, bytes, dict)) or not isinstance(metadata, Sequence):
+            raise BankError(f"{source}: expected metadata as a list of dicts, got {type(metadata).__name__}")
+        if len(metadata) != n:
+            raise BankError(f"{source}: expected {n} metadata entries (one per vector), got {len(metadata)}")
+        bad = [i for i, m in enumerate(metadata) if m is not None and not isinstance(m, dict)]
+        if bad:
+            raise BankError(f"{source}: expected each metadata entry to be a dict, "
+                            f"got {type(metadata[bad[0]]).__name__} at rows {_rows(np.array(bad))}")
+        try:
+            json.dumps(metadata)
+        except (TypeError, ValueError) as e:
+            raise BankError(f"{source}: expected JSON-compatible metadata (it is saved as JSON), got {e}") from None
+        metadata = list(metadata)
+    return texts, metadata
+
+
+def as_query(query: Any, dim: int) -> np.ndarray:
+    """A unit-length float32 [D] query from a tensor (any dtype/device) or array of shape [D] or [1, D]."""
+    if isinstance(query, torch.Tensor):
+        q = query.detach().to("cpu", torch.float32).numpy()
+    else:
+        q = np.asarray(query, dtype=np.float32)
+    if q.ndim == 2 and q.shape[0] == 1:
+        q = q[0]
+    if q.shape != (dim,):
+        raise ValueError(f"query: expected shape [{dim}] or [1, {dim}], got {tuple(q.shape)}")
+    norm = float(np.linalg.norm(q.astype(np.float64)))
+    if not np.isfinite(norm) or norm == 0:
+        raise ValueError(f"query: expected a finite non-zero vector, got norm {norm}")
+    return (q / norm).astype(np.float32)

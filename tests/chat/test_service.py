@@ -1,0 +1,526 @@
+"""The chat service without Gradio: the worker queue, stopping, sessions, banks, rendering."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from chat.config import load_config
+from chat.service import (
+    END, Failed, Notice, Request, Service, ServiceError, TurnView, Waiting, Worker, answer_segments, chat_messages,
+    inline_text, parse_ids, recall_table, request_settings,
+)
+from chat.textsearch import TextSearch
+from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
+from decoding.modeling import backbone_and_head
+from decoding.settings import GenerationSettings, RecallSettings
+from memory import MemoryVectorDB
+
+GREEDY = GenerationSettings(max_new_tokens=8)
+NO_RECALL = RecallSettings(enabled=False)
+
+
+def config(*overrides: str):
+    return load_config(overrides=["generation.max_new_tokens=8", *overrides], environ={})
+
+
+@pytest.fixture(scope="module")
+def text_search():
+    return TextSearch()
+
+
+@pytest.fixture
+def service(tiny_llama, text_search):
+    svc = Service(config(), tiny_llama, text_search=text_search)
+    yield svc
+    svc.close()
+
+
+def drain(req: Request, timeout: float = 60) -> list:
+    """All events of a request, END excluded."""
+    events = []
+    while (event := req.events.get(timeout=timeout)) is not END:
+        events.append(event)
+    return events
+
+
+def result(req: Request, timeout: float = 60):
+    assert req.done.wait(timeout), f"request {req.kind} did not finish"
+    if req.error:
+        raise ServiceError(req.error)
+    return req.result
+
+
+class Slow:
+    """A forward hook on the backbone: sleeps each step, and calls `on_step(n)` after forward n."""
+
+    def __init__(self, lm, seconds: float = 0.0, on_step=None):
+        self.n, self.seconds, self.on_step = 0, seconds, on_step
+        self.handle = backbone_and_head(lm.model)[0].register_forward_hook(self)
+
+    def __call__(self, *_):
+        self.n += 1
+        time.sleep(self.seconds)
+        if self.on_step:
+            self.on_step(self.n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.handle.remove()
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+def test_worker_runs_in_order_and_reports_positions():
+    worker = Worker()
+    gate, order = threading.Event(), []
+    try:
+        blocker = worker.submit(Request("gate", lambda _: gate.wait(10)))
+        while worker.current is not blocker:
+            time.sleep(0.001)
+        reqs = [worker.submit(Request(f"r{i}", lambda _, i=i: order.append(i) or i)) for i in range(3)]
+        assert [r.events.get(timeout=5) for r in reqs] == [Waiting(1), Waiting(2), Waiting(3)]
+        gate.set()
+        assert [result(r) for r in reqs] == [0, 1, 2] and order == [0, 1, 2]
+        assert blocker.done.is_set()
+        # after the gate ended, every request was told when it moved up, down to 0 (running)
+        assert [e.ahead for e in drain(reqs[2])] == [2, 1, 0]
+    finally:
+        worker.close()
+
+
+def test_withdrawn_waiting_request_never_runs():
+    worker = Worker()
+    gate, ran = threading.Event(), []
+    try:
+        worker.submit(Request("gate", lambda _: gate.wait(10)))
+        req = worker.submit(Request("job", lambda _: ran.append(1)))
+        worker.withdraw(req)
+        assert req.done.is_set() and req.reason == "interrupted"
+        gate.set()
+        later = worker.submit(Request("later", lambda _: "ok"))
+        assert result(later) == "ok" and ran == []
+    finally:
+        worker.close()
+
+
+def test_requests_run_in_the_submitters_context():
+    """Gradio's progress bars follow tqdm through the handler's context variables: the worker keeps them."""
+    where = contextvars.ContextVar("where", default="worker")
+    worker = Worker()
+    try:
+        where.set("handler")
+        assert result(worker.submit(Request("ctx", lambda _: where.get()))) == "handler"
+    finally:
+        worker.close()
+
+
+def test_errors_become_messages_not_tracebacks():
+    worker = Worker()
+    try:
+        def boom(_):
+            raise ValueError("the bank has dimension 64, the model 576")
+
+        req = worker.submit(Request("boom", boom))
+        events = drain(req)
+        assert Failed("the bank has dimension 64, the model 576") in events
+        assert "Traceback" not in req.error
+        def crash(_):
+            return {}["missing"]
+
+        assert "missing" in result_error(worker.submit(Request("crash", crash)))
+    finally:
+        worker.close()
+
+
+def result_error(req: Request) -> str:
+    req.done.wait(10)
+    return req.error
+
+
+# --------------------------------------------------------------------------- chatting
+
+
+def test_chat_streams_and_stores_the_turn(service):
+    s = service.new_session()
+    turn = service.chat(s, "Hello there", [], GREEDY, NO_RECALL)
+    events = drain(turn.request)
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert len(tokens) == 8 and isinstance(events[-1], DoneEvent)
+    assert [m.role for m in s.conv.messages] == ["user", "assistant"]
+    assert turn.request.reason == "length" and turn.request.steps == 8
+    assert s.last_speed and s.last_speed > 0
+    assert chat_messages(s.conv)[0] == {"role": "user", "content": ["Hello there"]}
+
+
+def test_empty_message_is_refused(service):
+    with pytest.raises(ServiceError, match="type a message"):
+        service.chat(service.new_session(), "  ", [], GREEDY, NO_RECALL)
+
+
+def test_stop_ends_generation_within_one_step_and_keeps_the_text(service, tiny_llama):
+    s = service.new_session()
+    stop_after = 6
+
+    def on_step(n):
+        if n == stop_after:  # forward 1 is the prefill, so `stop_after` tokens exist after this step
+            service.stop(s)
+
+    with Slow(tiny_llama, on_step=on_step):
+        turn = service.chat(s, "Tell me a long story", [], GenerationSettings(max_new_tokens=500), NO_RECALL)
+        result(turn.request)
+    req = turn.request
+    assert req.reason == "interrupted"
+    assert req.steps <= stop_after + 1  # the loop checks the event every step
+    assert req.finished >= req.stop_requested
+    answer = s.conv.messages[-1]
+    assert answer.role == "assistant" and answer.finish_reason == "interrupted"
+    assert len(s.conv.ids) - answer.start == req.steps
+    # the next message works normally
+    nxt = service.chat(s, "And then?", [], GenerationSettings(max_new_tokens=3), NO_RECALL)
+    result(nxt.request)
+    assert nxt.request.reason == "length" and len(s.conv.messages) == 4
+
+
+@pytest.mark.parametrize("stop_after", [1, 2])
+def test_a_stop_in_the_middle_of_a_recall_leaves_nothing_half_done(service, tiny_llama, stop_after):
+    s = service.new_session()
+    result(service.build_example_bank(s))
+    recall_id, pad_id = tiny_llama.tokens.recall, tiny_llama.tokens.memory_pad
+    always_recall = GenerationSettings(max_new_tokens=50, sequence_bias=[[[recall_id], 100.0]])
+
+    def on_step(n):
+        if n == stop_after:
+            service.stop(s)
+
+    with Slow(tiny_llama, on_step=on_step):
+        result(service.chat(s, "hi", [], always_recall, RecallSettings()).request)
+    answer = s.conv.messages[-1]
+    generated = s.conv.ids[answer.start:]
+    if stop_after == 1:  # stopped after <recall>, before its memory: the <recall> is dropped
+        assert generated == [] and answer.recalls == [] and s.conv.memory == {}
+    else:  # stopped after the memory: the recall is whole
+        assert generated == [recall_id, pad_id] and [r["position"] for r in answer.recalls] == [answer.start + 1]
+        assert sorted(s.conv.memory) == [answer.start + 1]
+    assert s.conv.cache.get_seq_length() == len(s.conv.ids) - 1
+    nxt = service.chat(s, "next", [], GenerationSettings(max_new_tokens=3), NO_RECALL)
+    result(nxt.request)
+    assert nxt.request.reason == "length"
+
+
+def test_one_sessions_stop_never_stops_another(service, tiny_llama):
+    a, b = service.new_session(), service.new_session()
+    with Slow(tiny_llama, seconds=0.002):
+        ta = service.chat(a, "first", [], GenerationSettings(max_new_tokens=300), NO_RECALL)
+        tb = service.chat(b, "second", [], GenerationSettings(max_new_tokens=6), NO_RECALL)
+        assert tb.request.events.get(timeout=5) == Waiting(1)  # queued behind a's answer
+        assert service.stop(b) == [tb.request]  # b stops its own (waiting) request...
+        while ta.request.steps < 3:
+            time.sleep(0.005)
+        assert ta.request.done.is_set() is False  # ...a keeps going
+        tb2 = service.chat(b, "second again", [], GenerationSettings(max_new_tokens=6), NO_RECALL)
+        service.stop(a)
+        result(ta.request), result(tb2.request)
+    assert ta.request.reason == "interrupted"
+    assert tb.request.reason == "interrupted" and tb.request.started is None
+    assert tb2.request.reason == "length" and tb2.request.steps == 6
+    assert [m.role for m in b.conv.messages] == ["user", "assistant"]  # the withdrawn turn left nothing
+
+
+def test_regenerate_replaces_the_last_answer(service):
+    s = service.new_session()
+    with pytest.raises(ServiceError, match="no answer to regenerate"):
+        service.regenerate(s, GREEDY, NO_RECALL)
+    result(service.chat(s, "Hi", [], GREEDY, NO_RECALL).request)
+    first = s.conv.messages[-1].text
+    turn = service.regenerate(s, GREEDY, NO_RECALL)
+    result(turn.request)
+    assert len(s.conv.messages) == 2 and s.conv.messages[-1].text == first  # greedy: the same answer again
+    assert turn.history == chat_messages(s.conv)[:1]
+
+
+def test_clear_and_save_load_conversation(service, tmp_path):
+    s = service.new_session()
+    with pytest.raises(ServiceError, match="no conversation"):
+        service.save_conversation(s)
+    result(service.chat(s, "Remember me", [], GREEDY, NO_RECALL).request)
+    path = service.save_conversation(s)
+    other = service.new_session()
+    service.load_conversation(other, path)
+    assert [m.text for m in other.conv.messages] == [m.text for m in s.conv.messages]
+    assert other.conv.ids == s.conv.ids
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    with pytest.raises(ServiceError, match="not a conversation"):
+        service.load_conversation(other, bad)
+    assert len(other.conv.messages) == 2  # untouched
+    service.clear(s)
+    assert s.conv.messages == [] and s.conv.ids == []
+
+
+def test_text_only_model_answers_the_text_and_says_the_image_was_not_sent(service, small_image):
+    s = service.new_session()
+    turn = service.chat(s, "What is this?", [str(small_image)], GREEDY, NO_RECALL)
+    events = drain(turn.request)
+    notice = next(e for e in events if isinstance(e, Notice))
+    assert "reads text only" in notice.text and "answering the text alone" in notice.text
+    assert s.conv.messages[0].images == [] and s.conv.messages[1].role == "assistant"
+    view = TurnView()
+    for e in events:
+        view.apply(e)
+    assert "reads text only" in view.state
+    only_image = service.chat(s, "", [str(small_image)], GREEDY, NO_RECALL)
+    assert "no text to answer" in result_error(only_image.request)
+    assert len(s.conv.messages) == 2
+
+
+def test_vision_model_reads_images_and_writes_image_memories(tiny_qwen3vl, small_image, text_search):
+    svc = Service(config(), tiny_qwen3vl, text_search=text_search)
+    try:
+        s = svc.new_session()
+        turn = svc.chat(s, "Describe the picture", [str(small_image)], GREEDY, NO_RECALL)
+        result(turn.request)
+        assert turn.request.reason in ("length", "stop")
+        assert s.conv.messages[0].images == [str(small_image)]
+        assert chat_messages(s.conv)[0]["content"][0] == {"path": str(small_image)}
+        ids = result(svc.write_memories(s, "a gradient", [str(small_image)]))
+        db = svc.bank(s)
+        assert ids == [0, 1] and db.dim == 64 and db.text(1) == "[image] gradient.png"
+    finally:
+        svc.close()
+
+
+def test_image_memories_need_a_vision_model(service, small_image):
+    s = service.new_session()
+    assert "reads text only" in result_error(service.write_memories(s, "", [str(small_image)]))
+    assert service.bank(s) is None
+
+
+# --------------------------------------------------------------------------- recall and rendering
+
+
+def test_recall_first_injects_a_memory_and_the_view_matches_the_stored_answer(service):
+    s = service.new_session()
+    assert result(service.build_example_bank(s)) == 36
+    assert s.bank_use == "example" and len(service.example_bank) == 36
+    turn = service.chat(s, "Who keeps the lighthouse?", [], GREEDY, RecallSettings(), recall_first=True)
+    view = TurnView()
+    for e in drain(turn.request):
+        view.apply(e)
+    view.done = True
+    label = view.segments[0][1]
+    assert label is not None and label.startswith("memory ") and view.segments[0][0].startswith("⟨memory #")
+    assert view.recalls[0]["position"] == s.conv.messages[-1].start  # the first answer token
+    assert answer_segments(s.conv, 1) == view.segments
+    assert inline_text(view.segments).startswith(f"`⟨memory #{view.recalls[0]['memory_index']} · ")
+    table = recall_table(s.conv)
+    assert list(table.columns) == ["turn", "position", "score", "memory", "text"]
+    assert table.iloc[0]["memory"] == view.recalls[0]["memory_index"] and table.iloc[0]["text"]
+
+
+def test_recall_first_without_a_bank_says_so(service):
+    s = service.new_session()
+    turn = service.chat(s, "Hi", [], GREEDY, RecallSettings(), recall_first=True)
+    events = drain(turn.request)
+    assert Notice("recall first needs a memory bank and recall enabled; answering without") in events
+    assert s.conv.ids[s.conv.messages[-1].start - 1] != service.lm.tokens.recall
+
+
+def test_turn_view_states():
+    view = TurnView()
+    view.apply(Waiting(2))
+    assert view.state == "waiting: 2 ahead"
+    view.apply(Waiting(0))
+    assert view.state == "reading the prompt…"
+    view.apply(RecallEvent(0, 10, 0.8412, 3, "Mira keeps the light"))
+    view.apply(TokenEvent(0, 5, 11, ""))
+    view.apply(TokenEvent(0, 6, 12, "Hello"))
+    view.apply(TokenEvent(0, 7, 13, " world"))
+    assert view.segments == [("⟨memory #3: Mira keeps the light⟩", "memory 0.84"), ("Hello world", None)]
+    assert view.state == "generating… 3 tokens"
+    view.apply(FinishEvent(0, "interrupted"))
+    view.done = True
+    assert view.state == "stopped after 3 tokens"
+    assert inline_text(view.segments) == "`⟨memory #3 · 0.84⟩`Hello world"
+    failed = TurnView()
+    failed.apply(Failed("boom"))
+    assert failed.state == "⚠ boom"
+
+
+def test_follow_batches_updates_and_stops_the_request_when_abandoned(tiny_llama, text_search):
+    svc = Service(config("app.ui_updates_per_second=10"), tiny_llama, text_search=text_search)
+    s = svc.new_session()
+
+    async def consume(n_tokens: int, abandon_after: int | None):
+        turn = svc.chat(s, "Count", [], GenerationSettings(max_new_tokens=n_tokens), NO_RECALL)
+        stamps = []
+        async for t in svc.follow(turn):
+            stamps.append((time.monotonic(), t.view.tokens, t.view.done))
+            if abandon_after is not None and t.view.tokens >= abandon_after:
+                break
+        return turn, stamps
+
+    try:
+        with Slow(tiny_llama, seconds=0.01):
+            turn, stamps = asyncio.run(consume(40, None))
+            assert stamps[-1][1:] == (40, True)
+            assert len(stamps) < 40
+            gaps = [b[0] - a[0] for a, b in zip(stamps[:-2], stamps[1:-1])]  # the last one is sent at once
+            assert min(gaps, default=1) >= 0.1 * 0.9
+            turn, stamps = asyncio.run(consume(2000, abandon_after=2))
+            result(turn.request)
+        assert turn.request.reason == "interrupted" and turn.request.steps < 2000
+    finally:
+        svc.close()
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_request_settings_take_the_ui_values_and_raise_the_engine_message():
+    cfg = config()
+    gen, rec = request_settings(cfg, {"temperature": 0.5, "top_k": 7, "seed": 3, "recall_top_k": 2,
+                                      "recall_sampling": True, "message": "ignored"})
+    assert (gen.temperature, gen.top_k, gen.seed, gen.max_new_tokens) == (0.5, 7, 3, 8)
+    assert (rec.top_k, rec.use_sampling) == (2, True)
+    with pytest.raises(ValueError, match="temperature is 0.0 with do_sample=True"):
+        request_settings(cfg, {"do_sample": True, "temperature": 0.0})
+    with pytest.raises(ValueError, match="typical_p is 0.0"):
+        request_settings(cfg, {"typical_p": 0.0})
+    with pytest.raises(ValueError, match="temperature is 0.0 with use_sampling=True"):
+        request_settings(cfg, {"recall_sampling": True, "recall_temperature": 0.0})
+
+
+def test_parse_ids():
+    assert parse_ids("3, 5-7 9") == [3, 5, 6, 7, 9]
+    for bad in ("", "x", "7-3"):
+        with pytest.raises(ServiceError):
+            parse_ids(bad)
+
+
+# --------------------------------------------------------------------------- banks
+
+
+def bank_file(path, dim: int, n: int = 3):
+    db = MemoryVectorDB(dim)
+    db.add(torch.randn(n, dim), [f"fact {i}" for i in range(n)])
+    db.save(path)
+    return path
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_upload_bank_and_refusals_keep_the_current_bank(tmp_path, tiny_llama, text_search):
+    svc = Service(config("memory.max_upload_mb=1"), tiny_llama, text_search=text_search)
+    try:
+        s = svc.new_session()
+        for ext in (".pt", ".safetensors", ".npy"):
+            db = svc.upload_bank(s, bank_file(tmp_path / f"good{ext}", 64))
+            assert len(db) == 3 and svc.bank(s) is db and s.bank_use == "own"
+        current = svc.bank(s)
+        marker = tmp_path / "pwned"
+        torch.save({"embeddings": Evil(marker)}, tmp_path / "evil.pt")
+        (tmp_path / "corrupt.pt").write_bytes(os.urandom(2000))
+        (tmp_path / "corrupt.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}" + bytes(64))
+        np.save(tmp_path / "big.npy", np.ones((600, 576), np.float32))
+        (tmp_path / "bank.txt").write_text("hello")
+        cases = {bank_file(tmp_path / "wrong.pt", 576): "dimension 64, got dimension 576",
+                 tmp_path / "evil.pt": "corrupt or refused", tmp_path / "corrupt.pt": "corrupt or refused",
+                 tmp_path / "corrupt.safetensors": "corrupt or refused", tmp_path / "big.npy": "over the limit",
+                 tmp_path / "bank.txt": "expected a memory bank file"}
+        for path, message in cases.items():
+            with pytest.raises(ServiceError, match=message) as info:
+                svc.upload_bank(s, path)
+            assert "Traceback" not in str(info.value)
+            assert svc.bank(s) is current and len(current) == 3
+        assert not marker.exists()
+    finally:
+        svc.close()
+
+
+def test_config_bank_is_shared_and_a_bad_one_is_reported(tmp_path, tiny_llama, text_search):
+    good = bank_file(tmp_path / "shared.pt", 64, n=5)
+    svc = Service(config(f"memory.bank={good}"), tiny_llama, text_search=text_search)
+    try:
+        a, b = svc.new_session(), svc.new_session()
+        assert svc.bank(a) is svc.bank(b) is svc.shared_bank and len(svc.shared_bank) == 5
+        assert "shared bank (shared.pt)" in svc.bank_summary(a)
+    finally:
+        svc.close()
+    bad = bank_file(tmp_path / "wide.pt", 32)
+    svc = Service(config(f"memory.bank={bad}"), tiny_llama, text_search=text_search)
+    try:
+        assert svc.shared_bank is None and "not loaded" in svc.shared_note and "dimension 64" in svc.shared_note
+    finally:
+        svc.close()
+
+
+def test_writes_and_deletes_copy_a_shared_bank_first(service):
+    a, b = service.new_session(), service.new_session()
+    result(service.build_example_bank(a))
+    result(service.build_example_bank(b))
+    example = service.example_bank
+    ids = result(service.write_memories(a, "Mira's boat is called the Heron.\n\n  The Heron is green.  "))
+    assert ids == [36, 37] and a.bank_use == "own" and len(service.bank(a)) == 38
+    assert len(example) == 36 and service.bank(b) is example  # b and the example bank are untouched
+    assert service.bank(a).text(37) == "The Heron is green."
+    assert result(service.delete_memories(b, "0-2")) == 33
+    assert len(example) == 36 and b.bank_use == "own"
+    assert "not in the bank" in result_error(service.delete_memories(b, "999"))
+    with pytest.raises(ServiceError, match="no bank"):
+        service.delete_memories(service.new_session(), "1")
+    with pytest.raises(ServiceError, match="type the memories"):
+        service.write_memories(a, " \n ")
+
+
+def test_write_into_no_bank_creates_an_own_bank_then_find_and_save(service, tmp_path):
+    s = service.new_session()
+    assert "No memories" in service.bank_summary(s)
+    result(service.write_memories(s, "The cat sleeps on the stairs.\nThe ferry leaves at seven.\nBread on Tuesday."))
+    assert "**3** memories" in service.bank_summary(s) and "your own bank" in service.bank_summary(s)
+    found = service.find_memories(s, "a sleeping kitten", 2)
+    assert list(found.columns) == ["memory", "similarity", "text"] and found.iloc[0]["text"].startswith("The cat")
+    path = service.save_bank(s, ".safetensors")
+    assert len(MemoryVectorDB.load(path)) == 3
+    assert list(service.bank_sample(s)["memory"]) == [0, 1, 2]
+    with pytest.raises(ServiceError, match="no bank to search"):
+        service.find_memories(service.new_session(), "cat")
+
+
+# --------------------------------------------------------------------------- model loading
+
+
+def test_the_model_loads_lazily_on_the_worker(tiny_llama, text_search):
+    threads = []
+
+    def loader():
+        threads.append(threading.current_thread().name)
+        return tiny_llama
+
+    svc = Service(config(), loader=loader, text_search=text_search)
+    try:
+        s = svc.new_session()
+        assert svc.lm is None and "loading…" in svc.status(s)
+        turn = svc.chat(s, "Hi", [], GREEDY, NO_RECALL)  # queued: it loads the model first
+        result(turn.request)
+        assert svc.lm is tiny_llama and threads == ["recall-chat-model"]
+        assert result(svc.ready()) == "tiny-llama" and len(threads) == 1
+        assert "tiny-llama" in svc.status(s)
+    finally:
+        svc.close()

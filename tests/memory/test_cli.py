@@ -1,0 +1,93 @@
+"""`python -m chat.memory_cli` build / show / search, with a saved tiny model and the real SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chat.memory_cli import main
+from memory import MemoryVectorDB
+
+MEMORIES = ["I like green tea in the morning.", "My cat is called Miso.", "The meeting with Anna is on Friday."]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_llama, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama.model.save_pretrained(folder)
+    tiny_llama.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_build_show_search_with_jsonl(tmp_path, tiny_dir, capsys):
+    src = tmp_path / "memories.jsonl"
+    src.write_text("\n".join(json.dumps({"text": t, "metadata": {"n": i}}) for i, t in enumerate(MEMORIES)) + "\n\n")
+    bank = tmp_path / "bank.pt"
+    code, out, _ = run(capsys, "build", src, bank, "--model", tiny_dir, "--pooling", "mean", "--batch-size", "2")
+    assert code == 0 and "saved 3 memories of dimension 64" in out
+    db = MemoryVectorDB.load(bank)
+    assert db.metadata(1) == {"n": 1} and db.info["pooling"] == "mean" and db.info["model"] == tiny_dir.name
+
+    code, out, _ = run(capsys, "show", bank, "--n", "2")
+    assert code == 0
+    assert "3 memories, dimension 64" in out and "[0] norm=" in out and MEMORIES[1] in out and MEMORIES[2] not in out
+
+    code, out, _ = run(capsys, "search", bank, MEMORIES[2], "--model", tiny_dir, "--k", "2")
+    lines = out.strip().splitlines()
+    assert code == 0 and len(lines) == 2
+    assert lines[0] == f"1. score=1.0000 [2] {MEMORIES[2]}"  # same text, same spec (mean, read from the bank)
+
+
+def test_errors_are_one_line_and_exit_2(tmp_path, tiny_dir, capsys):
+    code, out, err = run(capsys, "show", tmp_path / "missing.pt")
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+    (tmp_path / "notes.md").write_text("hello")
+    code, _, err = run(capsys, "build", tmp_path / "notes.md", tmp_path / "b.pt", "--model", tiny_dir)
+    assert code == 2 and "expected a .txt or .jsonl file of memories, got '.md'" in err
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": "no"}\n')
+    code, _, err = run(capsys, "build", tmp_path / "bad.jsonl", tmp_path / "b.pt", "--model", tiny_dir)
+    assert code == 2 and "bad.jsonl line 2: expected an object with a string 'text'" in err
+
+    small = MemoryVectorDB(8)
+    small.add(np.ones((2, 8), np.float32))
+    small.save(tmp_path / "small.npy")
+    code, _, err = run(capsys, "search", tmp_path / "small.npy", "hi", "--model", tiny_dir)
+    assert code == 2 and "dimension 8" in err and "hidden size 64" in err
+
+    (tmp_path / "broken.safetensors").write_bytes(b"\x00" * 64)
+    code, _, err = run(capsys, "show", tmp_path / "broken.safetensors")
+    assert code == 2 and "broken.safetensors: expected a readable safetensors file" in err
+
+
+@pytest.mark.slow
+def test_cli_with_embedded_smollm2(tmp_path, smollm2_dir):
+    """The real default model, run as a module in a subprocess, as a user would."""
+    src = tmp_path / "memories.txt"
+    src.write_text("\n".join(MEMORIES) + "\n\n")
+    bank = tmp_path / "bank.safetensors"
+    cli = [sys.executable, "-m", "chat.memory_cli"]
+    env_run = dict(capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    built = subprocess.run([*cli, "build", str(src), str(bank)], **env_run)
+    assert built.returncode == 0, built.stderr
+    assert "saved 3 memories of dimension 576" in built.stdout
+    found = subprocess.run([*cli, "search", str(bank), MEMORIES[1], "--k", "3"], **env_run)
+    assert found.returncode == 0, found.stderr
+    lines = found.stdout.strip().splitlines()
+    assert len(lines) == 3 and lines[0] == f"1. score=1.0000 [1] {MEMORIES[1]}"
+    scores = [float(line.split("score=")[1].split()[0]) for line in lines]
+    assert scores == sorted(scores, reverse=True) and scores[2] < 0.99
+    shown = subprocess.run([*cli, "show", str(bank)], **env_run)
+    assert "3 memories, dimension 576" in shown.stdout and '"model": "SmolLM2-135M-Instruct"' in shown.stdout

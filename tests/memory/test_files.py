@@ -1,0 +1,284 @@
+"""Bank files: round trips, atomic save, hostile and broken files."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+import memory.files
+from memory import BankError, MemoryVectorDB
+
+
+def vectors(n: int = 6, dim: int = 8, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((n, dim)) * 3).astype(np.float32)
+
+
+def labelled_db(index: str = "flat") -> MemoryVectorDB:
+    db = MemoryVectorDB(8, index)
+    db.add(vectors(), [f"memory {i}" for i in range(5)] + [None], [{"i": i, "tags": ["x"]} for i in range(6)])
+    db.info = {"layer": -1, "pooling": "last"}
+    return db
+
+
+@pytest.mark.parametrize("ext", [".pt", ".safetensors"])
+def test_round_trip_keeps_vectors_texts_metadata_info(tmp_path, ext):
+    db = labelled_db()
+    path = tmp_path / f"bank{ext}"
+    db.save(path)
+    back = MemoryVectorDB.load(path, index="hnsw")
+    assert (len(back), back.dim, back.index) == (6, 8, "hnsw")
+    np.testing.assert_array_equal(torch.stack([back.vector(i) for i in range(6)]).numpy(), vectors())
+    assert [back.text(i) for i in range(6)] == [f"memory {i}" for i in range(5)] + [None]
+    assert back.metadata(3) == {"i": 3, "tags": ["x"]}
+    assert back.info == {"layer": -1, "pooling": "last"}
+    assert back.search(vectors()[2], 1)[0]["text"] == "memory 2"
+
+
+def test_npy_round_trip_keeps_vectors_only(tmp_path):
+    path = tmp_path / "bank.npy"
+    labelled_db().save(path)
+    back = MemoryVectorDB.load(path)
+    np.testing.assert_array_equal(back.topk(vectors()[4], 1)[1].numpy(), [4])
+    np.testing.assert_array_equal(back.vector(5).numpy(), vectors()[5])
+    assert back.text(0) is None and back.metadata(0) is None
+
+
+def test_ids_are_renumbered_by_save_load(tmp_path):
+    db = labelled_db()
+    db.remove([0, 2])
+    db.save(tmp_path / "bank.pt")
+    back = MemoryVectorDB.load(tmp_path / "bank.pt")
+    assert [e["index"] for e in back.entries(0, 10)] == [0, 1, 2, 3]
+    assert [e["text"] for e in back.entries(0, 10)] == ["memory 1", "memory 3", "memory 4", None]
+
+
+@pytest.mark.parametrize("payload", [
+    lambda v: v,  # tensor [N, D]
+    lambda v: list(v),  # list of [D] tensors
+    lambda v: {"embeddings": list(v), "texts": [str(i) for i in range(len(v))]},
+    lambda v: {"embeddings": v.to(torch.bfloat16)},
+])
+def test_pt_layouts(tmp_path, payload):
+    v = torch.from_numpy(vectors())
+    torch.save(payload(v), tmp_path / "bank.pt")
+    db = MemoryVectorDB.load(tmp_path / "bank.pt", expected_dim=8)
+    assert len(db) == 6
+    assert db.topk(v[3], 1)[1].item() == 3
+
+
+def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / "bank.pt"
+    labelled_db().save(path)
+    before = path.read_bytes()
+
+    def broken_save(obj, fh):
+        fh.write(b"half a bank")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(memory.files.torch, "save", broken_save)
+    other = MemoryVectorDB(8)
+    other.add(vectors(3, seed=9))
+    with pytest.raises(RuntimeError, match="disk full"):
+        other.save(path)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["bank.pt"]
+    monkeypatch.undo()
+    assert MemoryVectorDB.load(path).text(0) == "memory 0"
+
+
+def test_save_is_atomic_when_fsync_fails(tmp_path, monkeypatch):
+    path = tmp_path / "bank.safetensors"
+    labelled_db().save(path)
+    before = path.read_bytes()
+
+    def no_fsync(fd):
+        raise OSError("I/O error")
+
+    monkeypatch.setattr(os, "fsync", no_fsync)
+    other = MemoryVectorDB(8)
+    other.add(vectors(3, seed=9))
+    with pytest.raises(OSError, match="I/O error"):
+        other.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["bank.safetensors"]
+
+
+def test_save_replaces_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "bank.pt"
+    labelled_db().save(path)
+    small = MemoryVectorDB(8)
+    small.add(vectors(2, seed=3))
+    small.save(path)
+    assert len(MemoryVectorDB.load(path)) == 2
+    assert os.listdir(tmp_path) == ["bank.pt"]
+
+
+class Payload:
+    """Unpickling this runs a shell command that creates the marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.marker}'",)
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
+def test_pickle_payload_disguised_as_pt_never_runs(tmp_path, writer):
+    marker = tmp_path / "MARKER"
+    path = tmp_path / "bank.pt"
+    if writer == "torch.save":
+        torch.save({"embeddings": torch.ones(2, 8), "texts": Payload(marker)}, path)
+    else:  # a bare pickle (torch's legacy format), protocol 2 as torch's unpickler reads it
+        path.write_bytes(pickle.dumps({"embeddings": [[1.0] * 8], "texts": Payload(marker)}, protocol=2))
+    # Control: an unsafe load really does run the payload, so the file is live.
+    if writer == "torch.save":
+        torch.load(path, weights_only=False)
+    else:
+        pickle.loads(path.read_bytes())
+    assert marker.exists()
+    marker.unlink()
+
+    with pytest.raises(BankError, match=r"bank\.pt: expected a readable PyTorch \.pt file.*nothing run") as caught:
+        MemoryVectorDB.load(path)
+    assert not marker.exists()
+    assert "system" in str(caught.value) and "weights_only" not in str(caught.value)
+
+
+def test_pickled_npy_never_runs(tmp_path):
+    marker = tmp_path / "MARKER"
+    path = tmp_path / "bank.npy"
+    np.save(path, np.array([Payload(marker)], dtype=object), allow_pickle=True)
+    with pytest.raises(BankError, match=r"bank\.npy: expected a readable NumPy \.npy file"):
+        MemoryVectorDB.load(path)
+    assert not marker.exists()
+
+
+def save_pt(tmp_path, obj, name="bank.pt"):
+    path = tmp_path / name
+    torch.save(obj, path)
+    return path
+
+
+def test_wrong_dimension_names_both(tmp_path):
+    path = save_pt(tmp_path, torch.ones(3, 64))
+    with pytest.raises(BankError, match=r"bank\.pt: expected vectors of dimension 576, got dimension 64"):
+        MemoryVectorDB.load(path, expected_dim=576)
+
+
+def test_nan_rows_are_named(tmp_path):
+    v = torch.ones(10, 8)
+    v[3, 2], v[7, 0] = float("nan"), float("-inf")
+    path = save_pt(tmp_path, {"embeddings": v})
+    with pytest.raises(BankError, match=r"bank\.pt: expected finite vectors, got NaN/inf in rows 3, 7$"):
+        MemoryVectorDB.load(path)
+
+
+def test_many_bad_rows_are_summarised(tmp_path):
+    v = torch.ones(20, 8)
+    v[2:15] = float("nan")
+    with pytest.raises(BankError, match=r"rows 2, 3, 4, 5, 6, \.\.\. \(13 rows in all\)"):
+        MemoryVectorDB.load(save_pt(tmp_path, v))
+
+
+def test_zero_rows_are_named(tmp_path):
+    v = torch.ones(5, 8)
+    v[4] = 0
+    with pytest.raises(BankError, match=r"all-zero rows 4$"):
+        MemoryVectorDB.load(save_pt(tmp_path, v))
+
+
+@pytest.mark.parametrize("obj", [torch.empty(0, 8), [], {"embeddings": []}])
+def test_empty_bank(tmp_path, obj):
+    with pytest.raises(BankError, match=r"empty bank \(0 rows\)"):
+        MemoryVectorDB.load(save_pt(tmp_path, obj))
+
+
+def test_empty_npy_bank(tmp_path):
+    np.save(tmp_path / "bank.npy", np.empty((0, 8), np.float32))
+    with pytest.raises(BankError, match=r"bank\.npy: .*empty bank \(0 rows\)"):
+        MemoryVectorDB.load(tmp_path / "bank.npy")
+
+
+@pytest.mark.parametrize("ext", [".pt", ".safetensors", ".npy"])
+def test_empty_file(tmp_path, ext):
+    path = tmp_path / f"bank{ext}"
+    path.write_bytes(b"")
+    with pytest.raises(BankError, match=rf"bank{ext}: expected a .* memory bank, got an empty file \(0 bytes\)"):
+        MemoryVectorDB.load(path)
+
+
+@pytest.mark.parametrize("ext, fmt", [(".pt", "PyTorch .pt"), (".safetensors", "safetensors"), (".npy", "NumPy .npy")])
+def test_corrupt_file(tmp_path, ext, fmt):
+    path = tmp_path / f"bank{ext}"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with pytest.raises(BankError, match=rf"bank{ext}: expected a readable {fmt} file, got a corrupt or refused one"):
+        MemoryVectorDB.load(path)
+
+
+def test_truncated_pt(tmp_path):
+    path = save_pt(tmp_path, torch.ones(100, 8))
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(BankError, match="corrupt or refused"):
+        MemoryVectorDB.load(path)
+
+
+@pytest.mark.parametrize("obj, message", [
+    ({"vectors": torch.ones(2, 8)}, r"expected a dict with key 'embeddings', got keys \['vectors'\]"),
+    ({"embeddings": torch.ones(2, 8), "text": ["a", "b"]}, r"unknown keys \['text'\]"),
+    ({"embeddings": "nope"}, "expected 'embeddings' as a tensor"),
+    (torch.ones(2, 3, 8), r"expected a 2-D array of vectors \[N, D\], got shape \(2, 3, 8\)"),
+    ({"embeddings": torch.ones(3, 8), "texts": ["a", "b"]}, r"expected 3 texts \(one per vector\), got 2"),
+    ({"embeddings": torch.ones(2, 8), "metadata": [1, 2]}, "expected each metadata entry to be a dict, got int"),
+    ([torch.ones(8), torch.ones(7)], "expected all vectors of dimension 8, got 7 at item 1"),
+    ([torch.ones(8), torch.ones(2, 8)], r"expected a list of 1-D \[D\] tensors, got shape \(2, 8\) at item 1"),
+    ("just a string", "expected a tensor .*, got str"),
+    (torch.ones(2, 8, dtype=torch.int64), "expected floating-point vectors, got dtype torch.int64"),
+])
+def test_unknown_layout(tmp_path, obj, message):
+    with pytest.raises(BankError, match=message):
+        MemoryVectorDB.load(save_pt(tmp_path, obj))
+
+
+def test_safetensors_layouts(tmp_path):
+    path = tmp_path / "bank.safetensors"
+    safetensors.torch.save_file({"vectors": torch.ones(2, 8)}, path)
+    with pytest.raises(BankError, match=r"expected a tensor named 'embeddings', got tensors \['vectors'\]"):
+        MemoryVectorDB.load(path)
+    safetensors.torch.save_file({"embeddings": torch.ones(2, 8)}, path, metadata={"texts": "[not json"})
+    with pytest.raises(BankError, match="expected JSON in safetensors metadata 'texts'"):
+        MemoryVectorDB.load(path)
+
+
+def test_npy_layouts(tmp_path):
+    np.save(tmp_path / "bank.npy", np.ones(8, np.float32))
+    with pytest.raises(BankError, match=r"got shape \(8,\)"):
+        MemoryVectorDB.load(tmp_path / "bank.npy")
+    np.save(tmp_path / "bank.npy", np.ones((2, 8), np.int32))
+    with pytest.raises(BankError, match="floating-point vectors, got dtype int32"):
+        MemoryVectorDB.load(tmp_path / "bank.npy")
+
+
+def test_too_large(tmp_path):
+    path = save_pt(tmp_path, torch.ones(100, 8))
+    size = path.stat().st_size
+    with pytest.raises(BankError, match=rf"bank\.pt: file is {size} bytes, over the limit of 1000 bytes"):
+        MemoryVectorDB.load(path, max_bytes=1000)
+    assert len(MemoryVectorDB.load(path, max_bytes=size)) == 100
+
+
+def test_unknown_extension_and_missing_file(tmp_path):
+    path = tmp_path / "bank.bin"
+    path.write_bytes(b"x")
+    with pytest.raises(BankError, match=r"bank\.bin: expected a memory bank file ending in .pt, .safetensors or .npy"):
+        MemoryVectorDB.load(path)
+    with pytest.raises(BankError, match="got '.json'"):
+        labelled_db().save(tmp_path / "bank.json")
+    with pytest.raises(FileNotFoundError):
+        MemoryVectorDB.load(tmp_path / "missing.pt")

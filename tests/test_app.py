@@ -1,0 +1,263 @@
+"""The app through its HTTP API: gradio_client against real servers (SmolLM2; a tiny Qwen3-VL for images)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+from gradio_client import Client, handle_file
+
+import app
+from chat.config import load_config
+from chat.service import Service
+from memory import MemoryVectorDB
+from conftest import make_tiny_qwen3vl
+
+pytestmark = pytest.mark.slow
+
+STATUS = 3  # chat outputs: chatbot, highlight, recall log, status, box
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(demo, cfg) -> int:
+    """Launch on a free port; another port when one was taken in between (other servers on the machine)."""
+    for attempt in range(3):
+        port = free_port()
+        try:
+            app.launch(demo, cfg, server_port=port, prevent_thread_lock=True, quiet=True)
+            return port
+        except (OSError, ValueError):
+            demo.close()
+            if attempt == 2:
+                raise
+
+
+@contextmanager
+def serve(lm, *overrides: str):
+    cfg = load_config(overrides=["generation.max_new_tokens=12", *overrides], environ={})
+    service = Service(cfg, lm)
+    demo = app.build_demo(service)
+    port = launch(demo, cfg)
+    try:
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}/", service=service, cfg=cfg)
+    finally:
+        demo.close()
+        service.close()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    with serve(smollm2) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def vl_server(smollm2_dir):
+    with serve(make_tiny_qwen3vl(smollm2_dir)) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server, tmp_path):
+    return Client(server.url, verbose=False, download_files=str(tmp_path))
+
+
+def message(text: str, *files) -> dict:
+    return {"text": text, "files": [handle_file(str(f)) for f in files]}
+
+
+def chat(client: Client, text: str, *files, **settings):
+    return client.submit(message=message(text, *files), seed=None, **settings, api_name="/chat")
+
+
+def last_text(outputs) -> str:
+    """The text of the newest chat-window message."""
+    content = outputs[0][-1]["content"]
+    return "".join(part.get("text", "") for part in content)
+
+
+def running_request(service: Service, label: str, timeout: float = 60):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        req = service.worker.current
+        if req is not None and req.label == label:
+            return req
+        time.sleep(0.005)
+    raise AssertionError(f"no request {label!r} ran")
+
+
+def test_module_level_demo_and_command_line():
+    import gradio as gr
+
+    assert isinstance(app.demo, gr.Blocks)
+    _, cfg = app.parse_args(["--port", "7999", "--set", "generation.temperature=0.3", "--bank", "b.pt"])
+    assert (cfg.app.port, cfg.generation.temperature, cfg.memory.bank) == (7999, 0.3, "b.pt")
+    with pytest.raises(SystemExit):
+        app.parse_args(["--set", "generation.top_p=7"])
+
+
+def test_answers_stream_in_several_updates(client):
+    job = chat(client, "Tell me about lighthouses.", max_new_tokens=16)
+    outputs = list(job)
+    texts = [last_text(o) for o in outputs if o[0] and o[0][-1]["role"] == "assistant"]
+    growing = [t for t in texts if t and t != "…"]
+    assert len(set(growing)) >= 3, texts  # several partial answers, not one final blob
+    assert all(len(a) <= len(b) for a, b in zip(growing, growing[1:]))
+    assert "done (max new tokens)" in outputs[-1][STATUS] and "tokens/s" in outputs[-1][STATUS]
+    assert outputs[-1][0][0] == {"role": "user", "metadata": None, "options": None,
+                                 "content": [{"text": "Tell me about lighthouses.", "type": "text"}]}
+
+
+def test_cancel_stops_the_server_side_loop(client, server):
+    label = "Write a very long essay about the sea."
+    job = chat(client, label, max_new_tokens=400)
+    req = running_request(server.service, label)
+    for out in job:
+        if "generating…" in out[STATUS] and req.steps >= 3:
+            break
+    cancelled = time.perf_counter()
+    job.cancel()
+    assert req.done.wait(60)
+    latency = req.finished - cancelled
+    print(f"\ncancel -> worker finished: {latency * 1000:.0f} ms, {req.steps} of 400 tokens generated")
+    assert req.reason == "interrupted" and req.stop_requested is not None
+    assert req.steps < 100  # far fewer than max_new_tokens: the loop itself stopped
+    # the next message works normally, after the kept partial answer
+    final = list(chat(client, "Thanks.", max_new_tokens=4))[-1]
+    assert "done" in final[STATUS]
+    assert [m["role"] for m in final[0]] == ["user", "assistant"] * 2
+    assert last_text((final[0][:2],)).endswith("_(stopped)_")
+
+
+def test_two_sessions_one_stops_the_other_finishes(server, tmp_path):
+    a = Client(server.url, verbose=False, download_files=str(tmp_path))
+    b = Client(server.url, verbose=False, download_files=str(tmp_path))
+    job_a = chat(a, "Session A: describe the ocean at length.", max_new_tokens=300)
+    req_a = running_request(server.service, "Session A: describe the ocean at length.")
+    job_b = chat(b, "Session B: say hello.", max_new_tokens=6)
+    statuses_b = []
+    for out in job_b:
+        statuses_b.append(out[STATUS])
+        if "waiting: 1 ahead" in out[STATUS]:
+            break
+    assert any("waiting: 1 ahead" in s for s in statuses_b), statuses_b
+    assert "stopped after" in a.predict(api_name="/stop")
+    job_a.result(timeout=120), job_b.result(timeout=120)
+    final_a, final_b = job_a.outputs()[-1], job_b.outputs()[-1]
+    assert req_a.reason == "interrupted" and "stopped after" in final_a[STATUS]
+    assert "done" in final_b[STATUS] and "stopped" not in final_b[STATUS]
+    assert last_text(final_b)  # b got its whole answer
+    reasons = {r.label: r.reason for r in server.service.worker.history}
+    assert reasons["Session B: say hello."] in ("length", "stop")
+    assert "nothing to stop" in b.predict(api_name="/stop")
+
+
+def test_invalid_settings_show_the_engine_message(client):
+    out = client.predict(message=message("hi"), seed=None, do_sample=True, temperature=0.0, api_name="/chat")
+    assert "⚠ temperature is 0.0 with do_sample=True" in out[STATUS] and "Traceback" not in out[STATUS]
+    out = client.predict(message=message("hi"), seed=None, typical_p=0.0, api_name="/chat")
+    assert "⚠ typical_p is 0.0: must be in (0, 1]" in out[STATUS]
+    out = client.predict(message=message("hi"), seed=-1, api_name="/chat")
+    assert "⚠ seed is -1" in out[STATUS]
+
+
+def write_bank(path, dim: int, n: int = 3):
+    db = MemoryVectorDB(dim)
+    db.add(torch.randn(n, dim), [f"uploaded fact {i}" for i in range(n)])
+    db.save(path)
+    return path
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_bank_upload_and_bad_uploads_leave_the_bank_untouched(client, tmp_path):
+    good = write_bank(tmp_path / "good.pt", 576)
+    md, sample, status, _ = client.predict(handle_file(str(good)), api_name="/upload_bank")
+    assert "your upload good.pt" in md and "**3** memories" in md and "dimension **576**" in md
+    assert [row[1] for row in sample["data"]] == ["uploaded fact 0", "uploaded fact 1", "uploaded fact 2"]
+    marker = tmp_path / "pwned"
+    torch.save({"embeddings": Evil(marker)}, tmp_path / "payload.pt")
+    (tmp_path / "corrupt.pt").write_bytes(os.urandom(4096))
+    bad = {write_bank(tmp_path / "small.pt", 64): "expected vectors of dimension 576, got dimension 64",
+           tmp_path / "payload.pt": "corrupt or refused", tmp_path / "corrupt.pt": "corrupt or refused"}
+    for path, expected in bad.items():
+        md, _, status, use = client.predict(handle_file(str(path)), api_name="/upload_bank")
+        assert status.count("⚠") == 1 and expected in status and "current bank is kept" in status
+        assert "your upload good.pt" in md and "**3** memories" in md and use == "own"
+    assert not marker.exists()
+
+
+def test_write_memories_and_find_them_by_text(client):
+    md, _, status, _, text_box, _ = client.predict(
+        "Mira's boat is called the Heron.\nThe ferry leaves at seven.\nOda bakes saffron bread.", None,
+        api_name="/write_memories")
+    assert "**3** memories" in md and "your own bank" in md and text_box == ""
+    found, status = client.predict("name of the boat", 2, api_name="/find_memories")
+    assert found["headers"] == ["memory", "similarity", "text"] and found["data"][0][2].startswith("Mira's boat")
+    md, *_ = client.predict("0", api_name="/delete_memories")
+    assert "**2** memories" in md
+    path, status = client.predict(".pt", api_name="/download_bank")
+    assert len(MemoryVectorDB.load(path)) == 2
+
+
+def test_example_bank_and_recall_first_show_a_highlighted_memory(client):
+    md, _, status, use = client.predict(api_name="/build_example_bank")
+    assert "example bank" in md and "**36** memories" in md and use == "example"
+    out = client.predict(message=message("Who keeps the lighthouse of Port Avel?"), seed=None, recall_first=True,
+                         max_new_tokens=8, api_name="/chat")
+    chatbot, highlight, log = out[0], out[1], out[2]
+    first = highlight["value"][0]
+    assert first["token"].startswith("⟨memory #") and first["class_or_confidence"].startswith("memory 0.")
+    assert highlight["color_map"] == {first["class_or_confidence"]: app.MEMORY_COLOR}
+    assert log["headers"] == ["turn", "position", "score", "memory", "text"] and len(log["data"]) == 1
+    assert log["data"][0][4] in (app.ASSETS / "example_memories.txt").read_text()
+    assert last_text((chatbot,)).startswith("`⟨memory #")
+
+
+def test_save_and_load_a_conversation(server, tmp_path):
+    a = Client(server.url, verbose=False, download_files=str(tmp_path))
+    list(chat(a, "Remember the word heron.", max_new_tokens=4))
+    path, status = a.predict(api_name="/save_conversation")
+    assert path.endswith(".json") and "conversation saved" in status
+    b = Client(server.url, verbose=False, download_files=str(tmp_path / "b"))
+    chatbot, _, _, status = b.predict(handle_file(path), api_name="/load_conversation")
+    assert "conversation loaded" in status and chatbot[0]["content"][0]["text"] == "Remember the word heron."
+    chatbot, _, _, status = b.predict(seed=None, max_new_tokens=4, api_name="/regenerate")
+    assert len(chatbot) == 2 and "done" in status
+    chatbot, _, _, status, _ = b.predict(api_name="/clear")
+    assert chatbot == [] and "cleared" in status
+
+
+def test_an_image_for_a_text_only_model_gets_a_notice(client, small_image):
+    out = list(chat(client, "What colour is this?", small_image, max_new_tokens=4))[-1]
+    assert "reads text only" in out[STATUS] and "answering the text alone" in out[STATUS]
+    assert [m["role"] for m in out[0]] == ["user", "assistant"]
+
+
+def test_a_vision_model_sees_the_attached_image(vl_server, tmp_path, small_image):
+    c = Client(vl_server.url, verbose=False, download_files=str(tmp_path))
+    outputs = list(chat(c, "What is in this picture?", small_image, max_new_tokens=6))
+    final = outputs[-1]
+    assert "done" in final[STATUS] and "⚠" not in final[STATUS]
+    user = final[0][0]["content"]
+    assert user[0]["type"] == "file" and user[0]["file"].endswith(".png")
+    assert user[1]["text"] == "What is in this picture?"
+    assert vl_server.service.worker.history[-1].steps >= 1
+    md, *_ = c.predict("", [handle_file(str(small_image))], api_name="/write_memories")
+    assert "**1** memories" in md and "dimension **64**" in md

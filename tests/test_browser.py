@@ -1,0 +1,121 @@
+"""The page in a real browser: Debian's headless Chromium driven by Playwright.
+
+A tiny random Qwen3-VL (slowed to ~40 tokens/s so a person could press stop) serves a page; the
+test uploads a bank, attaches an image, watches the answer stream, stops it, sees the memory
+marker, and saves a screenshot to `artifacts/browser.png`. Every request the page makes must go
+to the local server.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import torch
+
+from chat.service import EXAMPLE_IMAGES
+from decoding.modeling import backbone_and_head
+from memory import MemoryVectorDB
+from conftest import make_tiny_qwen3vl
+from test_app import serve
+
+playwright = pytest.importorskip("playwright.sync_api")
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+MAX_NEW_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def vl_page_server(smollm2_dir):
+    lm = make_tiny_qwen3vl(smollm2_dir)
+    hook = backbone_and_head(lm.model)[0].register_forward_hook(lambda *_: time.sleep(0.025))
+    with serve(lm, f"generation.max_new_tokens={MAX_NEW_TOKENS}") as server:
+        yield server
+    hook.remove()
+
+
+@pytest.fixture
+def page(tmp_path):
+    if not CHROMIUM.exists():
+        pytest.skip("needs Debian's chromium at /usr/bin/chromium")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1150})
+        page.set_default_timeout(60_000)
+        page.requests = []
+        page.on("request", lambda r: page.requests.append(r.url))
+        yield page
+        browser.close()
+
+
+def bot_text(page) -> str:
+    bots = page.locator("#chatbot .bot")
+    return bots.last.inner_text() if bots.count() else ""
+
+
+def test_chat_with_an_image_stream_stop_upload_and_recall(page, vl_page_server, tmp_path):
+    service = vl_page_server.service
+    page.goto(vl_page_server.url)
+    page.wait_for_function("document.querySelector('#status')?.innerText.includes('tiny-qwen3vl')")
+
+    # upload a bank (64 = the tiny model's hidden size)
+    bank = MemoryVectorDB(64)
+    bank.add(torch.randn(3, 64), ["Mira keeps the red lighthouse.", "Biscuit is a grey cat.", "The ferry leaves at 7."])
+    bank.save(tmp_path / "mira.pt")
+    page.locator("#bank-upload input[type=file]").set_input_files(str(tmp_path / "mira.pt"))
+    page.wait_for_function("document.querySelector('#bank-info').innerText.includes('your upload mira.pt')")
+    assert "3 memories" in page.inner_text("#bank-info")
+
+    # recall first, a message with an image
+    page.locator("#recall-first input[type=checkbox]").check()
+    page.locator("#message textarea").fill("What is in this picture?")
+    page.locator("#message input[type=file]").set_input_files(str(EXAMPLE_IMAGES[0]))
+    page.wait_for_selector("#message img")  # the thumbnail of the attached image
+    page.locator("#message [data-testid=submit-button]").click()
+
+    # it streams: the answer grows while the status says it is generating
+    page.wait_for_function("document.querySelector('#status').innerText.includes('generating')")
+    first = len(bot_text(page))
+    page.wait_for_function(f"(() => {{ const b = document.querySelectorAll('#chatbot .bot');"
+                           f" return b.length && b[b.length - 1].innerText.length > {first + 20}; }})()")
+    req = service.worker.current
+    assert req is not None and req.kind == "chat" and not req.done.is_set()
+
+    # stop: the server-side loop ends, the partial answer stays
+    page.locator("#message .stop-button").click()
+    page.wait_for_function("document.querySelector('#status').innerText.includes('stopped after')")
+    assert req.done.wait(30) and req.reason == "interrupted" and req.steps < MAX_NEW_TOKENS
+    page.wait_for_function("document.querySelector('#chatbot').innerText.includes('(stopped)')")
+
+    # the recall: a memory marker at the start of the answer, highlighted with its score, and in the log
+    answer = page.inner_text("#answer")
+    assert re.search(r"⟨memory #\d: (Mira keeps|Biscuit is|The ferry)", answer), answer
+    assert re.search(r"memory -?0\.\d\d", answer, re.IGNORECASE), answer  # the label (shown upper-case)
+    assert page.locator("#recall-log tbody tr").count() == 1
+    assert page.locator("#chatbot .user img").count() == 1  # the attached image is in the history
+
+    # the next message works normally
+    page.locator("#message textarea").fill("And the cat?")
+    page.locator("#message textarea").press("Enter")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('generating')")
+    page.locator("#message .stop-button").click()
+    page.wait_for_function("document.querySelectorAll('#chatbot .bot').length >= 2 && "
+                           "document.querySelector('#status').innerText.includes('stopped after')")
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser.png"), full_page=True)
+    status, chat_text = page.inner_text("#status"), page.inner_text("#chatbot")
+    assert "tiny-qwen3vl" in status and "bank: 3 memories (own)" in status and "tokens/s" in status
+    assert "What is in this picture?" in chat_text and "And the cat?" in chat_text
+    assert chat_text.count("(stopped)") == 2
+
+    hosts = {urlparse(u).netloc for u in page.requests if not u.startswith(("data:", "blob:"))}
+    assert hosts == {urlparse(vl_page_server.url).netloc}, hosts
