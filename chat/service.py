@@ -16,7 +16,6 @@ Nothing here imports Gradio; `app.py` renders what these functions return.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import dataclasses
 import itertools
@@ -45,7 +44,6 @@ from chat.session import Conversation, TextOnlyModelError
 from chat.textsearch import TextSearch
 from chat.vision import IMAGE_PAD, VISION_END, VISION_START, encode_with_images
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
-from decoding.modeling import backbone_and_head
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import BankError, MemoryVectorDB, encode_inputs, encode_texts
 
@@ -375,17 +373,6 @@ def request_settings(cfg: Config, values: Mapping[str, Any]) -> tuple[Generation
     return dataclasses.replace(cfg.generation, **gen), dataclasses.replace(cfg.memory.autoregressive_recall, **recall)
 
 
-def settle_recall(conv: Conversation) -> None:
-    """An answer stopped right after `<recall>`, before its memory was chosen: drop the dangling `<recall>`.
-
-    (Stopped one step later, the recall is whole: `<|memory_pad|>` and its vector are both kept.)
-    """
-    answer = conv.messages[-1] if conv.messages else None
-    if (answer is not None and answer.role == "assistant" and answer.finish_reason == "interrupted"
-            and len(conv.ids) > answer.start and conv.ids[-1] == conv.lm.tokens.recall):
-        conv._truncate(len(conv.ids) - 1)  # keeps the KV cache over ids[:-1], as Conversation expects
-
-
 # --------------------------------------------------------------------------- sessions
 
 
@@ -550,12 +537,11 @@ class Service:
 
     @staticmethod
     def _answer(s: Session, events: Iterator[Any]) -> Iterator[Any]:
-        """Forward a turn's events; note its speed; settle a recall the stop cut in half."""
+        """Forward a turn's events; note its speed."""
         for event in events:
             if isinstance(event, DoneEvent) and event.result.decode_seconds > 0:
                 s.last_speed = event.result.steps / event.result.decode_seconds
             yield event
-        settle_recall(s.conv)
 
     def _start(self, s: Session, req: Request, history: list[dict], user: dict | None) -> Turn:
         s.active = [r for r in s.active if not r.done.is_set()] + [self.worker.submit(req)]
@@ -697,7 +683,10 @@ class Service:
             raise ServiceError("there is no bank to delete from")
 
         def run(_: threading.Event) -> int:
-            return self._writable_bank(s).remove(ids)
+            try:
+                return self._writable_bank(s).remove(ids)
+            except KeyError as e:  # unknown ids: nothing was removed
+                raise ServiceError(e.args[0]) from None
 
         return self.worker.submit(Request("delete_memories", run, s.id))
 
@@ -709,25 +698,19 @@ class Service:
                 s.own_bank, s.own_label = (MemoryVectorDB(self._model().hidden_size, self.cfg.memory.index),
                                            "your own bank (written here)")
             else:
-                path = self.files / f"copy-{s.id}.pt"
-                shared.save(path)
-                s.own_bank = MemoryVectorDB.load(path, index=shared.index)
-                s.own_bank.info = dict(shared.info)
-                path.unlink()
+                s.own_bank = shared.copy()
                 s.own_label = f"your copy of {self.bank_label(s)}"
             s.bank_use = "own"
         return s.own_bank
 
     def _encode_texts(self, lines: list[str]) -> torch.Tensor:
         lm = self._model()
-        with _fresh_rope(lm):
-            return encode_texts(lm.model, lm.tokenizer, lines, self.cfg.memory.hidden_state, batch_size=8)
+        return encode_texts(lm.model, lm.tokenizer, lines, self.cfg.memory.hidden_state, batch_size=8)
 
     def _encode_image(self, path: str) -> torch.Tensor:
         lm = self._model()
         inputs = encode_with_images(lm.tokenizer, lm.image_processor, VISION_START + IMAGE_PAD + VISION_END, [path])
-        with _fresh_rope(lm):
-            return encode_inputs(lm.model, inputs, self.cfg.memory.hidden_state)
+        return encode_inputs(lm.model, inputs, self.cfg.memory.hidden_state)
 
     def save_bank(self, s: Session, fmt: str = ".pt") -> Path:
         db = self.bank(s)
@@ -771,16 +754,3 @@ class Service:
         bank = f"bank: {len(db)} memories ({'own' if s.bank_use == 'own' else s.bank_use})" if db else "bank: none"
         speed = f"last answer {s.last_speed:.1f} tokens/s" if s.last_speed else "no answer yet"
         return " · ".join(filter(None, [model, bank, speed, state]))
-
-
-@contextlib.contextmanager
-def _fresh_rope(lm: LoadedModel) -> Iterator[None]:
-    """Qwen3-VL keeps per-request mRoPE state on the module: clear it around an encoding pass."""
-    backbone = backbone_and_head(lm.model)[0]
-    if hasattr(backbone, "rope_deltas"):
-        backbone.rope_deltas = None
-    try:
-        yield
-    finally:
-        if hasattr(backbone, "rope_deltas"):
-            backbone.rope_deltas = None

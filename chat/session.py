@@ -20,7 +20,7 @@ import torch
 
 from chat.models import LoadedModel
 from chat.vision import IMAGE_PAD, encode_with_images
-from decoding.events import DoneEvent, Event, GenerationResult, RecallEvent
+from decoding.events import DoneEvent, Event, GenerationResult
 from decoding.loop import stream_generate
 from decoding.settings import GenerationSettings, RecallSettings
 

@@ -236,6 +236,7 @@ def stream_generate(
             t1 = time.perf_counter()
 
             kept_logits: list[torch.Tensor] = []
+            held: dict[int, TokenEvent] = {}  # <recall> tokens waiting for their recall
             while True:
                 if output_logits:
                     kept_logits.append(logits)
@@ -250,6 +251,10 @@ def stream_generate(
                 recalled: dict[int, torch.Tensor] = {}
                 events: list[Event] = []
                 for row in recall_rows:
+                    if row in held:
+                        token = held.pop(row)
+                        text = detok[row].push(token.token_id) if detok is not None else ""
+                        events.append(TokenEvent(row, token.token_id, token.position, text))
                     if recall.debug:
                         log.info("[recall] row %d: newest input is <recall> (id %d) at position %d; "
                                  "its hidden state %s is the query", row, recall_id, cur - 1, tuple(hidden[row].shape))
@@ -273,9 +278,12 @@ def stream_generate(
                 tokens, still = torch.stack((next_tokens, unfinished.long())).tolist()  # the one sync
                 steps += 1
 
-                # 4. events, finish reasons
+                # 4. events, finish reasons; a <recall> token is streamed with its recall, next step
                 for row in range(batch):
                     if not alive[row]:
+                        continue
+                    if recall_on and still[row] and tokens[row] == recall_id:
+                        held[row] = TokenEvent(row, tokens[row], cur - 1, "")
                         continue
                     text = detok[row].push(tokens[row]) if detok is not None else ""
                     events.append(TokenEvent(row, tokens[row], cur - 1, text))
@@ -290,6 +298,12 @@ def stream_generate(
                 if not any(alive):
                     break
                 if interrupt_event is not None and interrupt_event.is_set():
+                    if held:  # stopped right after <recall>: the recall never started, drop its token
+                        if batch == 1:
+                            cur -= 1
+                            cache.crop(-1)  # the cache covers all but the last token, as always
+                        else:
+                            seq[list(held), cur - 1] = pad
                     for row in range(batch):
                         if alive[row]:
                             yield finish(row, "interrupted")

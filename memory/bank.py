@@ -166,6 +166,20 @@ class MemoryVectorDB:
                                    texts, metadata, ann)
             return self._snap.n
 
+    def copy(self) -> "MemoryVectorDB":
+        """An independent bank with the same entries and ids, texts, metadata, info and index kind."""
+        snap = self._snap
+        db = type(self)(self._dim, self._kind)
+        db._ann_config = self._ann_config
+        if snap.n:
+            raw, norms = prepare_vectors(snap.raw, expected_dim=self._dim, source="copy")
+            db._append(raw.copy(), norms, snap.texts[:snap.n],
+                       [None if m is None else dict(m) for m in snap.metadata[:snap.n]], "copy")
+            db._ids_buf[:snap.n] = snap.ids  # keep the stable ids (the snapshot views this buffer)
+        db._next_id = self._next_id
+        db.info = dict(self.info)
+        return db
+
     # ----------------------------------------------------------------------- reading
 
     def topk(self, query: Any, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,8 +79,15 @@ def encode_inputs(
         kwargs.setdefault("logits_to_keep", 1)  # only hidden states are wanted: skip most of lm_head
     device = next(model.parameters()).device
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    with torch.no_grad():
-        out = model(**kwargs, output_hidden_states=True, use_cache=False, return_dict=True)
+    stateful = [m for m in model.modules() if hasattr(m, "rope_deltas")]  # Qwen3-VL's per-request mRoPE state
+    try:
+        for m in stateful:
+            m.rope_deltas = None
+        with torch.no_grad():
+            out = model(**kwargs, output_hidden_states=True, use_cache=False, return_dict=True)
+    finally:
+        for m in stateful:
+            m.rope_deltas = None
     states = out.hidden_states
     if not -len(states) <= spec.layer < len(states):
         raise ValueError(f"layer {spec.layer}: expected an index in [-{len(states)}, {len(states) - 1}] "

@@ -1,11 +1,9 @@
 import logging
-import os
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
-from chat.models import EMBEDDED_NAME, LoadedModel, embedded_model_dir, ensure_special_tokens, load_model
+from chat.models import EMBEDDED_NAME, embedded_model_dir, ensure_special_tokens, load_model
 from decoding import GenerationSettings, generate
 from decoding.modeling import backbone_and_head, check_bank_dim, unwrap_model
 

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from chat.vision import IMAGE_PAD, encode_with_images
 from decoding import (
-    DoneEvent, FinishEvent, GenerationSettings, MemorySelector, RecallEvent, RecallSettings, TokenEvent,
+    DoneEvent, FinishEvent, GenerationSettings, MemorySelector, RecallSettings, TokenEvent,
     custom_generate, generate, memory_embedding, memory_head, stream_generate,
 )
 from decoding.settings import to_generation_config
@@ -409,3 +409,23 @@ def test_debug_logs_each_recall_step(tiny_llama, caplog):
         generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=RecallSettings(),
                  recall_token_ids=lm.tokens.as_dict(), memory_db=bank_for(lm), **ids_of(lm))
     assert "[recall]" not in caplog.text
+
+
+def test_stop_right_after_recall_drops_the_unanswered_recall_token(tiny_llama):
+    lm = tiny_llama
+    inputs = lm.tokenizer([CHAT.format("Go")], return_tensors="pt")
+    s = GenerationSettings(max_new_tokens=30, sequence_bias=(((lm.tokens.recall,), 50.0),))  # recalls at once
+    stop = threading.Event()
+    events = []
+    for e in stream_generate(lm.model, inputs, s, recall=RecallSettings(), recall_token_ids=lm.tokens.as_dict(),
+                             memory_db=bank_for(lm), interrupt_event=stop, **ids_of(lm)):
+        events.append(e)
+        if isinstance(e, TokenEvent) and e.token_id == lm.tokens.memory_pad:
+            stop.set()  # the next step writes <recall> again; the stop lands right after it
+    result = events[-1].result
+    assert result.finish_reasons == ["interrupted"]
+    seq = result.sequences[0].tolist()
+    assert seq[-1] == lm.tokens.memory_pad and seq[-2] == lm.tokens.recall  # whole recalls only
+    streamed = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    assert streamed == seq[result.prompt_length:]  # the dropped <recall> was never streamed
+    assert result.cache.get_seq_length() == len(seq) - 1

@@ -176,3 +176,17 @@ def test_constructor_checks():
     db = MemoryVectorDB(4, "ivf", ivf_nlist=50)
     with pytest.raises(BankError, match="ivf_nlist=50 needs at least 50 vectors"):
         db.add(np.ones((10, 4)))
+
+
+def test_copy_keeps_ids_and_is_independent():
+    db = MemoryVectorDB(4)
+    db.add(np.eye(4, dtype=np.float32) + 0.1, texts=["a", "b", "c", "d"], metadata=[{"k": 1}, None, None, None])
+    db.remove([1])
+    db.info = {"model": "m"}
+    twin = db.copy()
+    assert [e["index"] for e in twin.entries(0, 9)] == [0, 2, 3] and twin.text(2) == "c"
+    assert twin.metadata(0) == {"k": 1} and twin.info == {"model": "m"}
+    assert twin.add(np.ones((1, 4), np.float32)) == [4]  # ids continue, never reused
+    twin.remove([0])
+    assert len(db) == 3 and db.text(0) == "a" and len(twin) == 3
+    torch.testing.assert_close(twin.vector(2), db.vector(2))
