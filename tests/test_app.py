@@ -17,6 +17,7 @@ from chat.config import load_config
 from chat.service import Service
 from memory import MemoryVectorDB
 from conftest import make_tiny_qwen3vl
+from tests_helpers import Evil, bank_file
 
 pytestmark = pytest.mark.slow
 
@@ -171,30 +172,17 @@ def test_invalid_settings_show_the_engine_message(client):
     assert "⚠ seed is -1" in out[STATUS]
 
 
-def write_bank(path, dim: int, n: int = 3):
-    db = MemoryVectorDB(dim)
-    db.add(torch.randn(n, dim), [f"uploaded fact {i}" for i in range(n)])
-    db.save(path)
-    return path
-
-
-class Evil:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.mkdir, (str(self.marker),)
 
 
 def test_bank_upload_and_bad_uploads_leave_the_bank_untouched(client, tmp_path):
-    good = write_bank(tmp_path / "good.pt", 576)
+    good = bank_file(tmp_path / "good.pt", 576)
     md, sample, status, _ = client.predict(handle_file(str(good)), api_name="/upload_bank")
     assert "your upload good.pt" in md and "**3** memories" in md and "dimension **576**" in md
-    assert [row[1] for row in sample["data"]] == ["uploaded fact 0", "uploaded fact 1", "uploaded fact 2"]
+    assert [row[1] for row in sample["data"]] == ["fact 0", "fact 1", "fact 2"]
     marker = tmp_path / "pwned"
     torch.save({"embeddings": Evil(marker)}, tmp_path / "payload.pt")
     (tmp_path / "corrupt.pt").write_bytes(os.urandom(4096))
-    bad = {write_bank(tmp_path / "small.pt", 64): "expected vectors of dimension 576, got dimension 64",
+    bad = {bank_file(tmp_path / "small.pt", 64): "expected vectors of dimension 576, got dimension 64",
            tmp_path / "payload.pt": "corrupt or refused", tmp_path / "corrupt.pt": "corrupt or refused"}
     for path, expected in bad.items():
         md, _, status, use = client.predict(handle_file(str(path)), api_name="/upload_bank")

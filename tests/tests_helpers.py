@@ -13,3 +13,23 @@ def fresh_tiny_llama(like):
                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
     return LlamaForCausalLM(config).eval(), tok
+
+
+def bank_file(path, dim: int, n: int = 3):
+    """A small valid bank with texts, saved to `path` (format from its extension)."""
+    from memory import MemoryVectorDB
+    db = MemoryVectorDB(dim)
+    db.add(torch.randn(n, dim), [f"fact {i}" for i in range(n)])
+    db.save(path)
+    return path
+
+
+class Evil:
+    """A pickle payload: unpickling it creates the directory `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.mkdir, (str(self.marker),)

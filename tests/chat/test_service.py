@@ -22,6 +22,7 @@ from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 from decoding.modeling import backbone_and_head
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
+from tests_helpers import Evil, bank_file
 
 GREEDY = GenerationSettings(max_new_tokens=8)
 NO_RECALL = RecallSettings(enabled=False)
@@ -411,19 +412,6 @@ def test_parse_ids():
 # --------------------------------------------------------------------------- banks
 
 
-def bank_file(path, dim: int, n: int = 3):
-    db = MemoryVectorDB(dim)
-    db.add(torch.randn(n, dim), [f"fact {i}" for i in range(n)])
-    db.save(path)
-    return path
-
-
-class Evil:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.mkdir, (str(self.marker),)
 
 
 def test_upload_bank_and_refusals_keep_the_current_bank(tmp_path, tiny_llama, text_search):
