@@ -79,34 +79,33 @@ def normalise(raw: np.ndarray, norms: np.ndarray) -> np.ndarray:
     return out
 
 
+def _label_list(values: Any, n: int, source: str, what: tuple[str, str, str], item: type, item_name: str) -> list | None:
+    """`values` as a list of n entries, each an `item` or None; BankError naming what is wrong."""
+    name, plural, singular = what  # e.g. ("metadata", "metadata entries", "metadata entry")
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Sequence):
+        raise BankError(f"{source}: expected {name} as a list of {item_name}s, got {type(values).__name__}")
+    if len(values) != n:
+        raise BankError(f"{source}: expected {n} {plural} (one per vector), got {len(values)}")
+    bad = [i for i, v in enumerate(values) if v is not None and not isinstance(v, item)]
+    if bad:
+        raise BankError(f"{source}: expected each {singular} to be a {item_name}, "
+                        f"got {type(values[bad[0]]).__name__} at rows {_rows(np.array(bad))}")
+    return list(values)
+
+
 def check_labels(
     texts: Sequence[str | None] | None, metadata: Sequence[dict | None] | None, n: int, source: str = "vectors"
 ) -> tuple[list[str | None] | None, list[dict | None] | None]:
     """Texts (str or None) and metadata (JSON-compatible dict or None), one per row, as lists."""
-    if texts is not None:
-        if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
-            raise BankError(f"{source}: expected texts as a list of strings, got {type(texts).__name__}")
-        if len(texts) != n:
-            raise BankError(f"{source}: expected {n} texts (one per vector), got {len(texts)}")
-        bad = [i for i, t in enumerate(texts) if t is not None and not isinstance(t, str)]
-        if bad:
-            raise BankError(f"{source}: expected each text to be a string, "
-                            f"got {type(texts[bad[0]]).__name__} at rows {_rows(np.array(bad))}")
-        texts = list(texts)
+    texts = _label_list(texts, n, source, ("texts", "texts", "text"), str, "string")
+    metadata = _label_list(metadata, n, source, ("metadata", "metadata entries", "metadata entry"), dict, "dict")
     if metadata is not None:
-        if isinstance(metadata, (str, bytes, dict)) or not isinstance(metadata, Sequence):
-            raise BankError(f"{source}: expected metadata as a list of dicts, got {type(metadata).__name__}")
-        if len(metadata) != n:
-            raise BankError(f"{source}: expected {n} metadata entries (one per vector), got {len(metadata)}")
-        bad = [i for i, m in enumerate(metadata) if m is not None and not isinstance(m, dict)]
-        if bad:
-            raise BankError(f"{source}: expected each metadata entry to be a dict, "
-                            f"got {type(metadata[bad[0]]).__name__} at rows {_rows(np.array(bad))}")
         try:
             json.dumps(metadata)
         except (TypeError, ValueError) as e:
             raise BankError(f"{source}: expected JSON-compatible metadata (it is saved as JSON), got {e}") from None
-        metadata = list(metadata)
     return texts, metadata
 
 
