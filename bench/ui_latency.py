@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,17 +32,9 @@ from chat.service import Service  # noqa: E402
 
 
 def launch(demo, cfg) -> int:
-    for attempt in range(3):  # a free port can be taken by another server before Gradio binds it
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        try:
-            app.launch(demo, cfg, server_port=port, prevent_thread_lock=True, quiet=True)
-            return port
-        except (OSError, ValueError):
-            demo.close()
-            if attempt == 2:
-                raise
+    """Start on a free port (Gradio scans from 7860 and skips ports taken meanwhile); return it."""
+    app.launch(demo, cfg, server_port=None, prevent_thread_lock=True, quiet=True)
+    return demo.server_port
 
 
 def answer_started(out) -> bool:

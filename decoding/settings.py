@@ -5,12 +5,11 @@
 switched on, from transformers' own classes and in the order `GenerationMixin.generate` (5.23)
 uses. `to_generation_config` maps the same settings onto a `GenerationConfig`, so
 `model.generate` decodes with identical processors. Change a frozen settings object with
-`settings.replace(**changes)` (= `dataclasses.replace`, which validates again).
+`dataclasses.replace(settings, **changes)`, which validates again.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -196,15 +195,6 @@ class GenerationSettings:
             raise _bad("negative_prompt", self.negative_prompt, "is only used by classifier-free guidance, which "
                        "guidance_scale=1.0 turns off; set guidance_scale != 1 or negative_prompt=None")
 
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> GenerationSettings:
-        """Settings from a YAML/JSON mapping; unknown keys are an error."""
-        return cls(**_known_keys(cls, data))
-
-    def replace(self, **changes: Any) -> GenerationSettings:
-        """A copy with `changes`, validated again."""
-        return dataclasses.replace(self, **changes)
-
 
 @dataclass(frozen=True)
 class RecallSettings:
@@ -232,22 +222,6 @@ class RecallSettings:
         if self.use_sampling and self.temperature <= 0:
             raise ValueError(f"temperature is {self.temperature} with use_sampling=True: temperature must be > 0 "
                              "when sampling; for greedy recall set use_sampling=False")
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> RecallSettings:
-        """Settings from a YAML/JSON mapping; unknown keys are an error."""
-        return cls(**_known_keys(cls, data))
-
-    def replace(self, **changes: Any) -> RecallSettings:
-        return dataclasses.replace(self, **changes)
-
-
-def _known_keys(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} key(s) {unknown}: expected some of {sorted(known)}")
-    return dict(data)
 
 
 # ---- factories --------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -24,23 +23,10 @@ pytestmark = pytest.mark.slow
 STATUS = 3  # chat outputs: chatbot, highlight, recall log, status, box
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(demo, cfg) -> int:
-    """Launch on a free port; another port when one was taken in between (other servers on the machine)."""
-    for attempt in range(3):
-        port = free_port()
-        try:
-            app.launch(demo, cfg, server_port=port, prevent_thread_lock=True, quiet=True)
-            return port
-        except (OSError, ValueError):
-            demo.close()
-            if attempt == 2:
-                raise
+    """Start on a free port (Gradio scans from 7860 and skips ports taken meanwhile); return it."""
+    app.launch(demo, cfg, server_port=None, prevent_thread_lock=True, quiet=True)
+    return demo.server_port
 
 
 @contextmanager
