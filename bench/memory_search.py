@@ -113,13 +113,48 @@ def run_case(dim: int, n: int, n_queries: int, hnsw_m: int) -> dict[str, str]:
     return row
 
 
+def memory_head(n: int, n_queries: int, hnsw_m: int, efs: list[int]) -> None:
+    """The memory head (`MemorySelector`, greedy, top_k=5) over an N x 576 bank: exact vs through HNSW."""
+    import torch
+
+    from decoding import MemorySelector, RecallSettings
+
+    data = clustered_unit(n, 576, seed=1)
+    queries = torch.from_numpy(clustered_unit(n_queries, 576, seed=2))
+    flat = MemoryVectorDB(576)
+    flat.add(data)
+    selector = MemorySelector(flat, RecallSettings(top_k=5))
+    truth = [selector.choose(q).index for q in queries]
+    rows = [("exact (flat)", "—", median_ms(selector.choose, queries[:50]), 1.0)]
+    del flat, selector
+    gc.collect()
+    for ef in efs:
+        db = MemoryVectorDB(576, "hnsw", hnsw_m=hnsw_m, hnsw_ef_search=ef)
+        _, build_s = timed(lambda: db.add(data))
+        selector = MemorySelector(db, RecallSettings(top_k=5))
+        hits = sum(selector.choose(q).index == t for q, t in zip(queries, truth)) / len(truth)
+        rows.append((f"HNSW M={hnsw_m} efSearch={ef}", f"{build_s:.0f}", median_ms(selector.choose, queries), hits))
+        del db, selector
+        gc.collect()
+    print(f"memory head at N={n:,} x 576, one query at a time, median of {n_queries} (recall@1 = same memory as "
+          "exact greedy)\n")
+    print("| search | build s | memory head ms | recall@1 vs exact |\n|---|---|---|---|")
+    for name, build, ms, r in rows:
+        print(f"| {name} | {build} | {ms:.3f} | {r:.3f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--memory-head", type=int, default=0, metavar="N",
+                   help="instead: the memory head over N memories, exact vs HNSW (e.g. 1000000)")
+    p.add_argument("--ef", default="64,128,256", help="HNSW efSearch values for --memory-head")
     p.add_argument("--queries", type=int, default=200)
     p.add_argument("--max-gib", type=float, default=8.0)
     p.add_argument("--sizes", default="10000,100000,1000000")
     p.add_argument("--hnsw-m", type=int, default=32)
     args = p.parse_args(argv)
+    if args.memory_head:
+        return memory_head(args.memory_head, args.queries, args.hnsw_m, [int(e) for e in args.ef.split(",")])
     sizes = [int(s) for s in args.sizes.split(",")]
     rows, skipped = [], []
     start = time.perf_counter()

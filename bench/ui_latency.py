@@ -27,13 +27,13 @@ from gradio_client import Client  # noqa: E402
 
 import app  # noqa: E402
 from chat.config import load_config  # noqa: E402
-from chat.models import load_model  # noqa: E402
+from models import load_model  # noqa: E402
 from chat.service import Service  # noqa: E402
 
 
-def launch(demo, cfg) -> int:
+def launch(demo, service) -> int:
     """Start on a free port (Gradio scans from 7860 and skips ports taken meanwhile); return it."""
-    app.launch(demo, cfg, server_port=None, prevent_thread_lock=True, quiet=True)
+    app.launch(demo, service, server_port=None, prevent_thread_lock=True, quiet=True)
     return demo.server_port
 
 
@@ -43,7 +43,7 @@ def answer_started(out) -> bool:
 
 
 def wait_running(service: Service, label: str):
-    while (req := service.worker.current) is None or req.label != label:
+    while not (req := next((r for r in list(service.worker.running) if r.label == label), None)):
         time.sleep(0.002)
     return req
 
@@ -80,7 +80,7 @@ def main() -> None:
     cfg = load_config(environ={})
     service = Service(cfg, load_model(None, device="cpu"))
     demo = app.build_demo(service)
-    port = launch(demo, cfg)
+    port = launch(demo, service)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         one_run(client, service, 0, args.tokens, "stop")  # warm-up

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from decoding.settings import GenerationSettings, RecallSettings
-from memory.writer import HiddenStateSpec
+from memory.encoder import HiddenStateSpec
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "config_qwen3vl.yaml"
 ENV_PREFIX = "RECALL_CHAT__"
@@ -37,7 +37,7 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str | None = None  # a local model folder; None = the embedded SmolLM2-135M-Instruct
-    adapter: str | None = None  # a local PEFT adapter folder
+    adapter: str | None = "auto"  # a local PEFT adapter folder; auto = the shipped recall adapter for the embedded model
     device: str = "auto"
     dtype: str = "float32"
 
@@ -51,14 +51,18 @@ class ModelConfig:
 class MemoryConfig:
     bank: str | None = None  # a bank file (.pt, .safetensors, .npy) loaded at start
     index: str = "flat"  # flat = exact cosine; hnsw / ivf = approximate, for large banks
+    hnsw_ef_search: int = 128  # HNSW candidates per search (higher: closer to exact, slower)
     hidden_state: HiddenStateSpec = field(default_factory=HiddenStateSpec)  # what a written memory stores
-    max_upload_mb: int = 512
+    max_upload_mb: int = 64  # any upload (bank, conversation, image): refused before it is stored
+    max_memories_per_session: int = 50_000  # a session's own bank (50k x 576 floats x 2 copies = 230 MB)
     autoregressive_recall: RecallSettings = field(default_factory=RecallSettings)
 
     def __post_init__(self):
         _check(self.index in ("flat", "hnsw", "ivf"), "index", self.index, "flat, hnsw, ivf")
-        _check(isinstance(self.max_upload_mb, int) and self.max_upload_mb > 0, "max_upload_mb",
-               self.max_upload_mb, "a positive integer (megabytes)")
+        for key in ("max_upload_mb", "max_memories_per_session", "hnsw_ef_search"):
+            value = getattr(self, key)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, key, value,
+                   "a positive integer")
 
 
 @dataclass(frozen=True)
@@ -67,11 +71,27 @@ class AppConfig:
     port: int = 7860
     recall_first: bool = False  # start every answer with <recall>
     ui_updates_per_second: float = 20.0
+    max_message_chars: int = 20_000  # one chat message
+    max_input_tokens: int = 4096  # the whole conversation the model reads for one answer
+    max_new_tokens_cap: int = 1024  # the most one request may ask for
+    context_overflow: str = "refuse"  # refuse | drop_oldest: what happens when a conversation outgrows the limits
+    prefill_chunk_tokens: int = 256  # a long prompt is read in chunks: a stop, and other sessions, wait one chunk
+    session_ttl_s: int = 1800  # a session idle this long is freed (also API clients, which never close a page)
+    api_key: str | None = None  # required as "Authorization: Bearer <key>" on /v1 when set
 
     def __post_init__(self):
         _check(isinstance(self.port, int) and 0 <= self.port < 65536, "port", self.port, "0..65535")
         _check(isinstance(self.ui_updates_per_second, (int, float)) and self.ui_updates_per_second > 0,
                "ui_updates_per_second", self.ui_updates_per_second, "a positive number")
+        for key in ("max_message_chars", "max_input_tokens", "max_new_tokens_cap", "prefill_chunk_tokens",
+                    "session_ttl_s"):
+            value = getattr(self, key)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, key, value,
+                   "a positive integer")
+        _check(self.context_overflow in ("refuse", "drop_oldest"), "context_overflow", self.context_overflow,
+               "refuse, drop_oldest")
+        _check(self.api_key is None or (isinstance(self.api_key, str) and len(self.api_key) >= 8), "api_key",
+               "<hidden>", "null, or a string of at least 8 characters")
 
 
 @dataclass(frozen=True)
@@ -144,3 +164,36 @@ def load_config(
     for item in overrides:
         _set(tree, *parse_override(item))
     return _build(Config, tree, "")
+
+
+# --------------------------------------------------------------------------- a request's settings
+
+
+def setting_value(cfg: Config, key: str) -> Any:
+    """The configured value of `generation.<field>`, `mixture.<field>` or `recall.<field>`; an unknown
+    key is an error."""
+    section, _, name = key.partition(".")
+    settings = {"generation": cfg.generation, "mixture": cfg.generation.mixture,
+                "recall": cfg.memory.autoregressive_recall}.get(section)
+    if settings is None or name not in {f.name for f in dataclasses.fields(settings)}:
+        raise ConfigError(f"unknown setting {key!r}; settings are generation.<field>, mixture.<field> or "
+                           "recall.<field>")
+    return getattr(settings, name)
+
+
+def request_settings(cfg: Config, values: Mapping[str, Any]) -> tuple[GenerationSettings, RecallSettings]:
+    """The config's settings with a request's values, keyed `generation.<field>` / `mixture.<field>` /
+    `recall.<field>`.
+
+    An unknown key is an error (a renamed control must never switch a setting off silently); the
+    engine's ValueError names an invalid value or combination.
+    """
+    changes: dict[str, dict[str, Any]] = {"generation": {}, "mixture": {}, "recall": {}}
+    for key, value in values.items():
+        setting_value(cfg, key)  # known?
+        section, _, name = key.partition(".")
+        changes[section][name] = value
+    if changes["mixture"]:
+        changes["generation"]["mixture"] = dataclasses.replace(cfg.generation.mixture, **changes["mixture"])
+    return (dataclasses.replace(cfg.generation, **changes["generation"]),
+            dataclasses.replace(cfg.memory.autoregressive_recall, **changes["recall"]))

@@ -1,379 +1,63 @@
-"""The chat service behind the UI: sessions, one model worker with a queue, memory bank operations.
+"""The chat service behind the page: sessions, their banks, and the model's lifecycle.
 
-One worker thread owns the model. Generation, memory encoding and bank edits are requests on its
-queue and run one at a time, so the model never serves two requests at once and a bank is never
-edited in the middle of a recall. Every request has its own interrupt event and its own event
-queue, which ends with `END`; a waiting request is told how many requests are ahead of it.
-
-Sessions hold one browser tab's state: its `Conversation`, the request it is running, and which
-bank it uses: the shared bank (`memory.bank` of the config), the example bank (built once from
-`assets/example_memories.txt`, shared), or its own (uploaded, or a copy made on its first edit of
-a shared bank: a session's edits never reach other sessions).
-
-Nothing here imports Gradio; `app.py` renders what these functions return.
+Sessions hold one browser tab's state: its `Conversation`, the requests it runs, and which bank it
+uses: the shared bank (`memory.bank` of the config), the example bank (built once from
+`assets/example_memories.txt`, shared), or its own (uploaded, or a copy made on its first edit of a
+shared bank: a session's edits never reach other sessions). All model work goes through the one
+`Worker`. Nothing here imports Gradio; `app.py` renders what `chat.view` makes of it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
-import dataclasses
+import ctypes
+import ctypes.util
+import gc
+import queue
 import itertools
 import logging
-import queue
-import re
 import shutil
 import tempfile
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import GeneratorType
 from typing import Any
 
-import pandas as pd
-import torch
-from tqdm.auto import tqdm
 
 from chat.config import Config
-from chat.models import EMBEDDED_NAME, LoadedModel, load_model
-from chat.session import Conversation, TextOnlyModelError
+from chat.session import Conversation, text_only_message
 from chat.textsearch import TextSearch
-from chat.vision import IMAGE_PAD, VISION_END, VISION_START, encode_with_images
-from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
+from chat.banks import Banks
+from chat.inputs import Limits, check_message, check_new_tokens
+from chat.view import TurnView, chat_messages, status_line, user_message
+from chat.worker import END, Notice, Request, ServiceError, Worker, describe
+from decoding.events import DoneEvent
+from decoding.mixture import MixtureResult
+from decoding.modeling import max_positions
 from decoding.settings import GenerationSettings, RecallSettings
-from memory import BankError, MemoryVectorDB, encode_inputs, encode_texts
+from memory.files import atomic_write
+from memory import MemoryVectorDB
+from models import EMBEDDED_NAME, LoadedModel, load_model
 
 log = logging.getLogger("chat.service")
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-EXAMPLE_MEMORIES = ASSETS / "example_memories.txt"
 EXAMPLE_IMAGES = (ASSETS / "example_lighthouse.png", ASSETS / "example_cat.png")
-BANK_TYPES = (".pt", ".safetensors", ".npy")
-
-END = object()  # the last item of every request's event queue
-_WAITERS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="recall-chat-wait")  # threads blocked on queues
-
-
-# --------------------------------------------------------------------------- requests and the worker
-
-
-@dataclass(frozen=True)
-class Waiting:
-    ahead: int  # requests before this one; 0 = it is running
-
-
-@dataclass(frozen=True)
-class Notice:
-    text: str
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-class ServiceError(ValueError):
-    """A request that could not be done; the message is meant for the user."""
-
-
-_ids = itertools.count(1)
-
-
-@dataclass(eq=False)
-class Request:
-    """One piece of work for the model worker. `run(interrupt)` returns a value or an event generator."""
-
-    kind: str
-    run: Callable[[threading.Event], Any]
-    session_id: int | None = None
-    label: str = ""
-    id: int = field(default_factory=lambda: next(_ids))
-    interrupt: threading.Event = field(default_factory=threading.Event)
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    context: contextvars.Context = field(default_factory=contextvars.copy_context)  # the submitter's (progress bars)
-    done: threading.Event = field(default_factory=threading.Event)
-    submitted: float = field(default_factory=time.perf_counter)
-    started: float | None = None
-    stop_requested: float | None = None
-    finished: float | None = None
-    steps: int = 0  # tokens generated
-    reason: str | None = None  # finish reason of a generation
-    result: Any = None
-    error: str | None = None
-
-    def stop(self) -> None:
-        if self.stop_requested is None:
-            self.stop_requested = time.perf_counter()
-        self.interrupt.set()
-
-
-def describe(exc: BaseException) -> str:
-    """A one-line message for the user, never a traceback."""
-    if isinstance(exc, KeyError) and exc.args:
-        return str(exc.args[0])
-    if isinstance(exc, (ValueError, FileNotFoundError, RuntimeError)) and str(exc):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
-class Worker:
-    """A thread that runs requests one at a time, in order of submission."""
-
-    def __init__(self, name: str = "recall-chat-model"):
-        self._pending: deque[Request] = deque()
-        self._cond = threading.Condition()
-        self.current: Request | None = None
-        self.history: deque[Request] = deque(maxlen=256)  # finished requests, newest last
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, req: Request) -> Request:
-        with self._cond:
-            if self._closed:
-                raise ServiceError("the server is shutting down")
-            self._pending.append(req)
-            req.events.put(Waiting(len(self._pending) - 1 + (self.current is not None)))
-            self._cond.notify()
-        return req
-
-    def withdraw(self, req: Request) -> None:
-        """Stop `req`: a running one ends within one decoding step, a waiting one leaves the queue now."""
-        req.stop()
-        with self._cond:
-            if req not in self._pending:
-                return
-            self._pending.remove(req)
-            self._announce()
-        req.reason = "interrupted"
-        self._close(req)
-
-    def _announce(self) -> None:
-        running = self.current is not None
-        for i, req in enumerate(self._pending):
-            req.events.put(Waiting(i + running))
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._closed:
-                    self._cond.wait()
-                if not self._pending:
-                    return
-                req = self.current = self._pending.popleft()
-                req.events.put(Waiting(0))
-                self._announce()
-            req.started = time.perf_counter()
-            try:
-                if req.interrupt.is_set():
-                    req.reason = "interrupted"
-                else:
-                    req.context.run(self._drive, req)
-            except Exception as e:  # noqa: BLE001 - reported to the requester
-                if not isinstance(e, (ValueError, KeyError, FileNotFoundError)):
-                    log.exception("request %d (%s) failed", req.id, req.kind)
-                req.error = describe(e)
-                req.events.put(Failed(req.error))
-            finally:
-                with self._cond:
-                    self.current = None
-                self._close(req)
-
-    @staticmethod
-    def _drive(req: Request) -> None:
-        out = req.run(req.interrupt)
-        if not isinstance(out, GeneratorType):
-            req.result = out
-            return
-        while True:
-            try:
-                event = next(out)
-            except StopIteration as stop:
-                req.result = stop.value
-                return
-            if isinstance(event, TokenEvent):
-                req.steps += 1
-            elif isinstance(event, FinishEvent):
-                req.reason = event.reason
-            req.events.put(event)
-
-    def _close(self, req: Request) -> None:
-        req.finished = time.perf_counter()
-        self.history.append(req)
-        req.events.put(END)
-        req.done.set()
-
-    def close(self, timeout: float | None = 5.0) -> None:
-        with self._cond:
-            self._closed = True
-            for req in list(self._pending):
-                req.stop()
-            self._cond.notify_all()
-        if self.current is not None:
-            self.current.stop()
-        self._thread.join(timeout)
-
-
-async def wait_for(req: Request) -> Any:
-    """Await a request's end; its result, or `ServiceError` with its message."""
-    await asyncio.get_running_loop().run_in_executor(_WAITERS, req.done.wait)
-    if req.error is not None:
-        raise ServiceError(req.error)
-    return req.result
-
-
-# --------------------------------------------------------------------------- what the UI shows
-
-
-def marker(recall: Mapping[str, Any]) -> tuple[str, str]:
-    """A `<|memory_pad|>` as a highlight segment: (text, label "memory 0.84")."""
-    text = recall.get("text")
-    body = f"memory #{recall['memory_index']}" + (f": {text}" if text else "")
-    return f"⟨{body}⟩", f"memory {recall['score']:.2f}"
-
-
-def inline_text(segments: Sequence[tuple[str, str | None]]) -> str:
-    """An answer for the chat window, each memory marker short: `⟨memory #3 · 0.84⟩`."""
-    short = lambda text, label: f"`{_MARKER_HEAD.match(text)[0]} · {label.split()[1]}⟩`"  # noqa: E731
-    return "".join(text if label is None else short(text, label) for text, label in segments)
-
-
-_MARKER_HEAD = re.compile(r"⟨memory #\d+")
-
-
-@dataclass
-class TurnView:
-    """The live state of one answer, built from the request's events (pure)."""
-
-    segments: list[tuple[str, str | None]] = field(default_factory=list)
-    recalls: list[dict] = field(default_factory=list)
-    ahead: int | None = None
-    tokens: int = 0
-    reason: str | None = None
-    notices: list[str] = field(default_factory=list)
-    error: str | None = None
-    done: bool = False
-
-    def apply(self, event: Any) -> None:
-        if isinstance(event, Waiting):
-            self.ahead = event.ahead
-        elif isinstance(event, TokenEvent):
-            self.tokens += 1
-            if event.text:
-                if self.segments and self.segments[-1][1] is None:
-                    self.segments[-1] = (self.segments[-1][0] + event.text, None)
-                else:
-                    self.segments.append((event.text, None))
-        elif isinstance(event, RecallEvent):
-            recall = dataclasses.asdict(event)
-            self.recalls.append(recall)
-            self.segments.append(marker(recall))
-        elif isinstance(event, FinishEvent):
-            self.reason = event.reason
-        elif isinstance(event, Notice):
-            self.notices.append(event.text)
-        elif isinstance(event, Failed):
-            self.error = event.message
-
-    @property
-    def state(self) -> str:
-        if self.error:
-            state = f"⚠ {self.error}"
-        elif self.done:
-            state = {"interrupted": f"stopped after {self.tokens} tokens", "length": "done (max new tokens)",
-                     None: "stopped before it started"}.get(self.reason, "done")
-        elif self.ahead:
-            state = f"waiting: {self.ahead} ahead"
-        else:
-            state = f"generating… {self.tokens} tokens" if self.tokens else "reading the prompt…"
-        return " · ".join([state, *self.notices])
-
-
-def answer_segments(conv: Conversation, i: int) -> list[tuple[str, str | None]]:
-    """Stored assistant message `i` as highlight segments, memory markers at their positions."""
-    msg = conv.messages[i]
-    end = conv.messages[i + 1].start if i + 1 < len(conv.messages) else len(conv.ids)
-    decode = lambda a, b: conv.lm.tokenizer.decode(conv.ids[a:b], skip_special_tokens=True)  # noqa: E731
-    segments: list[tuple[str, str | None]] = []
-    cursor = msg.start
-    for recall in sorted(msg.recalls, key=lambda r: r["position"]):
-        if (text := decode(cursor, recall["position"])):
-            segments.append((text, None))
-        segments.append(marker(recall))
-        cursor = recall["position"] + 1
-    if (text := decode(cursor, end)):
-        segments.append((text, None))
-    return segments
-
-
-def user_message(text: str, images: Sequence[str]) -> dict:
-    content: list[Any] = [{"path": str(p)} for p in images]
-    if text:
-        content.append(text)
-    return {"role": "user", "content": content}
-
-
-def chat_messages(conv: Conversation | None, upto: int | None = None) -> list[dict]:
-    """The conversation (its first `upto` messages) as chat-window messages."""
-    if conv is None:
-        return []
-    out = []
-    for i, msg in enumerate(conv.messages[:upto]):
-        if msg.role == "user":
-            out.append(user_message(msg.text, msg.images))
-        else:
-            note = " _(stopped)_" if msg.finish_reason == "interrupted" else ""
-            out.append({"role": "assistant", "content": inline_text(answer_segments(conv, i)) + note})
-    return out
-
-
-RECALL_COLUMNS = ["turn", "position", "score", "memory", "text"]
-
-
-def recall_table(conv: Conversation | None, live: TurnView | None = None) -> pd.DataFrame:
-    """Every injection of the conversation (and of the answer being written): one row each."""
-    answers = [m.recalls for m in conv.messages if m.role == "assistant"] if conv is not None else []
-    if live is not None and not live.done:
-        answers.append(live.recalls)
-    rows = [(turn, r["position"], round(r["score"], 4), r["memory_index"], r.get("text") or "")
-            for turn, recalls in enumerate(answers, 1) for r in recalls]
-    return pd.DataFrame(rows, columns=RECALL_COLUMNS)
-
-
-def parse_ids(text: str) -> list[int]:
-    """`"3, 5-7"` -> [3, 5, 6, 7]."""
-    ids: list[int] = []
-    for part in filter(None, (p.strip() for p in re.split(r"[,\s]+", text or ""))):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if m is None:
-            raise ServiceError(f"{part!r} is not a memory id: give ids like 3, 5-7")
-        lo, hi = int(m[1]), int(m[2] or m[1])
-        if hi < lo or hi - lo > 100_000:
-            raise ServiceError(f"{part!r} is not a valid id range")
-        ids += range(lo, hi + 1)
-    if not ids:
-        raise ServiceError("give the ids of the memories to delete, e.g. 3, 5-7")
-    return ids
-
-
-GENERATION_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
-                     "no_repeat_ngram_size", "max_new_tokens", "seed")
-RECALL_FIELDS = {"recall_enabled": "enabled", "recall_top_k": "top_k", "recall_top_p": "top_p",
-                 "recall_temperature": "temperature", "recall_sampling": "use_sampling"}
-
-
-def request_settings(cfg: Config, values: Mapping[str, Any]) -> tuple[GenerationSettings, RecallSettings]:
-    """The config's settings with the UI's values; the engine's ValueError for an invalid combination."""
-    gen = {k: values[k] for k in GENERATION_FIELDS if k in values}
-    recall = {name: values[k] for k, name in RECALL_FIELDS.items() if k in values}
-    return dataclasses.replace(cfg.generation, **gen), dataclasses.replace(cfg.memory.autoregressive_recall, **recall)
 
 
 # --------------------------------------------------------------------------- sessions
+
+
+def _return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them in per-thread arenas otherwise, so a
+    server's RSS would never shrink after idle sessions' banks are freed)."""
+    libc = ctypes.util.find_library("c")
+    if libc:
+        try:
+            ctypes.CDLL(libc).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
 
 
 @dataclass(eq=False)
@@ -387,7 +71,11 @@ class Session:
     own_label: str = ""
     active: list[Request] = field(default_factory=list)  # the answers it runs or waits for
     last_speed: float | None = None
+    last_plot: tuple | None = None  # how the last answer was decoded: ("entropy" | "mixture", data...), see chat.view
+    last_note: str = ""  # the same in words, for the status line (the mixture's acceptance rate)
     lock: threading.Lock = field(default_factory=threading.Lock)  # the conversation; held for a whole turn
+    files: Path | None = None  # its own folder: saved conversations, banks, images of loaded conversations
+    last_used: float = field(default_factory=time.monotonic)
 
     def __deepcopy__(self, memo: dict) -> Session:
         return self  # a live handle: Gradio's State deep-copies initial values, this one must stay itself
@@ -414,20 +102,43 @@ class Service:
         self.cfg = cfg
         self._lm = lm
         self._loader = loader or (lambda: load_model(cfg.model.path, adapter=cfg.model.adapter,
-                                                     device=cfg.model.device, dtype=cfg.model.dtype))
-        self.shared_bank: MemoryVectorDB | None = None
-        self.shared_note = ""
-        self.example_bank: MemoryVectorDB | None = None
-        self.text_search = text_search or TextSearch()
+                                                     device=cfg.model.device, dtype=cfg.model.dtype,
+                                                     hidden_state=cfg.memory.hidden_state))
         self.files = Path(tempfile.mkdtemp(prefix="recall-chat-"))
+        self.limits = Limits(cfg.app.max_message_chars, cfg.app.max_input_tokens, cfg.app.max_new_tokens_cap,
+                             cfg.memory.max_memories_per_session)
         self._sessions = itertools.count(1)
+        self.sessions: dict[int, Session] = {}  # live sessions, freed on page close or after the idle TTL
+        self._closing = threading.Event()
+        self._janitor = threading.Thread(target=self._janitor_loop, name="recall-chat-janitor", daemon=True)
         self.worker = Worker()
+        self.banks = Banks(cfg, self.worker, self._model, self._wait_model, self.files, text_search)
         if lm is not None:
-            self._load_shared_bank(lm)
+            self.banks.load_shared(lm)
+        self._janitor.start()
 
     def close(self) -> None:
+        self._closing.set()
         self.worker.close()
         shutil.rmtree(self.files, ignore_errors=True)
+
+    def _janitor_loop(self) -> None:
+        ttl = self.cfg.app.session_ttl_s
+        while not self._closing.wait(min(5.0, ttl / 2)):
+            self.free_idle_sessions(ttl)
+
+    def free_idle_sessions(self, ttl: float) -> int:
+        """Free every session idle for more than `ttl` seconds with nothing running; how many."""
+        now = time.monotonic()
+        idle = [s for s in list(self.sessions.values())
+                if now - s.last_used > ttl and not any(not r.done.is_set() for r in s.active)]
+        for s in idle:
+            log.info("session %d idle for %.0f s: freed", s.id, now - s.last_used)
+            self.end_session(s)
+        if idle:
+            gc.collect()
+            _return_freed_memory()
+        return len(idle)
 
     # ----------------------------------------------------------------- the model
 
@@ -440,21 +151,9 @@ class Service:
         """The model, loaded on first use (on the worker thread only)."""
         if self._lm is None:
             lm = self._loader()
-            self._load_shared_bank(lm)
+            self.banks.load_shared(lm)
             self._lm = lm
         return self._lm
-
-    def _load_shared_bank(self, lm: LoadedModel) -> None:
-        path = self.cfg.memory.bank
-        if path is None:
-            return
-        try:
-            self.shared_bank = MemoryVectorDB.load(path, index=self.cfg.memory.index, expected_dim=lm.hidden_size,
-                                                   max_bytes=self.cfg.memory.max_upload_mb * 2 ** 20)
-            self.shared_note = Path(path).name
-        except (BankError, FileNotFoundError) as e:
-            self.shared_note = f"not loaded: {describe(e)}"
-            log.error("memory.bank %s: %s", path, self.shared_note)
 
     def ready(self) -> Request:
         """A request that loads the model (when not yet loaded); submit it from a handler to show progress."""
@@ -471,76 +170,131 @@ class Service:
     # ----------------------------------------------------------------- sessions
 
     def new_session(self) -> Session:
-        return Session(next(self._sessions))
+        s = Session(next(self._sessions))
+        s.files = self.files / f"session-{s.id}"
+        s.files.mkdir()
+        self.sessions[s.id] = s
+        return s
+
+    def touch(self, s: Session) -> None:
+        """The session is in use: it is not idle, and if it was freed it starts again, empty."""
+        s.last_used = time.monotonic()
+        if s.id not in self.sessions:
+            s.files = self.files / f"session-{s.id}"
+            s.files.mkdir(exist_ok=True)
+            self.sessions[s.id] = s
 
     def end_session(self, session: Session | None) -> None:
-        if isinstance(session, Session):
-            self.stop(session)
+        """A page closed or a session's time to live ran out: stop its work and free all it holds."""
+        if not isinstance(session, Session):
+            return
+        self.sessions.pop(session.id, None)
+        for req in self.stop(session):
+            req.done.wait(60)
+        with session.lock:
+            session.conv = None  # its KV cache and memory vectors
+            session.own_bank, session.bank_use = None, "shared"
+            session.active = []
+        shutil.rmtree(session.files, ignore_errors=True)
 
-    def bank(self, s: Session) -> MemoryVectorDB | None:
-        return {"shared": self.shared_bank, "example": self.example_bank, "own": s.own_bank}[s.bank_use]
-
-    def bank_label(self, s: Session) -> str:
-        if s.bank_use == "own":
-            return s.own_label
-        if s.bank_use == "example":
-            return "the example bank (shared)"
-        return f"the shared bank ({self.shared_note})" if self.cfg.memory.bank else "none"
-
-    def _conversation(self, s: Session) -> Conversation:
+    def conversation(self, s: Session) -> Conversation:
+        """The session's conversation (made on first use)."""
         if s.conv is None:
             s.conv = Conversation(self._model())
+        s.conv.prefill_chunk = self.cfg.app.prefill_chunk_tokens
         return s.conv
+
+    def _fit(self, conv: Conversation, text: str, images: Sequence[str], settings: GenerationSettings,
+             recall_first: bool) -> int:
+        """Make the conversation fit the limits with this message (drop the oldest turns when configured);
+        returns how many turns were dropped, or raises naming the limit and the size."""
+        context = max_positions(self._model().model) or 2 ** 31
+        budget = min(self.limits.max_input_tokens, context - settings.max_new_tokens)
+        dropped = 0
+        while (need := conv.length_with(text, images, recall_first)) > budget:
+            if self.cfg.app.context_overflow != "drop_oldest" or len(conv.messages) < 2:
+                raise ServiceError(
+                    f"the conversation would have {need} tokens with this message, over the limit of {budget} "
+                    f"(app.max_input_tokens={self.limits.max_input_tokens}, the model's context {context} minus "
+                    f"max_new_tokens={settings.max_new_tokens}): clear the conversation or send less")
+            conv.drop_oldest_turn()
+            dropped += 1
+        return dropped
 
     # ----------------------------------------------------------------- chatting
 
     def chat(self, s: Session, text: str, images: Sequence[str], settings: GenerationSettings,
              recall: RecallSettings, recall_first: bool = False) -> Turn:
         """Queue an answer to a new user message."""
-        text, images = (text or "").strip(), [str(p) for p in images or ()]
+        self.touch(s)
+        check_message(text, list(images or ()), self.limits)
+        check_new_tokens(settings.max_new_tokens, self.limits)
+        text, images = text.strip(), [str(p) for p in images or ()]
         if not text and not images:
             raise ServiceError("type a message (or attach an image)")
         history = chat_messages(s.conv)
 
         def run(interrupt: threading.Event) -> Iterator[Any]:
-            nonlocal recall_first
+            nonlocal recall_first, images
             with s.lock:
-                conv, bank = self._conversation(s), self.bank(s)
+                conv, bank = self.conversation(s), self.banks.of(s)
+                if images and not conv.lm.is_vision:
+                    message = text_only_message(conv.lm, len(images))
+                    if not text:
+                        raise ServiceError(f"{message}; there is no text to answer instead")
+                    yield Notice(f"{message}; answering the text alone")
+                    images = []
                 if recall_first and not (bank is not None and len(bank) and recall.enabled):
                     recall_first = False
                     yield Notice("recall first needs a memory bank and recall enabled; answering without")
-                events = conv.stream(text, images, settings, recall, bank, interrupt, recall_first)
-                try:
-                    first = next(events)
-                except TextOnlyModelError as e:
-                    if not text:
-                        raise ServiceError(f"{e}; there is no text to answer instead") from None
-                    yield Notice(f"{e}; answering the text alone")
-                    events = conv.stream(text, (), settings, recall, bank, interrupt, recall_first)
-                    first = next(events)
-                yield from self._answer(s, itertools.chain([first], events))
+                if not interrupt.is_set() and (dropped := self._fit(conv, text, images, settings, recall_first)):
+                    yield Notice(f"the conversation outgrew its limit: its {dropped} oldest turn(s) were dropped")
+                yield from self._answer(s, conv.stream(text, images, settings, recall, bank, interrupt, recall_first))
 
-        return self._start(s, Request("chat", run, s.id, text[:80]), history, user_message(text, images))
+        req = Request("chat", run, s.id, text[:80])
+        req.on_withdraw = lambda: self._record_unanswered(s, req)
+        return self._start(s, req, history, user_message(text, images))
+
+    @staticmethod
+    def _record_unanswered(s: Session, req: Request) -> None:
+        """A chat stopped while it waited: keep the user's message, with an empty stopped answer.
+        Its generator (which takes the session's lock) sees the set interrupt before touching the model,
+        so this runs off the worker."""
+        for _ in req.run(req.interrupt):
+            pass
 
     def regenerate(self, s: Session, settings: GenerationSettings, recall: RecallSettings) -> Turn:
         """Queue a new answer to the last user message, replacing the last answer."""
         conv = s.conv
         if conv is None or not conv.messages or conv.messages[-1].role != "assistant":
             raise ServiceError("there is no answer to regenerate yet")
+        check_new_tokens(settings.max_new_tokens, self.limits)
         history = chat_messages(conv, -1)
 
         def run(interrupt: threading.Event) -> Iterator[Any]:
             with s.lock:
-                yield from self._answer(s, conv.regenerate(settings, recall, self.bank(s), interrupt))
+                yield from self._answer(s, conv.regenerate(settings, recall, self.banks.of(s), interrupt))
 
         return self._start(s, Request("regenerate", run, s.id, "regenerate"), history, None)
 
     @staticmethod
     def _answer(s: Session, events: Iterator[Any]) -> Iterator[Any]:
-        """Forward a turn's events; note its speed."""
+        """Forward a turn's events; note its speed, and the picture of how it was decoded (entropy over
+        layers, or the mixture's α* per token)."""
+        s.last_plot, s.last_note = None, ""  # a failed turn shows nothing of the one before
         for event in events:
-            if isinstance(event, DoneEvent) and event.result.decode_seconds > 0:
-                s.last_speed = event.result.steps / event.result.decode_seconds
+            if isinstance(event, DoneEvent):
+                result = event.result
+                if result.decode_seconds > 0:
+                    s.last_speed = len(result.new_tokens[0]) / result.decode_seconds
+                tokens = lambda: [s.conv.lm.tokenizer.decode([t]) for t in result.new_tokens[0].tolist()]  # noqa: E731
+                if result.entropy is not None and result.entropy.entropies.shape[1]:
+                    s.last_plot = ("entropy", result.entropy.entropies[0].cpu().numpy(),
+                                   result.entropy.selected_layer_indices[0].tolist(), tokens(), result.entropy.mode)
+                elif isinstance(result, MixtureResult) and result.alphas:
+                    s.last_plot = ("mixture", list(result.alphas), tokens())
+                    s.last_note = (f"q*: acceptance {result.acceptance_rate:.0%}, {result.tokens_per_round:.2f} "
+                                   "tokens per verify" if result.drafted else "q*: direct")
             yield event
 
     def _start(self, s: Session, req: Request, history: list[dict], user: dict | None) -> Turn:
@@ -554,15 +308,11 @@ class Service:
         """
         req, view = turn.request, turn.view
         interval = 1.0 / self.cfg.app.ui_updates_per_second
-        loop = asyncio.get_running_loop()
         last, dirty = 0.0, False
         try:
             while not view.done:
                 timeout = max(0.0, last + interval - time.monotonic()) if dirty else None
-                try:
-                    event = await loop.run_in_executor(_WAITERS, req.events.get, True, timeout)
-                except queue.Empty:
-                    event = None
+                event = await self.worker.next_event(req, timeout)
                 while event is not None:
                     if event is END:
                         view.done = True
@@ -592,165 +342,43 @@ class Service:
         with s.lock:
             if s.conv is not None:
                 s.conv.clear()
+            s.last_plot, s.last_note = None, ""
 
     def save_conversation(self, s: Session) -> Path:
         with s.lock:
             if s.conv is None or not s.conv.messages:
                 raise ServiceError("there is no conversation to save yet")
             text = s.conv.to_json()
-        path = self.files / f"conversation-{s.id}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(text)
+        path = s.files / f"conversation-{s.id}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        atomic_write(path, lambda fh: fh.write(text.encode()))
         return path
 
     def load_conversation(self, s: Session, path: str | Path) -> None:
         lm = self._wait_model()
-        self.stop(s)
+        for req in self.stop(s):
+            req.done.wait(60)
+        name = Path(path).name
         try:
-            text = Path(path).read_text()
+            if Path(path).stat().st_size > self.cfg.memory.max_upload_mb * 2 ** 20:
+                raise ServiceError(f"{name}: expected at most {self.cfg.memory.max_upload_mb} MB")
+            text = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise ServiceError(f"could not read {Path(path).name}: {e}") from None
+            raise ServiceError(f"could not read {name}: {e}") from None
         with s.lock:
             conv = s.conv or Conversation(lm)
             try:
-                conv.load_json(text)
+                conv.load_json(text, s.files)
             except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-                raise ServiceError(f"{Path(path).name} is not a conversation this model can continue: "
-                                   f"{describe(e)}") from None
-            s.conv = conv
-
-    # ----------------------------------------------------------------- memory banks
-
-    def upload_bank(self, s: Session, path: str | Path) -> MemoryVectorDB:
-        """Make an uploaded file this session's bank; on any problem raise and keep the current one."""
-        lm = self._wait_model()
-        name = Path(path).name
-        if Path(path).suffix.lower() not in BANK_TYPES:
-            raise ServiceError(f"{name}: expected a memory bank file ending in .pt, .safetensors or .npy")
-        try:
-            db = MemoryVectorDB.load(path, index=self.cfg.memory.index, expected_dim=lm.hidden_size,
-                                     max_bytes=self.cfg.memory.max_upload_mb * 2 ** 20)
-        except BankError as e:
-            raise ServiceError(f"{e} (the model {lm.name} has hidden size {lm.hidden_size}); "
-                               "the current bank is kept") from None
-        s.own_bank, s.own_label, s.bank_use = db, f"your upload {name}", "own"
-        return db
-
-    def use_bank(self, s: Session, which: str) -> None:
-        if which not in ("shared", "example", "own"):
-            raise ServiceError(f"bank {which!r}: choose shared, example or own")
-        if which == "example" and self.example_bank is None:
-            raise ServiceError("the example bank is not built yet: press Build example bank")
-        if which == "own" and s.own_bank is None:
-            raise ServiceError("this session has no bank of its own: upload one or write memories")
-        s.bank_use = which
-
-    def build_example_bank(self, s: Session) -> Request:
-        """Queue building the example bank (once per server) and switching this session to it."""
-        def run(_: threading.Event) -> int:
-            if self.example_bank is None:
-                lines = [ln.strip() for ln in EXAMPLE_MEMORIES.read_text().splitlines() if ln.strip()]
-                db = MemoryVectorDB(self._model().hidden_size, self.cfg.memory.index)
-                db.add(self._encode_texts(lines), lines)
-                db.info = {**self.cfg.memory.hidden_state.as_dict(), "source": EXAMPLE_MEMORIES.name}
-                self.example_bank = db
-            s.bank_use = "example"
-            return len(self.example_bank)
-
-        return self.worker.submit(Request("build_example_bank", run, s.id))
-
-    def write_memories(self, s: Session, text: str, images: Sequence[str] = ()) -> Request:
-        """Queue encoding typed memories (one a line) and images, and adding them to this session's bank."""
-        lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
-        images = [str(p) for p in images or ()]
-        if not lines and not images:
-            raise ServiceError("type the memories to write, one a line (or attach images)")
-
-        def run(_: threading.Event) -> list[int]:
-            lm = self._model()
-            if images and not lm.is_vision:
-                raise ServiceError(f"{lm.name} reads text only: memories from images need a vision-language "
-                                   "model (Qwen3-VL); nothing was written")
-            parts = [self._encode_texts(lines)] if lines else []
-            parts += [self._encode_image(p) for p in tqdm(images, desc="encoding images", unit="image")]
-            texts = lines + [f"[image] {Path(p).name}" for p in images]
-            return self._writable_bank(s).add(torch.cat(parts), texts)
-
-        return self.worker.submit(Request("write_memories", run, s.id))
-
-    def delete_memories(self, s: Session, ids_text: str) -> Request:
-        ids = parse_ids(ids_text)
-        if self.bank(s) is None:
-            raise ServiceError("there is no bank to delete from")
-
-        def run(_: threading.Event) -> int:
-            try:
-                return self._writable_bank(s).remove(ids)
-            except KeyError as e:  # unknown ids: nothing was removed
-                raise ServiceError(e.args[0]) from None
-
-        return self.worker.submit(Request("delete_memories", run, s.id))
-
-    def _writable_bank(self, s: Session) -> MemoryVectorDB:
-        """This session's own bank; a shared one is copied first (worker thread only)."""
-        if s.bank_use != "own":
-            shared = self.bank(s)
-            if shared is None:
-                s.own_bank, s.own_label = (MemoryVectorDB(self._model().hidden_size, self.cfg.memory.index),
-                                           "your own bank (written here)")
-            else:
-                s.own_bank = shared.copy()
-                s.own_label = f"your copy of {self.bank_label(s)}"
-            s.bank_use = "own"
-        return s.own_bank
-
-    def _encode_texts(self, lines: list[str]) -> torch.Tensor:
-        lm = self._model()
-        return encode_texts(lm.model, lm.tokenizer, lines, self.cfg.memory.hidden_state, batch_size=8)
-
-    def _encode_image(self, path: str) -> torch.Tensor:
-        lm = self._model()
-        inputs = encode_with_images(lm.tokenizer, lm.image_processor, VISION_START + IMAGE_PAD + VISION_END, [path])
-        return encode_inputs(lm.model, inputs, self.cfg.memory.hidden_state)
-
-    def save_bank(self, s: Session, fmt: str = ".pt") -> Path:
-        db = self.bank(s)
-        if db is None or len(db) == 0:
-            raise ServiceError("there is no bank to download")
-        if fmt not in BANK_TYPES:
-            raise ServiceError(f"format {fmt!r}: choose one of {', '.join(BANK_TYPES)}")
-        path = self.files / f"memory-bank-{s.id}-{len(db)}{fmt}"
-        db.save(path)
-        return path
-
-    def find_memories(self, s: Session, query: str, top_k: int = 5) -> pd.DataFrame:
-        db = self.bank(s)
-        if db is None:
-            raise ServiceError("there is no bank to search: build the example bank or upload one")
-        hits = self.text_search.search(db, query, int(top_k))
-        return pd.DataFrame([(h["index"], round(h["score"], 4), h["text"]) for h in hits],
-                            columns=["memory", "similarity", "text"])
-
-    def bank_summary(self, s: Session) -> str:
-        db = self.bank(s)
-        where = self.bank_label(s)
-        if db is None:
-            return f"**Bank:** {where}. No memories: recall is off. Build the example bank or upload one."
-        index = f", {db.index} index" if db.index != "flat" else ""
-        return f"**Bank:** {where} · **{len(db)}** memories · dimension **{db.dim}**{index}"
-
-    def bank_sample(self, s: Session, count: int = 8) -> pd.DataFrame:
-        db = self.bank(s)
-        rows = db.entries(0, count) if db is not None else []
-        return pd.DataFrame([(e["index"], e["text"] or "", round(e["norm"], 2)) for e in rows],
-                            columns=["memory", "text", "norm"])
+                raise ServiceError(f"{name} is not a conversation this model can continue: {describe(e)}") from None
+            s.conv, s.last_plot, s.last_note = conv, None, ""
 
     # ----------------------------------------------------------------- the status line
 
     def status(self, s: Session, state: str = "") -> str:
+        self.touch(s)  # every handler renders the status line
         lm = self._lm
-        model = (f"**{lm.name}** · {lm.device}" if lm is not None
-                 else f"**{Path(self.cfg.model.path).name if self.cfg.model.path else EMBEDDED_NAME}** · loading…")
-        db = self.bank(s)
-        bank = f"bank: {len(db)} memories ({'own' if s.bank_use == 'own' else s.bank_use})" if db else "bank: none"
-        speed = f"last answer {s.last_speed:.1f} tokens/s" if s.last_speed else "no answer yet"
-        return " · ".join(filter(None, [model, bank, speed, state]))
+        if lm is None:
+            model = f"**{Path(self.cfg.model.path).name if self.cfg.model.path else EMBEDDED_NAME}** · loading…"
+        else:
+            model = f"**{lm.name}** · {lm.device}" + ("" if lm.recall_trained else " · recall untrained")
+        return status_line(model, self.banks.of(s), s.bank_use, s.last_speed, " · ".join(filter(None, [s.last_note, state])))

@@ -9,26 +9,35 @@ the previous turn covers the whole prefix and only the new tokens are prefilled.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
+from pydantic import ValidationError
 
-from chat.models import LoadedModel
-from chat.vision import IMAGE_PAD, encode_with_images
-from decoding.events import DoneEvent, Event, GenerationResult
+from chat.inputs import FORMAT, ConversationFile, check_conversation, decode_image, describe, encode_image, encode_vector
+from decoding.events import DoneEvent, Event, GenerationResult, RecallEvent
 from decoding.loop import stream_generate
+from decoding.memory import Recall
+from decoding.mixture import stream_mixture
 from decoding.settings import GenerationSettings, RecallSettings
+from models import LoadedModel
+from models.vision import IMAGE_PAD, encode_with_images
 
 _SENTINEL = "\u2063RECALL-CHAT-ANSWER\u2063"
+_USER = "\u2063RECALL-CHAT-USER\u2063"  # where the user's own text goes in the template
 
 
 class TextOnlyModelError(ValueError):
     """Images were attached for a model that reads text only."""
+
+
+def text_only_message(lm: LoadedModel, images: int) -> str:
+    return (f"{lm.name} reads text only: the {images} attached image(s) were not sent; "
+            "load a vision-language model (Qwen3-VL) to chat about images")
 
 
 @dataclass
@@ -36,7 +45,7 @@ class Message:
     role: str  # "user" | "assistant"
     text: str
     images: list[str] = field(default_factory=list)  # paths
-    recalls: list[dict] = field(default_factory=list)  # RecallEvent fields, for assistant turns
+    recalls: list[RecallEvent] = field(default_factory=list)  # the injections of an assistant turn
     finish_reason: str | None = None
     start: int = 0  # index in `Conversation.ids` where this message's tokens begin
 
@@ -50,12 +59,15 @@ def _content(msg: Message) -> Any:
 class Conversation:
     """State of one chat with one model. Not thread-safe: one request at a time."""
 
-    def __init__(self, lm: LoadedModel, system_prompt: str | None = None):
+    def __init__(self, lm: LoadedModel, system_prompt: str | None = None, prefill_chunk: int = 512):
         self.lm = lm
-        self.system_prompt = system_prompt
+        self.prefill_chunk = prefill_chunk  # tokens read per forward of a long prompt
         self.clear()
+        self.system_prompt = system_prompt
 
     def clear(self) -> None:
+        """Forget everything, the system prompt included."""
+        self.system_prompt = None
         self.messages: list[Message] = []
         self.ids: list[int] = []
         self.memory: dict[int, torch.Tensor] = {}
@@ -70,9 +82,10 @@ class Conversation:
         return self.lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def _delta_text(self, user: Message) -> str:
-        """The template text between the end of the last answer and the new generation prompt."""
+        """The template text between the end of the last answer and the new generation prompt
+        (with `_USER` where the user's own text goes)."""
         history = [{"role": m.role, "content": _content(m)} for m in self.messages]
-        new = {"role": "user", "content": _content(user)}
+        new = {"role": "user", "content": _content(Message("user", _USER, user.images))}
         if not history:
             return self._template([new], True)
         history[-1] = {"role": history[-1]["role"], "content": _SENTINEL}
@@ -86,14 +99,12 @@ class Conversation:
     def build_inputs(self, text: str, images: Sequence[str] = (), recall_first: bool = False) -> dict:
         """Append a user turn; return the model inputs for the whole conversation."""
         if images and not self.lm.is_vision:
-            raise TextOnlyModelError(
-                f"{self.lm.name} reads text only: the {len(images)} attached image(s) were not sent; "
-                "load a vision-language model (Qwen3-VL) to chat about images")
+            raise TextOnlyModelError(text_only_message(self.lm, len(images)))
         user = Message("user", text, [str(p) for p in images], start=len(self.ids))
-        delta = self._delta_text(user)
+        before, after = self._delta_text(user).split(_USER)
         tok = self.lm.tokenizer
         if self.lm.is_vision:
-            enc = encode_with_images(tok, self.lm.image_processor, delta, images)
+            enc = encode_with_images(tok, self.lm.image_processor, before, images)
             new_ids = enc["input_ids"][0].tolist()
             grids = enc.get("image_grid_thw")
             if grids is not None:
@@ -101,12 +112,57 @@ class Conversation:
                 for pv, grid in zip(enc["pixel_values"].split(counts), grids):
                     self.pixels.append((pv, grid[None]))
         else:
-            new_ids = tok(delta, add_special_tokens=False)["input_ids"]
+            new_ids = tok(before, add_special_tokens=False)["input_ids"]
+        # the user's text is text: a typed "<|im_start|>" or "<recall>" stays literal, never a control token
+        new_ids += tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        new_ids += tok(after, add_special_tokens=False)["input_ids"]
         if recall_first:
             new_ids = new_ids + [self.lm.tokens.recall]
         self.messages.append(user)
         self.ids = self.ids + new_ids
         return self.inputs()
+
+    def add_answer_text(self, text: str) -> None:
+        """An earlier answer given as text (an API client's history): its tokens, then end of turn."""
+        if not self.messages or self.messages[-1].role != "user":
+            raise ValueError("an assistant message must follow a user message")
+        tok = self.lm.tokenizer
+        start = len(self.ids)
+        self.ids = self.ids + tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        self.ids.append(tok.eos_token_id)
+        self.messages.append(Message("assistant", text, start=start, finish_reason="stop"))
+        self.cache = None
+
+    def length_with(self, text: str, images: Sequence[str] = (), recall_first: bool = False) -> int:
+        """How many tokens the conversation would have with this message added (nothing is changed)."""
+        saved = (self.messages, self.ids, self.pixels)
+        self.messages, self.pixels = list(self.messages), list(self.pixels)
+        try:
+            self.build_inputs(text, images, recall_first)
+            return len(self.ids)
+        finally:
+            self.messages, self.ids, self.pixels = saved
+
+    def drop_oldest_turn(self) -> None:
+        """Forget the oldest user message and its answer; the rest keeps its exact tokens and memories."""
+        if len(self.messages) < 2:
+            raise ValueError("there is no earlier turn to drop")
+        kept = self.messages[2:]
+        old_ids, old_memory = self.ids, self.memory
+        system = self.system_prompt
+        self.clear()
+        self.system_prompt = system
+        for i, m in enumerate(kept):
+            if m.role == "user":
+                self.build_inputs(m.text, m.images)
+                continue
+            end = kept[i + 1].start if i + 1 < len(kept) else len(old_ids)
+            shift = len(self.ids) - m.start
+            self.ids = self.ids + old_ids[m.start:end]
+            self.memory.update({p + shift: v for p, v in old_memory.items() if m.start <= p < end})
+            self.messages.append(Message("assistant", m.text, [], [
+                RecallEvent(r.row, r.position + shift, r.score, r.memory_index, r.text) for r in m.recalls],
+                m.finish_reason, m.start + shift))
 
     def inputs(self) -> dict:
         input_ids = torch.tensor([self.ids], dtype=torch.long)
@@ -152,16 +208,27 @@ class Conversation:
             if extra > 0:
                 self.cache.crop(-extra)
 
+    def recall(self, memory_db, settings: RecallSettings) -> Recall:
+        """The loop's recall context: this model's tokens, the bank, and its memory embedding."""
+        tokens = self.lm.tokens
+        embedding = self.lm.encoder.embedding if self.lm.encoder.trained else None
+        return Recall(tokens.recall, tokens.memory_pad, memory_db, settings, embedding)
+
     def _run(self, inputs, prompt_len, settings, recall, memory_db, interrupt_event) -> Iterator[Event]:
         past = self.cache if self.cache is not None and self.cache.get_seq_length() < prompt_len else None
         answer = Message("assistant", "", start=prompt_len)
         result: GenerationResult | None = None
         try:
-            for event in stream_generate(
-                self.lm.model, inputs, settings, recall=recall, recall_token_ids=self.lm.tokens.as_dict(),
-                memory_db=memory_db, tokenizer=self.lm.tokenizer, interrupt_event=interrupt_event,
-                past_key_values=past, memory_vectors=self.memory,
-            ):
+            common = dict(recall=self.recall(memory_db, recall), tokenizer=self.lm.tokenizer,
+                          interrupt=interrupt_event, memory_vectors=self.memory)
+            if settings.mixture.enabled:  # seed 003: q* of this model and its target (its own base by default)
+                target = self.lm.mixture_target(settings.mixture.target)
+                events = stream_mixture(self.lm.model, target, inputs, settings, settings.mixture,
+                                        prefill_chunk=self.prefill_chunk, **common)
+            else:
+                events = stream_generate(self.lm.merged(), inputs, settings, cache=past,
+                                         prefill_chunk=self.prefill_chunk, **common)
+            for event in events:
                 if isinstance(event, DoneEvent):
                     result = event.result
                 yield event
@@ -172,7 +239,7 @@ class Conversation:
                 self.memory = result.memory_vectors[0]
                 self.cache = result.cache
                 answer.text = self.lm.tokenizer.decode(self.ids[prompt_len:], skip_special_tokens=True)
-                answer.recalls = [asdict(r) for r in result.injections]
+                answer.recalls = list(result.injections)
                 answer.finish_reason = result.finish_reasons[0]
                 self.messages.append(answer)
             else:  # failed or abandoned before the end: forget the user turn's tokens
@@ -183,49 +250,41 @@ class Conversation:
     # ----------------------------------------------------------------- saving
 
     def to_json(self) -> str:
-        return json.dumps({
-            "format": "recall-chat/conversation-1",
-            "model": self.lm.name,
-            "system_prompt": self.system_prompt,
-            "messages": [asdict(m) for m in self.messages],
-            "ids": self.ids,
-            "memory": {str(p): _encode_tensor(v) for p, v in self.memory.items()},
-        })
+        """The conversation as a self-contained file: exact ids, memory vectors, images inline."""
+        messages = [{**asdict(m), "images": [encode_image(p) for p in m.images]} for m in self.messages]
+        return json.dumps({"format": FORMAT, "model": self.lm.name, "system_prompt": self.system_prompt,
+                           "messages": messages, "ids": self.ids,
+                           "memory": {str(p): encode_vector(v) for p, v in sorted(self.memory.items())}})
 
-    def load_json(self, text: str) -> None:
-        """Replace this conversation by a saved one (images are re-read from their paths)."""
-        data = json.loads(text)
-        if data.get("format") != "recall-chat/conversation-1":
-            raise ValueError(f"not a saved recall-chat conversation (format {data.get('format')!r})")
-        ids = [int(i) for i in data["ids"]]
-        memory = {int(p): _decode_tensor(v) for p, v in data.get("memory", {}).items()}
-        hidden = self.lm.hidden_size
-        for pos, vec in memory.items():
-            if vec.shape != (hidden,):
-                raise ValueError(f"saved memory at position {pos} has shape {tuple(vec.shape)}, "
-                                 f"the model's hidden size is {hidden}")
-            if not 0 <= pos < len(ids) or ids[pos] != self.lm.tokens.memory_pad:
-                raise ValueError(f"saved memory position {pos} does not hold <|memory_pad|>")
-        messages = [Message(**m) for m in data["messages"]]
-        pixels = []
-        for m in messages:
-            for path in m.images:
-                if not self.lm.is_vision:
-                    raise TextOnlyModelError(f"the conversation has images but {self.lm.name} reads text only")
-                if not Path(path).is_file():
-                    raise FileNotFoundError(f"image {path!r} of the saved conversation is missing")
-                enc = encode_with_images(self.lm.tokenizer, self.lm.image_processor, IMAGE_PAD, [path])
+    def load_json(self, text: str, image_dir: Path) -> None:
+        """Replace this conversation by a saved one, after every check has passed (else nothing changes).
+
+        Images come from the file itself and are written into `image_dir`; no path in a file is opened.
+        """
+        try:
+            data = ConversationFile.model_validate_json(text)
+        except ValidationError as e:
+            raise ValueError(describe(e)) from None
+        tok = self.lm.tokenizer
+        config = self.lm.model.config
+        context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+        memory = check_conversation(data, vocab=len(tok), context=context, memory_pad=self.lm.tokens.memory_pad,
+                                    hidden=self.lm.hidden_size)
+        images = [[decode_image(b, f"messages.{i}.images.{k}") for k, b in enumerate(m.images)]
+                  for i, m in enumerate(data.messages)]
+        if any(images) and not self.lm.is_vision:
+            raise TextOnlyModelError(f"the conversation has images but {self.lm.name} reads text only")
+        messages, pixels = [], []
+        for m, raws in zip(data.messages, images):
+            paths = []
+            for raw in raws:
+                path = Path(image_dir) / f"image-{uuid.uuid4().hex}.png"
+                path.write_bytes(raw)
+                paths.append(str(path))
+                enc = encode_with_images(tok, self.lm.image_processor, IMAGE_PAD, [path])
                 pixels.append((enc["pixel_values"], enc["image_grid_thw"]))
+            messages.append(Message(m.role, m.text, paths, [RecallEvent(**r.model_dump()) for r in m.recalls],
+                                    m.finish_reason, m.start))
         self.clear()
-        self.system_prompt = data.get("system_prompt")
-        self.messages, self.ids, self.memory, self.pixels = messages, ids, memory, pixels
-
-
-def _encode_tensor(t: torch.Tensor) -> str:
-    buf = io.BytesIO()
-    torch.save(t.detach().float().cpu().clone(), buf)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def _decode_tensor(s: str) -> torch.Tensor:
-    return torch.load(io.BytesIO(base64.b64decode(s)), weights_only=True, map_location="cpu")
+        self.system_prompt = data.system_prompt
+        self.messages, self.ids, self.memory, self.pixels = messages, list(data.ids), memory, pixels

@@ -32,9 +32,52 @@ class RecallEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillEvent:
+    """Prefill progress between chunks of a long prompt: `done` of `total` prompt tokens are in the cache."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
 class FinishEvent:
     row: int
     reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class LayerEvent:
+    """Entropy decoding (seed 002): the layer the token at `position` of `row` was decoded from.
+
+    Streamed right after that token's TokenEvent. Layers count 0 (first decoder layer) to L-1 (last);
+    `entropies[i]` is layer i's entropy in nats over its processed next-token distribution, and
+    `layer_token_ids[i]` the argmax of layer i's raw logits (with `entropy_record_tokens`, else None).
+    At a `<|memory_pad|>` position the token was forced by the recall, whatever the layer.
+    """
+
+    row: int
+    position: int
+    layer: int
+    entropies: tuple[float, ...]
+    layer_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class EntropyTrace:
+    """Entropy decoding's record over the generated positions (seed 002's outputs, stacked over steps).
+
+    Every row has a value at every step, also after it finished (its token is then padding).
+    """
+
+    mode: str  # "trough" | "random_after"
+    selected_layer_indices: torch.LongTensor  # [B, steps] the layer each step decoded from, 0..L-1
+    entropies: torch.Tensor  # [B, steps, L] entropy (nats) of each layer's processed distribution
+    per_layer_token_ids: torch.LongTensor | None = None  # [B, steps, L] argmax of each layer's raw logits
+    selected_token_ids: torch.LongTensor | None = None  # [B, steps] the tokens written (= the new tokens)
+
+    @property
+    def num_layers(self) -> int:
+        return self.entropies.shape[-1]
 
 
 @dataclass
@@ -45,11 +88,12 @@ class GenerationResult:
     injections: list[RecallEvent]
     # Every <|memory_pad|> position of each row (earlier turns' too) -> the vector fed there.
     memory_vectors: list[dict[int, torch.Tensor]]
-    cache: Any = None  # KV cache over sequences[:, :-1] (the last token is not yet forwarded)
+    cache: Any = None  # KV cache over a prefix of sequences: all but the last token, unless stopped in prefill
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     steps: int = 0
-    logits: torch.Tensor | None = None  # [B, steps, V] raw logits, with output_logits=True
+    logits: torch.Tensor | None = None  # [B, steps, V] raw logits (the selected layer's), with output_logits=True
+    entropy: EntropyTrace | None = None  # with settings.entropy_decoding
 
     @property
     def new_tokens(self) -> torch.LongTensor:
@@ -63,4 +107,4 @@ class DoneEvent:
     result: GenerationResult
 
 
-Event = TokenEvent | RecallEvent | FinishEvent | DoneEvent
+Event = TokenEvent | RecallEvent | PrefillEvent | FinishEvent | LayerEvent | DoneEvent

@@ -1,14 +1,15 @@
 """The generation loop with recall (seeds 000 and 001): prefill, then one token a step.
 
-Every step feeds the model `inputs_embeds` of shape [B, 1, H]: a token's own embedding, or, at
-a `<|memory_pad|>` position, the memory vector the memory head chose. A row recalls when its
-newest input token is `<recall>` (also when the prompt ends with one): the hidden state at that
-position is the query, the next token is forced to `<|memory_pad|>`, and the chosen vector is
-that position's input embedding in the next forward, on the same KV cache. Each `<recall>` is
-the newest input token exactly once, so it fires once (the seed's `recall_pending`).
+A row recalls when its newest input token is `<recall>` (also when the prompt ends with one): the
+hidden state at that position is the memory head's query, the next token is forced to
+`<|memory_pad|>`, and the chosen memory's embedding is that position's input in the next forward,
+on the same KV cache. Each `<recall>` is the newest input token exactly once, so it fires once
+(the seed's `recall_pending`).
 
-The step reads the device once (`tolist()` of the new tokens and the unfinished flags); the
-rest stays on the device.
+A step reads the device once (`tolist()` of the new tokens and the unfinished flags; entropy
+decoding reads its layer choice right after, for the `LayerEvent`s); the rest stays on the device.
+The request's state (cache, processors, rows) is built in `decoding/request.py`, entropy
+decoding's per-step work (seed 002) lives in `decoding/entropy.py`.
 """
 
 from __future__ import annotations
@@ -19,92 +20,54 @@ import time
 from typing import Iterator, Mapping, Sequence
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from decoding.events import DoneEvent, Event, FinishEvent, GenerationResult, RecallEvent, TokenEvent
-from decoding.memory import MemorySelector
-from decoding.modeling import backbone_and_head, check_bank_dim, unwrap_model
-from decoding.settings import GenerationSettings, RecallSettings, build_logits_processor, build_stopping_criteria
+from decoding.events import DoneEvent, Event, GenerationResult, PrefillEvent, RecallEvent, TokenEvent
+from decoding.forward import Forward, prefill_positions, vision_suffix
+from decoding.memory import MemorySelector, Recall
+from decoding.request import Request, Rows, prepare
+from decoding.sampling import sample
+from decoding.settings import GenerationSettings
 
 TOOL_CALL_END = "</tool_call>"
 log = logging.getLogger("decoding.loop")
 
 
-class Detokenizer:
-    """Incremental decoding of one row: each pushed token returns the text it completes."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = self.read = 0
-        self.tail = ""  # the last characters streamed, for stop markers
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        before = decode(self.ids[self.prefix:self.read])
-        after = decode(self.ids[self.prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            delta = after[len(before):]
-            self.tail = (self.tail + delta)[-64:]
-            return delta
-        return ""
-
-    @property
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+def _prefill_embeds(fwd: Forward, input_ids: torch.Tensor, past_len: int, rows: Rows,
+                    recall: Recall | None) -> torch.Tensor:
+    """Token embeddings of the uncached prompt [B, S, H], memory vectors at their <|memory_pad|> positions."""
+    emb = fwd.embed(input_ids[:, past_len:])
+    if recall is None and any(rows.memory):
+        raise ValueError("memory_vectors were given without recall=Recall(...): placing them needs the "
+                         "<|memory_pad|> id and the model's memory embedding")
+    for row, vectors in enumerate(rows.memory):
+        for pos, vec in vectors.items():
+            if int(input_ids[row, pos]) != recall.memory_pad_id:
+                raise ValueError(f"memory vector given for position {pos} of row {row}, which holds token "
+                                 f"{int(input_ids[row, pos])}, not <|memory_pad|>")
+            if pos >= past_len:
+                emb[row, pos - past_len] = recall.embed(vec[None], fwd.device, fwd.dtype)[0]
+    return emb
 
 
-def _as_list(ids) -> list[int]:
-    if ids is None:
-        return []
-    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
-
-
-def _per_row(memory_vectors, batch: int) -> list[dict[int, torch.Tensor]]:
-    if memory_vectors is None:
-        return [{} for _ in range(batch)]
-    if isinstance(memory_vectors, Mapping):
-        memory_vectors = [memory_vectors]
-    if len(memory_vectors) != batch:
-        raise ValueError(f"memory_vectors has {len(memory_vectors)} rows, the batch has {batch}")
-    return [dict(m) for m in memory_vectors]
-
-
-def _prefill_positions(backbone, inputs: dict, input_ids, attention_mask) -> torch.Tensor:
-    """Position ids of the whole prompt as `generate` builds them: [B, L], or [4, B, L] for mRoPE."""
-    if attention_mask is not None:
-        text = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # [B, L]
-    else:
-        text = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-    if not hasattr(backbone, "get_rope_index"):
-        return text
-    if inputs.get("image_grid_thw") is not None:
-        rope, _ = backbone.get_rope_index(
-            input_ids, mm_token_type_ids=inputs["mm_token_type_ids"].to(input_ids.device),
-            image_grid_thw=inputs["image_grid_thw"].to(input_ids.device), attention_mask=attention_mask)
-    else:
-        rope = text[None].expand(3, -1, -1)
-    return torch.cat([text[None], rope.to(text.dtype)], dim=0)  # [4, B, L]
-
-
-def _vision_suffix(inputs: dict, input_ids, past_len: int, device) -> dict:
-    """Vision kwargs for the images that lie after the cached prefix."""
-    grid = inputs.get("image_grid_thw")
-    if grid is None:
-        return {}
-    types = inputs["mm_token_type_ids"]
-    before = 0
-    if past_len:  # images wholly inside the cached prefix are already in the cache
-        prefix = types[:, :past_len].bool()
-        before = int((prefix[:, 1:] & ~prefix[:, :-1]).sum() + prefix[:, 0].sum())
-    if before == grid.shape[0]:
-        return {}
-    rows_before = int(grid[:before].prod(-1).sum())
-    return {"pixel_values": inputs["pixel_values"][rows_before:].to(device),
-            "image_grid_thw": grid[before:].to(device),
-            "mm_token_type_ids": types[:, past_len:].to(device)}
+def _recall(rows: Rows, recall_rows: list[int], hidden: torch.Tensor, selector: MemorySelector,
+            recall: Recall) -> tuple[dict[int, torch.Tensor], list[Event]]:
+    """The recall step: for each row whose newest input is <recall>, choose a memory for the next position."""
+    recalled: dict[int, torch.Tensor] = {}
+    events: list[Event] = []
+    for row in recall_rows:
+        if row in rows.held:  # the <recall> token is streamed together with its recall
+            token = rows.held.pop(row)
+            events.append(TokenEvent(row, token.token_id, token.position, rows.text(row, token.token_id)))
+        if recall.settings.debug:
+            log.info("[recall] row %d: newest input is <recall> (id %d) at position %d; its hidden state %s is "
+                     "the query", row, recall.recall_id, rows.cur - 1, tuple(hidden[row].shape))
+        choice = selector.choose(hidden[row])
+        recalled[row] = rows.memory[row][rows.cur] = recall.bank.vector(choice.index)
+        event = RecallEvent(row, rows.cur, choice.score, choice.index, recall.bank.text(choice.index))
+        rows.injections.append(event)
+        events.append(event)
+    return recalled, events
 
 
 def stream_generate(
@@ -112,221 +75,176 @@ def stream_generate(
     inputs: Mapping[str, torch.Tensor],
     settings: GenerationSettings = GenerationSettings(),
     *,
-    recall: RecallSettings = RecallSettings(),
-    recall_token_ids: Mapping[str, int] | None = None,
-    memory_db=None,
+    recall: Recall | None = None,
     tokenizer=None,
-    eos_token_id: int | Sequence[int] | None = None,
-    pad_token_id: int | None = None,
+    interrupt: threading.Event | None = None,
+    cache=None,
+    memory_vectors: Mapping[int, torch.Tensor] | Sequence[Mapping[int, torch.Tensor]] | None = None,
     logits_processor: LogitsProcessorList | None = None,
     stopping_criteria: StoppingCriteriaList | None = None,
-    interrupt_event: threading.Event | None = None,
-    past_key_values=None,
-    memory_vectors: Mapping[int, torch.Tensor] | Sequence[Mapping[int, torch.Tensor]] | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
     output_logits: bool = False,
+    prefill_chunk: int = 512,
 ) -> Iterator[Event]:
-    """Generate from `inputs` (`input_ids` [B, L], optional `attention_mask`, Qwen3-VL vision
-    kwargs), yielding token, recall and finish events, and a `DoneEvent` with the result last.
+    """Generate from `inputs` (`input_ids` [B, L], optional `attention_mask`, Qwen3-VL image kwargs),
+    yielding token, recall and finish events, and a `DoneEvent` with the result last.
 
-    `past_key_values` is a cache over a prefix of `input_ids` (an earlier turn): only the rest
-    is prefilled. `memory_vectors` maps `<|memory_pad|>` positions of the prompt to the vectors
-    injected there in earlier turns; they are placed again at prefill. `logits_processor`
-    replaces the list built from `settings`; `stopping_criteria` is added to the built one.
-    `output_logits` keeps each step's raw logits in the result (`logits`, [B, steps, V]).
+    `cache` covers a prefix of `input_ids` (an earlier turn): only the rest is prefilled.
+    `memory_vectors` maps `<|memory_pad|>` positions of the prompt to the vectors injected there in
+    earlier turns; they are placed again at prefill. `logits_processor` replaces the list built
+    from `settings`; `stopping_criteria` is added to the built one. `output_logits` keeps each
+    step's raw logits in the result (`logits`, [B, steps, V]). A long unpadded text prompt is
+    prefilled `prefill_chunk` tokens at a time, with a `PrefillEvent` and an interrupt check between
+    chunks, so a stop ends even a long prompt within one chunk.
+
+    With `settings.entropy_decoding` (seed 002, `decoding/entropy.py`) each step decodes from the
+    layer its entropy rule picks: a `LayerEvent` follows every `TokenEvent`, the result's `entropy`
+    holds the per-step record, and `logits` are the selected layer's. A caller's `logits_processor`
+    then scores [B*L] rows at once (each row's ids repeated per layer, row b*L + i is layer i).
     """
-    base = unwrap_model(model)
-    backbone, lm_head = backbone_and_head(model)
-    embed = base.get_input_embeddings()
-    param = next(base.parameters())
-    device, dtype = param.device, param.dtype
-
-    input_ids = inputs["input_ids"].to(device)  # [B, L]
-    batch, prompt_len = input_ids.shape
-    attention_mask = prompt_mask = inputs.get("attention_mask")
-    if attention_mask is not None:
-        attention_mask = attention_mask.to(device)
-        if bool(attention_mask.all()):
-            attention_mask = None  # no padding: let attention take the causal fast path
-    cache = past_key_values if past_key_values is not None else DynamicCache(config=base.config.get_text_config(decoder=True))
-    past_len = cache.get_seq_length()
-    if past_len >= prompt_len:
-        raise ValueError(f"the cache covers {past_len} tokens but the prompt has only {prompt_len}")
-    if past_len and attention_mask is not None:
-        raise ValueError("reusing a cache needs an unpadded prompt (batch of one)")
-
-    gen_config = base.generation_config
-    eos = _as_list(eos_token_id if eos_token_id is not None else gen_config.eos_token_id)
-    pad = pad_token_id if pad_token_id is not None else gen_config.pad_token_id
-    pad = pad if pad is not None else (eos[0] if eos else 0)
-
-    ids = recall_token_ids or {}
-    recall_id, pad_mem_id = ids.get("<recall>"), ids.get("<|memory_pad|>")
-    has_bank = memory_db is not None and len(memory_db) > 0
-    if has_bank:
-        check_bank_dim(base, memory_db.dim)
-    recall_on = recall.enabled and has_bank and recall_id is not None and pad_mem_id is not None
-    selector = MemorySelector(memory_db, recall) if recall_on else None
-
-    if settings.seed is not None:
-        torch.manual_seed(settings.seed)
-    if logits_processor is None:
-        negative = None
-        if settings.guidance_scale != 1 and settings.negative_prompt is not None:
-            if tokenizer is None:
-                raise ValueError("negative_prompt needs a tokenizer to be encoded")
-            negative = tokenizer(settings.negative_prompt, return_tensors="pt").input_ids.to(device)
-        logits_processor = build_logits_processor(
-            settings, eos_token_id=eos or None, prompt_ids=input_ids, device=device,
-            vocab_size=lm_head.weight.shape[0], model=model, negative_prompt_ids=negative,
-            attention_mask=None if prompt_mask is None else prompt_mask.to(device))
-    criteria = build_stopping_criteria(settings, prompt_length=prompt_len, eos_token_id=eos or None,
-                                       tokenizer=tokenizer)
-    if stopping_criteria:
-        criteria.extend(stopping_criteria)
-    has_eos = bool(eos)
-
-    max_len = prompt_len + settings.max_new_tokens
-    seq = torch.full((batch, max_len), pad, dtype=torch.long, device=device)  # [B, L + new]
-    seq[:, :prompt_len] = input_ids
-    mask = None
-    if attention_mask is not None:
-        mask = torch.ones((batch, max_len), dtype=attention_mask.dtype, device=device)
-        mask[:, :prompt_len] = attention_mask
-    memory = _per_row(memory_vectors, batch)
-    detok = [Detokenizer(tokenizer) for _ in range(batch)] if tokenizer is not None else None
-    reasons: list = [None] * batch
-    injections: list[RecallEvent] = []
-    if hasattr(backbone, "rope_deltas"):
-        backbone.rope_deltas = None  # per-request state of Qwen3-VL: never reuse a stale one
-
-    def finish(row: int, reason: str) -> FinishEvent:
-        reasons[row] = reason
-        return FinishEvent(row, reason)
-
-    t0 = time.perf_counter()
-    steps, cur = 0, prompt_len
-    if interrupt_event is not None and interrupt_event.is_set():  # stopped while waiting in a queue
-        for row in range(batch):
-            yield finish(row, "interrupted")
-        yield DoneEvent(GenerationResult(input_ids, prompt_len, reasons, [], memory, past_key_values))
+    req = prepare(model, inputs, settings, recall, tokenizer, cache, memory_vectors, logits_processor,
+                  stopping_criteria, eos_token_id, pad_token_id)
+    req.t0 = time.perf_counter()
+    if interrupt is not None and interrupt.is_set():  # stopped while waiting in a queue: the model is not touched
+        yield from req.stop_all()
+        yield DoneEvent(req.result())
         return
+    req.fwd.reset_request_state()
     try:
         with torch.no_grad():
-            # 1. prefill the uncached part of the prompt, memory vectors at their positions
-            emb = embed(input_ids[:, past_len:])  # [B, S, H]
-            for row, vectors in enumerate(memory):
-                for pos, vec in vectors.items():
-                    if pad_mem_id is not None and int(input_ids[row, pos]) != pad_mem_id:
-                        raise ValueError(f"memory vector given for position {pos} of row {row}, "
-                                         f"which holds token {int(input_ids[row, pos])}, not <|memory_pad|>")
-                    if pos >= past_len:
-                        emb[row, pos - past_len] = vec.to(device=device, dtype=dtype)
-            positions = _prefill_positions(backbone, inputs, input_ids, attention_mask)[..., past_len:]
-            out = backbone(inputs_embeds=emb, attention_mask=attention_mask, position_ids=positions,
-                           past_key_values=cache, use_cache=True,
-                           **_vision_suffix(inputs, input_ids, past_len, device))
-            hidden = out.last_hidden_state[:, -1]  # [B, H]
-            logits = lm_head(hidden).float()  # [B, V]
-            position = positions[..., -1:]  # [B, 1] or [4, B, 1]
-            last = input_ids[:, -1].tolist()
-            recall_rows = [r for r in range(batch) if recall_on and last[r] == recall_id]
-            unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-            alive = [True] * batch
-            prefill_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-
-            kept_logits: list[torch.Tensor] = []
-            held: dict[int, TokenEvent] = {}  # <recall> tokens waiting for their recall
-            while True:
-                if output_logits:
-                    kept_logits.append(logits)
-                # 2. the next token of every row
-                scores = logits_processor(seq[:, :cur], logits) if logits_processor else logits
-                if settings.do_sample:
-                    next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-                else:
-                    next_tokens = torch.argmax(scores, dim=-1)  # [B]
-
-                # 3. memory head for the rows whose newest input was <recall>: force <|memory_pad|>
-                recalled: dict[int, torch.Tensor] = {}
-                events: list[Event] = []
-                for row in recall_rows:
-                    if row in held:
-                        token = held.pop(row)
-                        text = detok[row].push(token.token_id) if detok is not None else ""
-                        events.append(TokenEvent(row, token.token_id, token.position, text))
-                    if recall.debug:
-                        log.info("[recall] row %d: newest input is <recall> (id %d) at position %d; "
-                                 "its hidden state %s is the query", row, recall_id, cur - 1, tuple(hidden[row].shape))
-                    choice = selector.choose(hidden[row])
-                    recalled[row] = memory_db.vector(choice.index)
-                    memory[row][cur] = recalled[row]
-                    event = RecallEvent(row, cur, choice.score, choice.index, memory_db.text(choice.index))
-                    injections.append(event)
-                    events.append(event)
-                    if recall.debug:
-                        log.info("[inject] row %d: <|memory_pad|> at position %d carries memory %d "
-                                 "(similarity %.4f); its vector is the input embedding of the next forward",
-                                 row, cur, choice.index, choice.score)
-                if recalled:
-                    next_tokens[list(recalled)] = pad_mem_id
-                if has_eos:
-                    next_tokens = torch.where(unfinished, next_tokens, pad)
-                seq[:, cur] = next_tokens
-                cur += 1
-                unfinished &= ~criteria(seq[:, :cur], scores)
-                tokens, still = torch.stack((next_tokens, unfinished.long())).tolist()  # the one sync
-                steps += 1
-
-                # 4. events, finish reasons; a <recall> token is streamed with its recall, next step
-                for row in range(batch):
-                    if not alive[row]:
-                        continue
-                    if recall_on and still[row] and tokens[row] == recall_id:
-                        held[row] = TokenEvent(row, tokens[row], cur - 1, "")
-                        continue
-                    text = detok[row].push(tokens[row]) if detok is not None else ""
-                    events.append(TokenEvent(row, tokens[row], cur - 1, text))
-                    if settings.early_stop_on_tool_call and detok is not None and TOOL_CALL_END in detok[row].tail:
-                        unfinished[row] = False
-                        still[row] = 0
-                        events.append(finish(row, "tool_call"))
-                    elif not still[row]:
-                        events.append(finish(row, _stop_reason(tokens[row], eos, cur, max_len, settings, t0)))
-                    alive[row] = bool(still[row])
-                yield from events
-                if not any(alive):
-                    break
-                if interrupt_event is not None and interrupt_event.is_set():
-                    if held:  # stopped right after <recall>: the recall never started, drop its token
-                        if batch == 1:
-                            cur -= 1
-                            cache.crop(-1)  # the cache covers all but the last token, as always
-                        else:
-                            seq[list(held), cur - 1] = pad
-                    for row in range(batch):
-                        if alive[row]:
-                            yield finish(row, "interrupted")
-                    break
-
-                # 5. forward the new tokens; memory vectors replace the <|memory_pad|> embeddings
-                recall_rows = [r for r in range(batch) if recall_on and alive[r] and tokens[r] == recall_id]
-                emb = embed(next_tokens[:, None])  # [B, 1, H]
-                for row, vec in recalled.items():
-                    emb[row, 0] = vec.to(device=device, dtype=dtype)
-                position = position + 1
-                out = backbone(inputs_embeds=emb, position_ids=position, past_key_values=cache, use_cache=True,
-                               attention_mask=None if mask is None else mask[:, :cur])
-                hidden = out.last_hidden_state[:, -1]  # [B, H]
-                logits = lm_head(hidden).float()  # [B, V]
+            start = yield from _prefill(req, inputs, interrupt, prefill_chunk)  # None: stopped between chunks
+            if start is not None:
+                yield from _decode(req, *start, interrupt, output_logits)
     finally:
-        if hasattr(backbone, "rope_deltas"):
-            backbone.rope_deltas = None
-    decode_s = time.perf_counter() - t1
-    yield DoneEvent(GenerationResult(
-        sequences=seq[:, :cur], prompt_length=prompt_len, finish_reasons=reasons, injections=injections,
-        memory_vectors=memory, cache=cache, prefill_seconds=prefill_s, decode_seconds=decode_s, steps=steps,
-        logits=torch.stack(kept_logits, dim=1) if output_logits else None))
+        req.fwd.reset_request_state()
+    yield DoneEvent(req.result())
+
+
+def _prefill(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: threading.Event | None,
+             prefill_chunk: int) -> Iterator[Event]:
+    """1. Prefill the uncached part of the prompt, memory vectors at their positions; returns (the last
+    position's state, its position ids), or None when a stop came between chunks (the cache keeps the prefix)."""
+    fwd, rows = req.fwd, req.rows
+    positions = prefill_positions(fwd.backbone, inputs, req.input_ids, req.attention_mask)[..., req.past_len:]
+    embeds = _prefill_embeds(fwd, req.input_ids, req.past_len, rows, req.recall)
+    vision = vision_suffix(inputs, req.past_len, fwd.device)
+    todo = embeds.shape[1]
+    chunk = todo if vision or req.attention_mask is not None else max(1, prefill_chunk)  # images stay whole
+    for start in range(0, todo, chunk):
+        end = min(todo, start + chunk)
+        hidden = fwd.prefill(embeds[:, start:end], positions[..., start:end], req.cache, req.attention_mask, vision,
+                             layers=req.entropy is not None and end == todo)
+        if end < todo:
+            yield PrefillEvent(req.past_len + end, req.prompt_len)
+            if interrupt is not None and interrupt.is_set():
+                yield from req.stop_all()
+                req.prefill_s = time.perf_counter() - req.t0
+                return None
+    req.prefill_s = time.perf_counter() - req.t0
+    return hidden, positions[..., -1:]  # [B, H] (entropy decoding: [B, L, H]), [B, 1] or [4, B, 1]
+
+
+def _next_scores(req: Request, hidden: torch.Tensor):
+    """(raw logits [B, V], processed scores [B, V], final-layer state [B, H], the entropy step or None).
+
+    With entropy decoding `hidden` holds every layer's state [B, L, H] and the scores are the chosen
+    layer's; the final layer's state stays the memory head's query.
+    """
+    seen = req.rows.seq[:, :req.rows.cur]
+    if req.entropy is None:
+        logits = req.fwd.logits(hidden)  # [B, V]
+        return logits, req.processors(seen, logits) if req.processors else logits, hidden, None
+    step = req.entropy.step(hidden, seen, req.processors)
+    return step.logits, step.scores, hidden[:, -1], step
+
+
+def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrupt: threading.Event | None,
+            output_logits: bool) -> Iterator[Event]:
+    """Steps 2-5, one token a row a step, until every row finished or a stop."""
+    rows, fwd, recall, entropy = req.rows, req.fwd, req.recall, req.entropy
+    t1 = time.perf_counter()
+    last = req.input_ids[:, -1].tolist()
+    recall_rows = [r for r in range(req.batch) if req.recall_on and last[r] == recall.recall_id]
+    unfinished = torch.ones(req.batch, dtype=torch.bool, device=fwd.device)
+    while True:
+        # 2. the next token of every row
+        logits, scores, hidden, layer_step = _next_scores(req, hidden)
+        if output_logits:
+            req.kept_logits.append(logits)
+        next_tokens = sample(scores, req.settings.do_sample)  # [B]
+
+        # 3. the recall step: rows whose newest input was <recall> get <|memory_pad|> and a memory
+        recalled, events = _recall(rows, recall_rows, hidden, req.selector, recall) if recall_rows else ({}, [])
+        if recalled:
+            next_tokens[list(recalled)] = recall.memory_pad_id
+        if req.eos:
+            next_tokens = torch.where(unfinished, next_tokens, req.pad)
+        rows.seq[:, rows.cur] = next_tokens
+        rows.cur += 1
+        unfinished &= ~req.criteria(rows.seq[:, :rows.cur], scores)
+        tokens, still = torch.stack((next_tokens, unfinished.long())).tolist()  # the one sync
+        req.steps += 1
+
+        # 4. events and finish reasons; a <recall> token is streamed with its recall, next step
+        alive = list(rows.alive)
+        events += _step_events(rows, tokens, still, unfinished, recall if req.recall_on else None, req.eos,
+                               req.limit, req.settings, req.t0)
+        if layer_step is not None:  # a LayerEvent after each token (one more host copy, after the sync)
+            events = entropy.annotate(events, layer_step, alive, rows.cur - 1)
+        yield from events
+        if not any(rows.alive):
+            break
+        if interrupt is not None and interrupt.is_set():
+            _drop_held(rows, req.cache, req.pad)
+            yield from req.stop_all()
+            break
+
+        # 5. forward the new tokens; memory embeddings replace the <|memory_pad|> embeddings
+        recall_rows = [r for r in range(req.batch) if req.recall_on and rows.alive[r] and tokens[r] == recall.recall_id]
+        emb = fwd.embed(next_tokens[:, None])  # [B, 1, H]
+        for row, vec in recalled.items():
+            emb[row, 0] = recall.embed(vec[None], fwd.device, fwd.dtype)[0]
+            if recall.settings.debug:
+                log.info("[inject] row %d: <|memory_pad|> at position %d carries memory %s; its embedding "
+                         "%s %s on %s is the input of this forward; the KV cache grows %d -> %d", row,
+                         rows.cur - 1, rows.injections[-1].memory_index, tuple(emb[row, 0].shape), emb.dtype,
+                         emb.device, rows.cur - 1, rows.cur)
+        position = position + 1
+        hidden = fwd.step(emb, position, req.cache, None if rows.mask is None else rows.mask[:, :rows.cur],
+                          layers=entropy is not None)
+    req.decode_s = time.perf_counter() - t1
+
+
+def _step_events(rows: Rows, tokens: list[int], still: list[int], unfinished: torch.Tensor, recall: Recall | None,
+                 eos: list[int], max_len: int, settings: GenerationSettings, t0: float) -> list[Event]:
+    """Token and finish events of one step, for the rows still running."""
+    events: list[Event] = []
+    for row, token in enumerate(tokens):
+        if not rows.alive[row]:
+            continue
+        if recall is not None and still[row] and token == recall.recall_id:
+            rows.held[row] = TokenEvent(row, token, rows.cur - 1, "")
+            continue
+        events.append(TokenEvent(row, token, rows.cur - 1, rows.text(row, token)))
+        if settings.early_stop_on_tool_call and rows.detok is not None and TOOL_CALL_END in rows.detok[row].tail:
+            unfinished[row] = False
+            events.append(rows.finish(row, "tool_call"))
+        elif not still[row]:
+            events.append(rows.finish(row, _stop_reason(token, eos, rows.cur, max_len, settings, t0)))
+    return events
+
+
+def _drop_held(rows: Rows, cache, pad: int) -> None:
+    """Stopped right after <recall>: the recall never started, so its token is dropped."""
+    if not rows.held:
+        return
+    if rows.seq.shape[0] == 1:
+        rows.cur -= 1
+        cache.crop(-1)  # the cache covers all but the last token, as always
+    else:
+        rows.seq[list(rows.held), rows.cur - 1] = pad
+    rows.held.clear()
 
 
 def _stop_reason(token: int, eos: list[int], cur: int, max_len: int, settings: GenerationSettings, t0: float) -> str:

@@ -1,76 +1,111 @@
-"""The memory head and memory embedding (seed 000, sections 4.3-4.4).
+"""The memory head and the memory embedding (seed 000).
 
-memory head: like `lm_head` over the memory bank: the `<recall>` hidden state is scored against
-every stored vector (cosine similarity = logits), then warped and sampled like token logits.
-memory embedding: the chosen vector becomes the input embedding of the `<|memory_pad|>` position.
+memory head: like `lm_head` over the memory bank. The `<recall>` hidden state is scored against
+the bank (cosine similarity = logits) through the bank's own search: exact by default, the FAISS
+approximate index when the bank has one (its top-k candidates are then the only ones the warpers
+see), then warped and sampled with the same `sample` as tokens.
+memory embedding: the chosen vector becomes the input embedding of the `<|memory_pad|>` position,
+through the model's memory projector when its recall training has one.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 
-from decoding.settings import RecallSettings, make_memory_warper
+from decoding.sampling import kept, sample
+from decoding.processors import make_memory_warper
+from decoding.settings import RecallSettings
 
 log = logging.getLogger("decoding.memory")
 
-
-def memory_head(query_vector: torch.Tensor, memory_db, debug: bool = False):
-    """Seed API: (logits over all memories [N], candidates best first) for one query [H]."""
-    candidates = memory_db.search(query_vector.detach().float().cpu(), top_k=len(memory_db), debug=debug)
-    logits = torch.tensor([c["score"] for c in candidates], dtype=torch.float32, device=query_vector.device)
-    return logits, candidates
+Embedding = Callable[[torch.Tensor], torch.Tensor]  # memory vectors [N, H] -> input embeddings [N, H]
 
 
-def memory_embedding(memory_vector: torch.Tensor, model, device=None, dtype=None) -> torch.Tensor:
-    """Seed API: a memory vector as a `[1, 1, H]` input embedding on the model's device and dtype."""
-    while memory_vector.dim() < 3:
-        memory_vector = memory_vector.unsqueeze(0)
-    if device is None or dtype is None:
-        param = next(model.parameters())
-        device = param.device if device is None else device
-        dtype = param.dtype if dtype is None else dtype
-    return memory_vector.to(device=device, dtype=dtype)
+@dataclass(frozen=True)
+class Recall:
+    """Everything the loop needs to recall and to place memories.
+
+    `bank` may be None or empty (recall is then off, but memories of earlier turns are still
+    placed at their `<|memory_pad|>` positions with `embedding`).
+    """
+
+    recall_id: int
+    memory_pad_id: int
+    bank: object = None  # a MemoryVectorDB
+    settings: RecallSettings = RecallSettings()
+    embedding: Embedding | None = None
+
+    @classmethod
+    def from_token_ids(cls, token_ids: Mapping[str, int], bank=None, settings: RecallSettings = RecallSettings(),
+                       embedding: Embedding | None = None) -> "Recall":
+        """From the seed's `recall_token_ids` mapping; a clear error when a token is missing."""
+        missing = [t for t in ("<recall>", "<|memory_pad|>") if token_ids.get(t) is None]
+        if missing:
+            raise ValueError(f"recall_token_ids has no id for {', '.join(missing)}: recall needs both <recall> "
+                             "(the trigger) and <|memory_pad|> (the position the memory is injected at)")
+        return cls(int(token_ids["<recall>"]), int(token_ids["<|memory_pad|>"]), bank, settings, embedding)
+
+    @property
+    def active(self) -> bool:
+        return self.settings.enabled and self.bank is not None and len(self.bank) > 0
+
+    def embed(self, vectors: torch.Tensor, device, dtype) -> torch.Tensor:
+        """Memory vectors [N, H] as input embeddings [N, H] on the model's device and dtype."""
+        vectors = vectors.to(device=device, dtype=torch.float32)
+        if self.embedding is not None:
+            vectors = self.embedding(vectors)
+        return vectors.to(dtype)
+
+
+def inject_memories(embeds: torch.Tensor, input_ids: torch.Tensor, pad_id: int,
+                    vectors: torch.Tensor) -> torch.Tensor:
+    """Memory embedding for a whole input: token embeddings [B, S, H] with the i-th `<|memory_pad|>`
+    (in row-major order) replaced by `vectors[i]` ([N, H]). Differentiable in `vectors`: training
+    injects memories with the same step the generation loop uses."""
+    where = input_ids == pad_id  # [B, S]
+    count = int(where.sum())
+    if count != vectors.shape[0]:
+        raise ValueError(f"the input has {count} <|memory_pad|> positions but {vectors.shape[0]} memory vectors "
+                         "were given: every <|memory_pad|> needs exactly one vector")
+    return embeds.masked_scatter(where[..., None], vectors.to(device=embeds.device, dtype=embeds.dtype))
 
 
 @dataclass(frozen=True, slots=True)
 class MemoryChoice:
-    index: int
-    score: float
+    index: int  # the memory's id in the bank
+    score: float  # its cosine similarity to the query
 
 
 class MemorySelector:
     """Scores a query against the bank and picks one memory, per the recall settings.
 
-    Only the top `recall.top_k` scores are fetched from the bank's exact search: the memory
-    top-k warper would set every other score to -inf, so this gives the same distribution as
-    warping all N scores (top_k=0 fetches all of them).
+    Only the top `recall.top_k` scores are fetched from the bank's search: the memory top-k
+    warper would set every other score to -inf, so with exact search this is the distribution of
+    warping all N scores (top_k=0 fetches all of them, exactly).
     """
 
     def __init__(self, memory_db, recall: RecallSettings):
         self.db = memory_db
         self.recall = recall
-        self.warper = make_memory_warper(recall) if recall.use_sampling else None
+        self.warper = make_memory_warper(recall)
 
     def scores(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scores [k], memory indices [k]) best first."""
-        k = self.recall.top_k or None
-        return self.db.topk(query.detach().float().cpu(), k)
+        """(scores [k], memory ids [k]) best first, from the bank's search."""
+        return self.db.topk(query.detach().float().cpu(), self.recall.top_k or None)
 
     def choose(self, query: torch.Tensor) -> MemoryChoice:
-        scores, indices = self.scores(query)  # [k], [k]
-        if self.warper is not None:
-            warped = self.warper(None, scores[None].clone())  # [1, k]
-            probs = torch.softmax(warped, dim=-1)
-            pick = int(torch.multinomial(probs, num_samples=1))
-        else:
-            pick = 0  # scores are sorted: greedy is the best
-        choice = MemoryChoice(index=int(indices[pick]), score=float(scores[pick]))
+        scores, ids = self.scores(query)  # [k], [k]
+        warped = self.warper(None, scores[None].clone()) if self.warper else scores[None]  # [1, k]
+        pick = int(sample(warped, self.recall.use_sampling)[0])
+        choice = MemoryChoice(index=int(ids[pick]), score=float(scores[pick]))
         if self.recall.debug:
-            log.info("[recall] query shape %s, %d candidates, top scores %s",
-                     tuple(query.shape), len(scores), [round(float(s), 4) for s in scores[:5]])
-            log.info("[recall] chose memory %d (candidate %d), similarity=%.4f%s", choice.index, pick,
-                     choice.score, f", p={float(probs[0, pick]):.4f}" if self.warper is not None else "")
+            log.info("[memory head] query %s %s on %s: %d candidates, scores %s", tuple(query.shape), query.dtype,
+                     query.device, len(scores), [(int(i), round(float(s), 4)) for s, i in zip(scores[:8], ids[:8])])
+            log.info("[memory head] %d kept after temperature/top-k/top-p; chose memory %d (candidate %d), "
+                     "similarity %.4f%s", int(kept(warped)[0]), choice.index, pick, choice.score,
+                     f", p={float(torch.softmax(warped, -1)[0, pick]):.4f}" if self.recall.use_sampling else "")
         return choice

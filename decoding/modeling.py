@@ -1,17 +1,25 @@
-"""What the loop needs to know about a transformers model: its backbone, head and embeddings."""
+"""What the loop needs to know about a transformers model, through transformers' own accessors.
+
+`base_model` is the backbone that returns the normalised `last_hidden_state` (LlamaModel,
+GPT2Model, Qwen3VLModel, ...), `get_output_embeddings()` the output head, `get_decoder()` the
+text decoder whose layer list the encoder and entropy decoding walk. `head_logits` applies the
+model's own final processing after the head (Gemma-2/3 soft-capping, logit scaling), exactly as
+its `forward` does, so the loop's logits equal `model(...).logits`.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under PEFT and (Distributed)DataParallel wrappers (seed 000, 4.1).
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model under PEFT and (Distributed)DataParallel wrappers.
 
     PEFT injects its adapter layers in place, so the unwrapped model still runs them.
     """
     while True:
-        if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
         elif hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
             model = model.get_base_model()
@@ -19,18 +27,64 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(backbone returning the normalised `last_hidden_state`, `lm_head`)."""
+def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(backbone returning the normalised `last_hidden_state`, output head)."""
     base = unwrap_model(model)
-    return base.model, base.get_output_embeddings()
+    backbone = base.base_model
+    if backbone is base:
+        raise ValueError(f"{type(base).__name__} has no separate backbone: expected a causal LM with a head "
+                         "(e.g. LlamaForCausalLM, GPT2LMHeadModel, Qwen3VLForConditionalGeneration)")
+    return backbone, base.get_output_embeddings()
 
 
-def hidden_size(model: torch.nn.Module) -> int:
-    config = unwrap_model(model).config
-    return getattr(config, "text_config", config).hidden_size
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The text decoder's list of layers (`layers` for most models, `h` for GPT-2)."""
+    decoder = unwrap_model(model).get_decoder()
+    for name in ("layers", "h", "block", "blocks"):
+        layers = getattr(decoder, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"cannot find the decoder layers of {type(decoder).__name__}: "
+                     "expected a ModuleList named layers, h, block or blocks")
 
 
-def check_bank_dim(model: torch.nn.Module, dim: int) -> None:
+def final_norm(model: nn.Module) -> nn.Module:
+    """The decoder's final norm (applied to the last layer's output before the head)."""
+    decoder = unwrap_model(model).get_decoder()
+    for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm"):
+        norm = getattr(decoder, name, None)
+        if isinstance(norm, nn.Module):
+            return norm
+    raise ValueError(f"cannot find the final norm of {type(decoder).__name__}")
+
+
+def head_logits(model: nn.Module, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [..., V] of normalised hidden states [..., H], with the model's final processing."""
+    logits = head(hidden).float()
+    config = unwrap_model(model).config.get_text_config(decoder=True)
+    scale = getattr(config, "logits_scaling", None)  # Granite divides
+    if scale:
+        logits = logits / scale
+    scale = getattr(config, "logit_scale", None)  # Cohere multiplies
+    if scale:
+        logits = logits * scale
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma-2/3
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def hidden_size(model: nn.Module) -> int:
+    return unwrap_model(model).config.get_text_config(decoder=True).hidden_size
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The model's context length (`max_position_embeddings`, `n_positions` for GPT-2), if it has one."""
+    config = unwrap_model(model).config.get_text_config(decoder=True)
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def check_bank_dim(model: nn.Module, dim: int) -> None:
     """Refuse a memory bank whose vectors do not fit the model's hidden size."""
     expected = hidden_size(model)
     if dim != expected:
@@ -38,3 +92,32 @@ def check_bank_dim(model: torch.nn.Module, dim: int) -> None:
             f"memory bank has vectors of dimension {dim}, but the model's hidden size is {expected}: "
             "build the bank with this model (or load the model the bank was built with)"
         )
+
+
+def is_peft(model: nn.Module) -> bool:
+    """A PEFT model (its adapter can be switched off)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def adapter_merged(model: nn.Module) -> bool:
+    """Whether a PEFT model's adapter is merged into its base weights (False for other models)."""
+    if not is_peft(model):
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(m.merged for m in model.modules() if isinstance(m, BaseTunerLayer))
+
+
+def set_adapter_merged(model: nn.Module, merged: bool) -> None:
+    """Merge a PEFT model's adapter into its base weights (inference at the base model's speed: PEFT's
+    trainable-tokens layer otherwise copies the whole embedding on every forward) or unmerge it (needed
+    to switch it off for one forward, as the two-model mixture does). Nothing for other models."""
+    if not is_peft(model):
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    states = [m.merged for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    if merged and not all(states):
+        model.merge_adapter()
+    elif not merged and any(states):
+        model.unmerge_adapter()

@@ -1,14 +1,12 @@
-"""Memory bank: hidden-state vectors in FAISS, their files, and writing them from texts.
+"""Memory bank: hidden-state vectors in FAISS, their files, and the encoder that writes them.
 
-Knows vectors and files only: nothing here imports the chat app or the UI.
+Knows vectors, models' hidden states and files only: nothing here imports the chat app or the UI.
 """
 
 from memory.bank import MemoryVectorDB
+from memory.encoder import HiddenStateSpec, MemoryEncoder, MemoryProjector, build_bank
 from memory.files import BankData, read_bank, write_bank
 from memory.validate import BankError
-from memory.writer import HiddenStateSpec, build_bank, encode_inputs, encode_texts
 
-__all__ = [
-    "BankData", "BankError", "HiddenStateSpec", "MemoryVectorDB",
-    "build_bank", "encode_inputs", "encode_texts", "read_bank", "write_bank",
-]
+__all__ = ["BankData", "BankError", "HiddenStateSpec", "MemoryEncoder", "MemoryProjector", "MemoryVectorDB",
+           "build_bank", "read_bank", "write_bank"]

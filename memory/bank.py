@@ -13,7 +13,7 @@ import torch
 
 from memory.ann import INDEXES, AnnConfig, AnnIndex
 from memory.files import BankData, read_bank, write_bank
-from memory.validate import as_query, check_labels, normalise, prepare_vectors
+from memory.validate import BankError, as_query, check_labels, normalise, prepare_vectors
 
 log = logging.getLogger("memory.bank")
 
@@ -183,17 +183,22 @@ class MemoryVectorDB:
     # ----------------------------------------------------------------------- reading
 
     def topk(self, query: Any, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact cosine top-k over all entries, whatever index is configured.
+        """The memory head's search: (scores float32 [k], ids int64 [k]) on the CPU, best first.
 
-        query: tensor (any dtype/device) or array, [D] or [1, D]. k=None (or k >= len) means all.
-        Returns (scores float32 [k], ids int64 [k]) on the CPU, best first.
+        Through the approximate index (HNSW/IVF) when the bank has one and 0 < k < len: its k
+        candidates are then the only ones returned. Otherwise exact cosine over all entries (one
+        BLAS matrix-vector product). query: tensor (any dtype/device) or array, [D] or [1, D];
+        k=None (or k >= len) means all, exactly.
         """
         snap = self._snap
         q = as_query(query, self._dim)
         if k is not None and k < 0:
             raise ValueError(f"k must be >= 0 or None, got {k}")
-        scores, rows = exact_topk(snap.normed, q, k)
-        return torch.from_numpy(scores), torch.from_numpy(snap.ids[rows])
+        if snap.ann is not None and k is not None and 0 < k < snap.n:
+            scores, rows = snap.ann.search(q, k, snap.n)
+        else:
+            scores, rows = exact_topk(snap.normed, q, k)
+        return torch.from_numpy(np.ascontiguousarray(scores, np.float32)), torch.from_numpy(snap.ids[rows])
 
     def search(self, query_vector: Any, top_k: int, debug: bool = False) -> list[dict[str, Any]]:
         """Best `top_k` entries (clamped to the bank size), best first, as dicts.
@@ -274,10 +279,21 @@ class MemoryVectorDB:
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, index: str = "flat", expected_dim: int | None = None,
-             max_bytes: int | None = None, **index_options: Any) -> "MemoryVectorDB":
-        """Read a bank file (see `memory.files`); every problem raises `BankError` naming the file."""
+             max_bytes: int | None = None, expected_encoder: str | None = None,
+             **index_options: Any) -> "MemoryVectorDB":
+        """Read a bank file (see `memory.files`); every problem raises `BankError` naming the file.
+
+        `expected_encoder`: the name of the encoder that must have written the bank. A bank that
+        records another encoder is refused (its vectors mean something else to this model); one
+        that records none (raw vectors from elsewhere) is accepted as it is.
+        """
         data = read_bank(path, max_bytes=max_bytes)
         source = os.path.basename(path)
+        written_by = data.info.get("encoder")
+        if expected_encoder is not None and written_by is not None and written_by != expected_encoder:
+            raise BankError(f"{source}: expected memories written by this model's encoder {expected_encoder!r}, "
+                            f"got a bank written by {written_by!r}; rebuild it from its texts with this model "
+                            "(python -m memory.cli build memories.txt bank.pt, or write them in the Memory tab)")
         raw, norms = prepare_vectors(data.vectors, expected_dim=expected_dim, source=source)
         db = cls(raw.shape[1], index, **index_options)
         db._append(raw, norms, data.texts, data.metadata, source)

@@ -155,8 +155,9 @@ def _describe(error: Exception) -> str:
     text = str(error)
     if "Weights only load failed" in text:  # torch's hint to retry unsafely must not reach a user
         found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", text)
-        what = f" ({found.group(1)})" if found else ""
-        return f"it holds Python objects{what} beyond tensors and plain containers; not loaded, nothing run"
+        if found:
+            return f"it holds Python objects ({found.group(1)}) beyond tensors and plain containers; not loaded, nothing run"
+        return "it is not a readable PyTorch file (corrupt, truncated or not a .pt at all); not loaded"
     return f"{type(error).__name__}: {(text.strip().splitlines() or [''])[0][:200]}"
 
 
@@ -188,16 +189,22 @@ _WRITERS: dict[str, Callable[[IO[bytes], BankData], None]] = {
 
 
 def write_bank(path: str | os.PathLike, data: BankData) -> None:
-    """Write atomically: a temporary file in the same folder, fsync, `os.replace`.
+    """Write a bank atomically (see `atomic_write`); the format follows the extension."""
+    writer = _WRITERS[_format(Path(path))]
+    atomic_write(path, lambda fh: writer(fh, data))
 
-    A crash or error at any point leaves the old file (if any) untouched and no temporary behind.
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Write a file atomically: a temporary file in the same folder, fsync, `os.replace`.
+
+    A crash or error at any point leaves the old file (if any) untouched and no temporary behind;
+    a `kill -9` leaves at most a hidden temporary, never a half-written file at `path`.
     """
     path = Path(path)
-    writer = _WRITERS[_format(path)]
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
-            writer(fh, data)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

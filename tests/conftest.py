@@ -21,8 +21,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3VLCo
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from chat.models import LoadedModel, embedded_model_dir, ensure_special_tokens, load_model
-from chat.vision import CHAT_TEMPLATE, IMAGE_PAD, VISION_END, VISION_START, load_image_processor
+from models import LoadedModel, embedded_model_dir, ensure_special_tokens, load_model
+from models.vision import CHAT_TEMPLATE, IMAGE_PAD, VISION_END, VISION_START, load_image_processor
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from gradio_client import Client, handle_file
 import app
 from chat.config import load_config
 from chat.service import Service
+from decoding.modeling import adapter_merged
 from memory import MemoryVectorDB
 from conftest import make_tiny_qwen3vl
 from tests_helpers import Evil, bank_file
@@ -23,9 +24,9 @@ pytestmark = pytest.mark.slow
 STATUS = 3  # chat outputs: chatbot, highlight, recall log, status, box
 
 
-def launch(demo, cfg) -> int:
+def launch(demo, service) -> int:
     """Start on a free port (Gradio scans from 7860 and skips ports taken meanwhile); return it."""
-    app.launch(demo, cfg, server_port=None, prevent_thread_lock=True, quiet=True)
+    app.launch(demo, service, server_port=None, prevent_thread_lock=True, quiet=True)
     return demo.server_port
 
 
@@ -34,7 +35,7 @@ def serve(lm, *overrides: str):
     cfg = load_config(overrides=["generation.max_new_tokens=12", *overrides], environ={})
     service = Service(cfg, lm)
     demo = app.build_demo(service)
-    port = launch(demo, cfg)
+    port = launch(demo, service)
     try:
         yield SimpleNamespace(url=f"http://127.0.0.1:{port}/", service=service, cfg=cfg)
     finally:
@@ -76,9 +77,9 @@ def last_text(outputs) -> str:
 def running_request(service: Service, label: str, timeout: float = 60):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        req = service.worker.current
-        if req is not None and req.label == label:
-            return req
+        for req in list(service.worker.running):
+            if req.label == label:
+                return req
         time.sleep(0.005)
     raise AssertionError(f"no request {label!r} ran")
 
@@ -126,24 +127,17 @@ def test_cancel_stops_the_server_side_loop(client, server):
     assert last_text((final[0][:2],)).endswith("_(stopped)_")
 
 
-def test_two_sessions_one_stops_the_other_finishes(server, tmp_path):
+def test_two_sessions_share_the_model_and_one_stop_stops_only_its_own(server, tmp_path):
     a = Client(server.url, verbose=False, download_files=str(tmp_path))
     b = Client(server.url, verbose=False, download_files=str(tmp_path))
     job_a = chat(a, "Session A: describe the ocean at length.", max_new_tokens=300)
     req_a = running_request(server.service, "Session A: describe the ocean at length.")
-    job_b = chat(b, "Session B: say hello.", max_new_tokens=6)
-    statuses_b = []
-    for out in job_b:
-        statuses_b.append(out[STATUS])
-        if "waiting: 1 ahead" in out[STATUS]:
-            break
-    assert any("waiting: 1 ahead" in s for s in statuses_b), statuses_b
+    final_b = list(chat(b, "Session B: say hello.", max_new_tokens=6))[-1]
+    assert "done" in final_b[STATUS] and last_text(final_b)  # b got its whole answer while a was writing
+    assert not req_a.done.is_set()
     assert "stopped after" in a.predict(api_name="/stop")
-    job_a.result(timeout=120), job_b.result(timeout=120)
-    final_a, final_b = job_a.outputs()[-1], job_b.outputs()[-1]
-    assert req_a.reason == "interrupted" and "stopped after" in final_a[STATUS]
-    assert "done" in final_b[STATUS] and "stopped" not in final_b[STATUS]
-    assert last_text(final_b)  # b got its whole answer
+    job_a.result(timeout=120)
+    assert req_a.reason == "interrupted" and "stopped after" in job_a.outputs()[-1][STATUS]
     reasons = {r.label: r.reason for r in server.service.worker.history}
     assert reasons["Session B: say hello."] in ("length", "stop")
     assert "nothing to stop" in b.predict(api_name="/stop")
@@ -212,7 +206,7 @@ def test_save_and_load_a_conversation(server, tmp_path):
     b = Client(server.url, verbose=False, download_files=str(tmp_path / "b"))
     chatbot, _, _, status = b.predict(handle_file(path), api_name="/load_conversation")
     assert "conversation loaded" in status and chatbot[0]["content"][0]["text"] == "Remember the word heron."
-    chatbot, _, _, status = b.predict(seed=None, max_new_tokens=4, api_name="/regenerate")
+    chatbot, _, _, status, _ = b.predict(seed=None, max_new_tokens=4, api_name="/regenerate")
     assert len(chatbot) == 2 and "done" in status
     chatbot, _, _, status, _ = b.predict(api_name="/clear")
     assert chatbot == [] and "cleared" in status
@@ -235,3 +229,58 @@ def test_a_vision_model_sees_the_attached_image(vl_server, tmp_path, small_image
     assert vl_server.service.worker.history[-1].steps >= 1
     md, *_ = c.predict("", [handle_file(str(small_image))], api_name="/write_memories")
     assert "**1** memories" in md and "dimension **64**" in md
+
+
+def test_a_page_load_copies_no_model_parameters(server, monkeypatch):
+    """Gradio deep-copies the page config on every page load: no prop may reach the model."""
+    import urllib.request
+
+    copies = []
+    original = torch.nn.Parameter.__deepcopy__
+    monkeypatch.setattr(torch.nn.Parameter, "__deepcopy__",
+                        lambda self, memo: copies.append(self.shape) or original(self, memo))
+    for _ in range(3):
+        with urllib.request.urlopen(server.url, timeout=30) as page:
+            assert page.status == 200 and b"recall chat" in page.read()
+        with urllib.request.urlopen(server.url + "config", timeout=30) as config:
+            assert config.status == 200
+    assert copies == [], f"a page load deep-copied {len(copies)} model parameters"
+
+
+def test_entropy_decoding_draws_its_picture_when_the_answer_ends(client, server):
+    outputs = list(chat(client, "Name a colour.", max_new_tokens=6, entropy_decoding="trough"))
+    assert all(o[4] == {"__type__": "update"} for o in outputs[:-1])  # nothing drawn while it streams
+    plot = outputs[-1][4]
+    assert plot["visible"] is True and plot["value"]["type"] == "matplotlib"
+    assert plot["value"]["plot"].startswith("data:image/")
+    assert "done" in outputs[-1][STATUS]
+    out = client.predict(message=message("Again."), seed=None, max_new_tokens=3, entropy_decoding="off",
+                         api_name="/chat")
+    assert out[4]["visible"] is False  # a plain answer has no entropy picture
+    with pytest.raises(Exception, match="'sideways'.* not in the list of choices"):  # Gradio checks the radio
+        client.predict(message=message("hi"), seed=None, entropy_decoding="sideways", api_name="/chat")
+    healthy = client.predict(message=message("hi"), seed=None, max_new_tokens=2, api_name="/chat")
+    assert "done" in healthy[STATUS]
+
+
+def test_mixture_answers_from_q_star_and_draws_alpha(client, server):
+    """The Mixture tab: q* of the model with its recall adapter (θ) and its base (t), drawn speculatively."""
+    assert server.service.lm.model.peft_config  # the embedded model comes with its adapter
+    outputs = list(chat(client, "Name a colour.", max_new_tokens=8, mixture=True, mixture_speculative=True,
+                        mixture_gamma=3))
+    final = outputs[-1]
+    assert "done" in final[STATUS] and "q*: acceptance" in final[STATUS]
+    assert final[4]["visible"] is True and final[4]["value"]["plot"].startswith("data:image/")
+    assert last_text(final)
+    fixed = client.predict(message=message("And another?"), seed=None, max_new_tokens=4, mixture=True,
+                           mixture_alpha=1.0, api_name="/chat")
+    assert "q*: direct" in fixed[STATUS]
+    fixed_sessions = [x for x in server.service.sessions.values() if x.last_note == "q*: direct"]
+    alphas = [a for a in fixed_sessions[0].last_plot[1] if a == a]  # (nan at a memory position)
+    assert len(fixed_sessions) == 1 and alphas and all(a == 1.0 for a in alphas)  # α fixed at 1: π_θ alone
+    clash = client.predict(message=message("hi"), seed=None, mixture=True, entropy_decoding="trough",
+                           api_name="/chat")
+    assert "mixture.enabled with entropy_decoding" in clash[STATUS]
+    plain = client.predict(message=message("hi"), seed=None, max_new_tokens=2, api_name="/chat")
+    assert "done" in plain[STATUS] and "q*" not in plain[STATUS] and plain[4]["visible"] is False
+    assert adapter_merged(server.service.lm.model)  # the plain loop has its merged (fast) model back

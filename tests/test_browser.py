@@ -86,8 +86,8 @@ def test_chat_with_an_image_stream_stop_upload_and_recall(page, vl_page_server, 
     first = len(bot_text(page))
     page.wait_for_function(f"(() => {{ const b = document.querySelectorAll('#chatbot .bot');"
                            f" return b.length && b[b.length - 1].innerText.length > {first + 20}; }})()")
-    req = service.worker.current
-    assert req is not None and req.kind == "chat" and not req.done.is_set()
+    req = next((r for r in service.worker.running if r.kind == "chat"), None)
+    assert req is not None and not req.done.is_set()
 
     # stop: the server-side loop ends, the partial answer stays
     page.locator("#message .stop-button").click()
@@ -119,3 +119,28 @@ def test_chat_with_an_image_stream_stop_upload_and_recall(page, vl_page_server, 
 
     hosts = {urlparse(u).netloc for u in page.requests if not u.startswith(("data:", "blob:"))}
     assert hosts == {urlparse(vl_page_server.url).netloc}, hosts
+
+
+def test_first_minute_with_the_trained_model(page, smollm2):
+    """The README's first minute on the embedded SmolLM2 with its recall adapter: build the example
+    bank, ask about Port Avel without "recall first"; the model recalls by itself, and the memory it
+    picks is the fact that answers the question."""
+    with serve(smollm2, "generation.max_new_tokens=32") as server:
+        page.goto(server.url)
+        page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
+        page.locator("#build-example").click()
+        page.wait_for_function("document.querySelector('#bank-info').innerText.includes('36 memories')")
+        seen = 0
+        for n, (question, memory) in enumerate([("Who keeps the lighthouse of Port Avel?",
+                                                 "Mira Castellan is the lighthouse keeper"),
+                                                ("What is the name of Mira's cat?", "Biscuit")], 1):
+            page.locator("#message textarea").fill(question)
+            page.locator("#message textarea").press("Enter")
+            page.wait_for_function(f"document.querySelectorAll('#chatbot .bot').length >= {n} && "
+                                   "document.querySelector('#status').innerText.includes('done')")
+            assert "⟨memory" in page.inner_text("#answer")  # recalled without being asked to
+            rows = page.locator("#recall-log tbody tr").all_inner_texts()
+            assert any(memory in row for row in rows[seen:]), rows  # and the memory it chose answers it
+            seen = len(rows)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "first_minute.png"), full_page=True)

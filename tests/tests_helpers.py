@@ -6,7 +6,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 def fresh_tiny_llama(like):
     """A tiny random Llama and a tokenizer WITHOUT the recall tokens (re-read from the SmolLM2 files)."""
-    from chat.models import embedded_model_dir
+    from models import embedded_model_dir
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     torch.manual_seed(1)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import os
 import threading
 import time
@@ -13,10 +12,13 @@ import pytest
 import torch
 
 from chat.config import load_config
-from chat.service import (
-    END, Failed, Notice, Request, Service, ServiceError, TurnView, Waiting, Worker, answer_segments, chat_messages,
-    inline_text, parse_ids, recall_table, request_settings,
+from chat.banks import parse_ids
+from chat.config import ConfigError, request_settings
+from chat.service import Service
+from chat.view import (
+    TurnView, answer_segments, bank_sample, bank_summary, chat_messages, found_table, inline_text, recall_table,
 )
+from chat.worker import END, Failed, Notice, Request, ServiceError, Waiting
 from chat.textsearch import TextSearch
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 from decoding.modeling import backbone_and_head
@@ -59,6 +61,11 @@ def result(req: Request, timeout: float = 60):
     return req.result
 
 
+def result_error(req: Request) -> str:
+    req.done.wait(10)
+    return req.error
+
+
 class Slow:
     """A forward hook on the backbone: sleeps each step, and calls `on_step(n)` after forward n."""
 
@@ -77,76 +84,6 @@ class Slow:
 
     def __exit__(self, *_):
         self.handle.remove()
-
-
-# --------------------------------------------------------------------------- the worker
-
-
-def test_worker_runs_in_order_and_reports_positions():
-    worker = Worker()
-    gate, order = threading.Event(), []
-    try:
-        blocker = worker.submit(Request("gate", lambda _: gate.wait(10)))
-        while worker.current is not blocker:
-            time.sleep(0.001)
-        reqs = [worker.submit(Request(f"r{i}", lambda _, i=i: order.append(i) or i)) for i in range(3)]
-        assert [r.events.get(timeout=5) for r in reqs] == [Waiting(1), Waiting(2), Waiting(3)]
-        gate.set()
-        assert [result(r) for r in reqs] == [0, 1, 2] and order == [0, 1, 2]
-        assert blocker.done.is_set()
-        # after the gate ended, every request was told when it moved up, down to 0 (running)
-        assert [e.ahead for e in drain(reqs[2])] == [2, 1, 0]
-    finally:
-        worker.close()
-
-
-def test_withdrawn_waiting_request_never_runs():
-    worker = Worker()
-    gate, ran = threading.Event(), []
-    try:
-        worker.submit(Request("gate", lambda _: gate.wait(10)))
-        req = worker.submit(Request("job", lambda _: ran.append(1)))
-        worker.withdraw(req)
-        assert req.done.is_set() and req.reason == "interrupted"
-        gate.set()
-        later = worker.submit(Request("later", lambda _: "ok"))
-        assert result(later) == "ok" and ran == []
-    finally:
-        worker.close()
-
-
-def test_requests_run_in_the_submitters_context():
-    """Gradio's progress bars follow tqdm through the handler's context variables: the worker keeps them."""
-    where = contextvars.ContextVar("where", default="worker")
-    worker = Worker()
-    try:
-        where.set("handler")
-        assert result(worker.submit(Request("ctx", lambda _: where.get()))) == "handler"
-    finally:
-        worker.close()
-
-
-def test_errors_become_messages_not_tracebacks():
-    worker = Worker()
-    try:
-        def boom(_):
-            raise ValueError("the bank has dimension 64, the model 576")
-
-        req = worker.submit(Request("boom", boom))
-        events = drain(req)
-        assert Failed("the bank has dimension 64, the model 576") in events
-        assert "Traceback" not in req.error
-        def crash(_):
-            return {}["missing"]
-
-        assert "missing" in result_error(worker.submit(Request("crash", crash)))
-    finally:
-        worker.close()
-
-
-def result_error(req: Request) -> str:
-    req.done.wait(10)
-    return req.error
 
 
 # --------------------------------------------------------------------------- chatting
@@ -178,7 +115,7 @@ def test_stop_ends_generation_within_one_step_and_keeps_the_text(service, tiny_l
             service.stop(s)
 
     with Slow(tiny_llama, on_step=on_step):
-        turn = service.chat(s, "Tell me a long story", [], GenerationSettings(max_new_tokens=500), NO_RECALL)
+        turn = service.chat(s, "Tell me a long story", [], GenerationSettings(max_new_tokens=400), NO_RECALL)
         result(turn.request)
     req = turn.request
     assert req.reason == "interrupted"
@@ -196,7 +133,7 @@ def test_stop_ends_generation_within_one_step_and_keeps_the_text(service, tiny_l
 @pytest.mark.parametrize("stop_after", [1, 2])
 def test_a_stop_in_the_middle_of_a_recall_leaves_nothing_half_done(service, tiny_llama, stop_after):
     s = service.new_session()
-    result(service.build_example_bank(s))
+    result(service.banks.build_example(s))
     recall_id, pad_id = tiny_llama.tokens.recall, tiny_llama.tokens.memory_pad
     always_recall = GenerationSettings(max_new_tokens=50, sequence_bias=[[[recall_id], 100.0]])
 
@@ -211,7 +148,7 @@ def test_a_stop_in_the_middle_of_a_recall_leaves_nothing_half_done(service, tiny
     if stop_after == 1:  # stopped after <recall>, before its memory: the <recall> is dropped
         assert generated == [] and answer.recalls == [] and s.conv.memory == {}
     else:  # stopped after the memory: the recall is whole
-        assert generated == [recall_id, pad_id] and [r["position"] for r in answer.recalls] == [answer.start + 1]
+        assert generated == [recall_id, pad_id] and [r.position for r in answer.recalls] == [answer.start + 1]
         assert sorted(s.conv.memory) == [answer.start + 1]
     assert s.conv.cache.get_seq_length() == len(s.conv.ids) - 1
     nxt = service.chat(s, "next", [], GenerationSettings(max_new_tokens=3), NO_RECALL)
@@ -219,23 +156,49 @@ def test_a_stop_in_the_middle_of_a_recall_leaves_nothing_half_done(service, tiny
     assert nxt.request.reason == "length"
 
 
-def test_one_sessions_stop_never_stops_another(service, tiny_llama):
+def test_sessions_share_the_model_and_one_sessions_stop_never_stops_another(service, tiny_llama):
     a, b = service.new_session(), service.new_session()
     with Slow(tiny_llama, seconds=0.002):
         ta = service.chat(a, "first", [], GenerationSettings(max_new_tokens=300), NO_RECALL)
-        tb = service.chat(b, "second", [], GenerationSettings(max_new_tokens=6), NO_RECALL)
-        assert tb.request.events.get(timeout=5) == Waiting(1)  # queued behind a's answer
-        assert service.stop(b) == [tb.request]  # b stops its own (waiting) request...
-        while ta.request.steps < 3:
+        while ta.request.steps < 2:
             time.sleep(0.005)
-        assert ta.request.done.is_set() is False  # ...a keeps going
-        tb2 = service.chat(b, "second again", [], GenerationSettings(max_new_tokens=6), NO_RECALL)
+        tb = service.chat(b, "second", [], GenerationSettings(max_new_tokens=6), NO_RECALL)
+        result(tb.request)  # b's short answer is written while a's long one goes on: they take turns
+        assert tb.request.reason == "length" and tb.request.steps == 6 and not ta.request.done.is_set()
+        tb2 = service.chat(b, "second again", [], GenerationSettings(max_new_tokens=300), NO_RECALL)
+        while tb2.request.steps < 2:
+            time.sleep(0.005)
+        assert service.stop(b) == [tb2.request]  # b stops its own answer...
+        result(tb2.request)
+        steps = ta.request.steps
+        while ta.request.steps < steps + 3:
+            time.sleep(0.005)
+        assert not ta.request.done.is_set()  # ...and a keeps going
         service.stop(a)
-        result(ta.request), result(tb2.request)
-    assert ta.request.reason == "interrupted"
-    assert tb.request.reason == "interrupted" and tb.request.started is None
-    assert tb2.request.reason == "length" and tb2.request.steps == 6
-    assert [m.role for m in b.conv.messages] == ["user", "assistant"]  # the withdrawn turn left nothing
+        result(ta.request)
+    assert ta.request.reason == "interrupted" and tb2.request.reason == "interrupted"
+    assert [m.role for m in b.conv.messages] == ["user", "assistant"] * 2
+
+
+def test_a_sessions_second_message_waits_and_a_stop_while_queued_keeps_it(service, tiny_llama):
+    s = service.new_session()
+    with Slow(tiny_llama, seconds=0.002):
+        first = service.chat(s, "first", [], GenerationSettings(max_new_tokens=300), NO_RECALL)
+        while first.request.steps < 2:
+            time.sleep(0.005)
+        second = service.chat(s, "second", [], GenerationSettings(max_new_tokens=6), NO_RECALL)
+        assert second.request.events.get(timeout=5) == Waiting(1)  # one session: one answer at a time
+        assert not second.request.started
+        assert service.stop(s) == [first.request, second.request]
+        result(first.request), result(second.request)
+    assert second.request.started is None and second.request.reason == "interrupted"
+    roles = [(m.role, m.text) for m in s.conv.messages]
+    assert roles[2] == ("user", "second") and roles[3] == ("assistant", "")  # kept, unanswered
+    assert s.conv.messages[3].finish_reason == "interrupted"
+    assert "(stopped)" in chat_messages(s.conv)[3]["content"]
+    nxt = service.chat(s, "third", [], GenerationSettings(max_new_tokens=3), NO_RECALL)
+    result(nxt.request)
+    assert nxt.request.reason == "length"
 
 
 def test_regenerate_replaces_the_last_answer(service):
@@ -262,7 +225,7 @@ def test_clear_and_save_load_conversation(service, tmp_path):
     assert other.conv.ids == s.conv.ids
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "something else"}')
-    with pytest.raises(ServiceError, match="not a conversation"):
+    with pytest.raises(ServiceError, match="not a conversation this model can continue: format"):
         service.load_conversation(other, bad)
     assert len(other.conv.messages) == 2  # untouched
     service.clear(s)
@@ -294,8 +257,8 @@ def test_vision_model_reads_images_and_writes_image_memories(tiny_qwen3vl, small
         assert turn.request.reason in ("length", "stop")
         assert s.conv.messages[0].images == [str(small_image)]
         assert chat_messages(s.conv)[0]["content"][0] == {"path": str(small_image)}
-        ids = result(svc.write_memories(s, "a gradient", [str(small_image)]))
-        db = svc.bank(s)
+        ids = result(svc.banks.write(s, "a gradient", [str(small_image)]))
+        db = svc.banks.of(s)
         assert ids == [0, 1] and db.dim == 64 and db.text(1) == "[image] gradient.png"
     finally:
         svc.close()
@@ -303,8 +266,8 @@ def test_vision_model_reads_images_and_writes_image_memories(tiny_qwen3vl, small
 
 def test_image_memories_need_a_vision_model(service, small_image):
     s = service.new_session()
-    assert "reads text only" in result_error(service.write_memories(s, "", [str(small_image)]))
-    assert service.bank(s) is None
+    assert "reads text only" in result_error(service.banks.write(s, "", [str(small_image)]))
+    assert service.banks.of(s) is None
 
 
 # --------------------------------------------------------------------------- recall and rendering
@@ -312,8 +275,8 @@ def test_image_memories_need_a_vision_model(service, small_image):
 
 def test_recall_first_injects_a_memory_and_the_view_matches_the_stored_answer(service):
     s = service.new_session()
-    assert result(service.build_example_bank(s)) == 36
-    assert s.bank_use == "example" and len(service.example_bank) == 36
+    assert result(service.banks.build_example(s)) == 36
+    assert s.bank_use == "example" and len(service.banks.example) == 36
     turn = service.chat(s, "Who keeps the lighthouse?", [], GREEDY, RecallSettings(), recall_first=True)
     view = TurnView()
     for e in drain(turn.request):
@@ -321,12 +284,12 @@ def test_recall_first_injects_a_memory_and_the_view_matches_the_stored_answer(se
     view.done = True
     label = view.segments[0][1]
     assert label is not None and label.startswith("memory ") and view.segments[0][0].startswith("⟨memory #")
-    assert view.recalls[0]["position"] == s.conv.messages[-1].start  # the first answer token
+    assert view.recalls[0].position == s.conv.messages[-1].start  # the first answer token
     assert answer_segments(s.conv, 1) == view.segments
-    assert inline_text(view.segments).startswith(f"`⟨memory #{view.recalls[0]['memory_index']} · ")
+    assert inline_text(view.segments).startswith(f"`⟨memory #{view.recalls[0].memory_index} · ")
     table = recall_table(s.conv)
     assert list(table.columns) == ["turn", "position", "score", "memory", "text"]
-    assert table.iloc[0]["memory"] == view.recalls[0]["memory_index"] and table.iloc[0]["text"]
+    assert table.iloc[0]["memory"] == view.recalls[0].memory_index and table.iloc[0]["text"]
 
 
 def test_recall_first_without_a_bank_says_so(service):
@@ -378,9 +341,9 @@ def test_follow_batches_updates_and_stops_the_request_when_abandoned(tiny_llama,
             assert len(stamps) < 40
             gaps = [b[0] - a[0] for a, b in zip(stamps[:-2], stamps[1:-1])]  # the last one is sent at once
             assert min(gaps, default=1) >= 0.1 * 0.9
-            turn, stamps = asyncio.run(consume(2000, abandon_after=2))
+            turn, stamps = asyncio.run(consume(400, abandon_after=2))
             result(turn.request)
-        assert turn.request.reason == "interrupted" and turn.request.steps < 2000
+        assert turn.request.reason == "interrupted" and turn.request.steps < 400
     finally:
         svc.close()
 
@@ -390,16 +353,23 @@ def test_follow_batches_updates_and_stops_the_request_when_abandoned(tiny_llama,
 
 def test_request_settings_take_the_ui_values_and_raise_the_engine_message():
     cfg = config()
-    gen, rec = request_settings(cfg, {"temperature": 0.5, "top_k": 7, "seed": 3, "recall_top_k": 2,
-                                      "recall_sampling": True, "message": "ignored"})
+    gen, rec = request_settings(cfg, {"generation.temperature": 0.5, "generation.top_k": 7, "generation.seed": 3,
+                                      "recall.top_k": 2, "recall.use_sampling": True})
     assert (gen.temperature, gen.top_k, gen.seed, gen.max_new_tokens) == (0.5, 7, 3, 8)
     assert (rec.top_k, rec.use_sampling) == (2, True)
     with pytest.raises(ValueError, match="temperature is 0.0 with do_sample=True"):
-        request_settings(cfg, {"do_sample": True, "temperature": 0.0})
+        request_settings(cfg, {"generation.do_sample": True, "generation.temperature": 0.0})
     with pytest.raises(ValueError, match="typical_p is 0.0"):
-        request_settings(cfg, {"typical_p": 0.0})
+        request_settings(cfg, {"generation.typical_p": 0.0})
     with pytest.raises(ValueError, match="temperature is 0.0 with use_sampling=True"):
-        request_settings(cfg, {"recall_sampling": True, "recall_temperature": 0.0})
+        request_settings(cfg, {"recall.use_sampling": True, "recall.temperature": 0.0})
+    gen, _ = request_settings(cfg, {"mixture.enabled": True, "mixture.alpha": 0.25, "generation.top_k": 3})
+    assert (gen.mixture.enabled, gen.mixture.alpha, gen.mixture.gamma, gen.top_k) == (True, 0.25, 4, 3)
+    with pytest.raises(ValueError, match="mixture alpha is 1.5"):
+        request_settings(cfg, {"mixture.alpha": 1.5})
+    for misspelt in ("generation.temprature", "temperature", "recall.topk", "memory.top_k", "mixture.gama"):
+        with pytest.raises(ConfigError, match="unknown setting"):
+            request_settings(cfg, {misspelt: 0.5})
 
 
 def test_parse_ids():
@@ -419,9 +389,9 @@ def test_upload_bank_and_refusals_keep_the_current_bank(tmp_path, tiny_llama, te
     try:
         s = svc.new_session()
         for ext in (".pt", ".safetensors", ".npy"):
-            db = svc.upload_bank(s, bank_file(tmp_path / f"good{ext}", 64))
-            assert len(db) == 3 and svc.bank(s) is db and s.bank_use == "own"
-        current = svc.bank(s)
+            db = svc.banks.upload(s, bank_file(tmp_path / f"good{ext}", 64))
+            assert len(db) == 3 and svc.banks.of(s) is db and s.bank_use == "own"
+        current = svc.banks.of(s)
         marker = tmp_path / "pwned"
         torch.save({"embeddings": Evil(marker)}, tmp_path / "evil.pt")
         (tmp_path / "corrupt.pt").write_bytes(os.urandom(2000))
@@ -434,9 +404,9 @@ def test_upload_bank_and_refusals_keep_the_current_bank(tmp_path, tiny_llama, te
                  tmp_path / "bank.txt": "expected a memory bank file"}
         for path, message in cases.items():
             with pytest.raises(ServiceError, match=message) as info:
-                svc.upload_bank(s, path)
+                svc.banks.upload(s, path)
             assert "Traceback" not in str(info.value)
-            assert svc.bank(s) is current and len(current) == 3
+            assert svc.banks.of(s) is current and len(current) == 3
         assert not marker.exists()
     finally:
         svc.close()
@@ -447,48 +417,48 @@ def test_config_bank_is_shared_and_a_bad_one_is_reported(tmp_path, tiny_llama, t
     svc = Service(config(f"memory.bank={good}"), tiny_llama, text_search=text_search)
     try:
         a, b = svc.new_session(), svc.new_session()
-        assert svc.bank(a) is svc.bank(b) is svc.shared_bank and len(svc.shared_bank) == 5
-        assert "shared bank (shared.pt)" in svc.bank_summary(a)
+        assert svc.banks.of(a) is svc.banks.of(b) is svc.banks.shared and len(svc.banks.shared) == 5
+        assert "shared bank (shared.pt)" in bank_summary(svc.banks.of(a), svc.banks.label(a))
     finally:
         svc.close()
     bad = bank_file(tmp_path / "wide.pt", 32)
     svc = Service(config(f"memory.bank={bad}"), tiny_llama, text_search=text_search)
     try:
-        assert svc.shared_bank is None and "not loaded" in svc.shared_note and "dimension 64" in svc.shared_note
+        assert svc.banks.shared is None and "not loaded" in svc.banks.shared_note and "dimension 64" in svc.banks.shared_note
     finally:
         svc.close()
 
 
 def test_writes_and_deletes_copy_a_shared_bank_first(service):
     a, b = service.new_session(), service.new_session()
-    result(service.build_example_bank(a))
-    result(service.build_example_bank(b))
-    example = service.example_bank
-    ids = result(service.write_memories(a, "Mira's boat is called the Heron.\n\n  The Heron is green.  "))
-    assert ids == [36, 37] and a.bank_use == "own" and len(service.bank(a)) == 38
-    assert len(example) == 36 and service.bank(b) is example  # b and the example bank are untouched
-    assert service.bank(a).text(37) == "The Heron is green."
-    assert result(service.delete_memories(b, "0-2")) == 33
+    result(service.banks.build_example(a))
+    result(service.banks.build_example(b))
+    example = service.banks.example
+    ids = result(service.banks.write(a, "Mira's boat is called the Heron.\n\n  The Heron is green.  "))
+    assert ids == [36, 37] and a.bank_use == "own" and len(service.banks.of(a)) == 38
+    assert len(example) == 36 and service.banks.of(b) is example  # b and the example bank are untouched
+    assert service.banks.of(a).text(37) == "The Heron is green."
+    assert result(service.banks.delete(b, "0-2")) == 33
     assert len(example) == 36 and b.bank_use == "own"
-    assert "not in the bank" in result_error(service.delete_memories(b, "999"))
+    assert "not in the bank" in result_error(service.banks.delete(b, "999"))
     with pytest.raises(ServiceError, match="no bank"):
-        service.delete_memories(service.new_session(), "1")
+        service.banks.delete(service.new_session(), "1")
     with pytest.raises(ServiceError, match="type the memories"):
-        service.write_memories(a, " \n ")
+        service.banks.write(a, " \n ")
 
 
 def test_write_into_no_bank_creates_an_own_bank_then_find_and_save(service, tmp_path):
     s = service.new_session()
-    assert "No memories" in service.bank_summary(s)
-    result(service.write_memories(s, "The cat sleeps on the stairs.\nThe ferry leaves at seven.\nBread on Tuesday."))
-    assert "**3** memories" in service.bank_summary(s) and "your own bank" in service.bank_summary(s)
-    found = service.find_memories(s, "a sleeping kitten", 2)
+    assert "No memories" in bank_summary(service.banks.of(s), service.banks.label(s))
+    result(service.banks.write(s, "The cat sleeps on the stairs.\nThe ferry leaves at seven.\nBread on Tuesday."))
+    assert "**3** memories" in bank_summary(service.banks.of(s), service.banks.label(s)) and "your own bank" in bank_summary(service.banks.of(s), service.banks.label(s))
+    found = found_table(service.banks.find(s, "a sleeping kitten", 2))
     assert list(found.columns) == ["memory", "similarity", "text"] and found.iloc[0]["text"].startswith("The cat")
-    path = service.save_bank(s, ".safetensors")
+    path = service.banks.save(s, ".safetensors")
     assert len(MemoryVectorDB.load(path)) == 3
-    assert list(service.bank_sample(s)["memory"]) == [0, 1, 2]
+    assert list(bank_sample(service.banks.of(s))["memory"]) == [0, 1, 2]
     with pytest.raises(ServiceError, match="no bank to search"):
-        service.find_memories(service.new_session(), "cat")
+        service.banks.find(service.new_session(), "cat")
 
 
 # --------------------------------------------------------------------------- model loading

@@ -3,6 +3,8 @@ import threading
 import pytest
 import torch
 
+from decoding.memory import Recall
+
 from chat.session import Conversation, TextOnlyModelError
 from decoding import DoneEvent, GenerationSettings, RecallEvent, RecallSettings, TokenEvent, generate
 from memory import MemoryVectorDB
@@ -32,7 +34,7 @@ def test_memory_recalled_in_turn_one_is_still_seen_in_turn_three(tiny_llama, ban
     p = recall.position
     assert conv.ids[p] == lm.tokens.memory_pad and conv.ids[p - 1] == lm.tokens.recall
     torch.testing.assert_close(conv.memory[p], bank.vector(recall.memory_index))
-    assert conv.messages[-1].recalls[0]["position"] == p
+    assert conv.messages[-1].recalls[0].position == p
 
     ids_after_1 = list(conv.ids)
     run(conv, "And then?", settings=GREEDY, memory_db=bank)
@@ -49,12 +51,13 @@ def test_memory_recalled_in_turn_one_is_still_seen_in_turn_three(tiny_llama, ban
     start = conv.messages[-1].start
     prompt = {"input_ids": torch.tensor([conv.ids[:start]])}
     fresh = generate(lm.model, prompt, GenerationSettings(max_new_tokens=6), memory_vectors={p: conv.memory[p]},
-                     recall_token_ids=lm.tokens.as_dict(), memory_db=bank, eos_token_id=lm.tokenizer.eos_token_id)
+                     recall=Recall(lm.tokens.recall, lm.tokens.memory_pad, bank), eos_token_id=lm.tokenizer.eos_token_id)
     assert fresh.new_tokens[0].tolist() == turn3
     without = generate(lm.model, prompt, GenerationSettings(max_new_tokens=6), output_logits=True,
                        eos_token_id=lm.tokenizer.eos_token_id)
     with_memory = generate(lm.model, prompt, GenerationSettings(max_new_tokens=6), output_logits=True,
-                           memory_vectors={p: conv.memory[p]}, eos_token_id=lm.tokenizer.eos_token_id)
+                           memory_vectors={p: conv.memory[p]}, recall=Recall(lm.tokens.recall, lm.tokens.memory_pad),
+                           eos_token_id=lm.tokenizer.eos_token_id)
     assert not torch.allclose(without.logits, with_memory.logits, atol=1e-3)  # the memory matters in turn 3
     del inputs_before
 
@@ -102,7 +105,7 @@ def test_abandoned_stream_stores_nothing_of_the_turn(tiny_llama):
     assert conv.messages[-2].text == "Third"
 
 
-def test_regenerate_and_save_load(tiny_llama, bank):
+def test_regenerate_and_save_load(tiny_llama, bank, tmp_path):
     lm = tiny_llama
     conv = Conversation(lm)
     run(conv, "Hello", settings=GREEDY, memory_db=bank, recall_first=True)
@@ -114,14 +117,14 @@ def test_regenerate_and_save_load(tiny_llama, bank):
 
     saved = conv.to_json()
     other = Conversation(lm)
-    other.load_json(saved)
+    other.load_json(saved, tmp_path)
     assert other.ids == conv.ids and other.memory.keys() == conv.memory.keys()
     assert [m.text for m in other.messages] == [m.text for m in conv.messages]
     run(conv, "Continue", settings=GREEDY, memory_db=bank)
     run(other, "Continue", settings=GREEDY, memory_db=bank)  # no cache: full prefill with vectors placed
     assert other.ids == conv.ids
-    with pytest.raises(ValueError, match="not a saved recall-chat conversation"):
-        other.load_json('{"format": "something else"}')
+    with pytest.raises(ValueError, match="format: Input should be 'recall-chat/conversation-2'"):
+        other.load_json('{"format": "something else"}', tmp_path)
 
 
 def test_images_for_a_text_only_model_are_refused_clearly(tiny_llama, small_image):

@@ -10,12 +10,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from chat.vision import IMAGE_PAD, encode_with_images
+from models.vision import IMAGE_PAD, encode_with_images
 from decoding import (
-    DoneEvent, FinishEvent, GenerationSettings, MemorySelector, RecallSettings, TokenEvent,
+    DoneEvent, FinishEvent, GenerationSettings, MemorySelector, Recall, RecallSettings, TokenEvent,
     custom_generate, generate, memory_embedding, memory_head, stream_generate,
 )
-from decoding.settings import to_generation_config
+from decoding.processors import to_generation_config
 from memory import MemoryVectorDB
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -37,6 +37,10 @@ def bank_for(lm, n: int = 12, seed: int = 0) -> MemoryVectorDB:
     db = MemoryVectorDB(h)
     db.add(vectors, texts=[f"fact number {i}" for i in range(n)])
     return db
+
+
+def recall_of(lm, db, settings=RecallSettings()):
+    return Recall(lm.tokens.recall, lm.tokens.memory_pad, db, settings)
 
 
 def ids_of(lm):
@@ -96,7 +100,7 @@ def test_empty_bank_or_disabled_recall_leaves_generation_untouched(tiny_llama):
     expected = lm.model.generate(**inputs, generation_config=to_generation_config(s, **ids_of(lm)))
     for db, recall in [(MemoryVectorDB(lm.hidden_size), RecallSettings()),
                        (bank_for(lm), RecallSettings(enabled=False))]:
-        res = generate(lm.model, inputs, s, recall=recall, recall_token_ids=lm.tokens.as_dict(), memory_db=db,
+        res = generate(lm.model, inputs, s, recall=recall_of(lm, db, recall),
                        **ids_of(lm))
         assert res.sequences.tolist() == expected.tolist() and res.injections == []
 
@@ -108,8 +112,8 @@ def run_with_recalls(lm, inputs, db, seed=0, steps=24):
     """Sample with a bias towards <recall> so the model recalls several times by itself."""
     s = GenerationSettings(do_sample=True, max_new_tokens=steps, seed=seed,
                            sequence_bias=(((lm.tokens.recall,), 6.0),))
-    return generate(lm.model, inputs, s, recall=RecallSettings(top_k=4, use_sampling=True),
-                    recall_token_ids=lm.tokens.as_dict(), memory_db=db, output_logits=True, **ids_of(lm))
+    return generate(lm.model, inputs, s, recall=recall_of(lm, db, RecallSettings(top_k=4, use_sampling=True)),
+                    output_logits=True, **ids_of(lm))
 
 
 def replay_embeds(lm, result):
@@ -165,7 +169,7 @@ def test_prompt_ending_with_recall_fires_once_at_prefill(tiny_llama):
     prompt = lm.tokenizer([CHAT.format("Recall something.")], return_tensors="pt")["input_ids"]
     ids = torch.cat([prompt, torch.tensor([[lm.tokens.recall]])], dim=1)
     res = generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=6),
-                   recall=RecallSettings(), recall_token_ids=lm.tokens.as_dict(), memory_db=db, **ids_of(lm))
+                   recall=recall_of(lm, db), **ids_of(lm))
     assert res.sequences[0, ids.shape[1]] == lm.tokens.memory_pad
     assert [r.position for r in res.injections] == [ids.shape[1]]
     # greedy memory head: the most similar memory to the <recall> hidden state
@@ -245,8 +249,7 @@ def test_wrong_dimension_bank_is_refused(tiny_llama):
     db.add(torch.randn(3, tiny_llama.hidden_size + 1))
     inputs = tiny_llama.tokenizer(["hi"], return_tensors="pt")
     with pytest.raises(ValueError, match=f"dimension {tiny_llama.hidden_size + 1}.*hidden size is {tiny_llama.hidden_size}"):
-        generate(tiny_llama.model, inputs, GenerationSettings(max_new_tokens=2), memory_db=db,
-                 recall_token_ids=tiny_llama.tokens.as_dict())
+        generate(tiny_llama.model, inputs, GenerationSettings(max_new_tokens=2), recall=recall_of(tiny_llama, db))
 
 
 # --------------------------------------------------------------------------- batch
@@ -259,7 +262,7 @@ def test_batch_rows_recall_on_their_own_step_and_match_single_runs(tiny_llama):
     a = tok(CHAT.format("First question, a long one about many things?"))["input_ids"] + [lm.tokens.recall]
     b = tok(CHAT.format("Second?"))["input_ids"]
     s = GenerationSettings(max_new_tokens=10, sequence_bias=(((lm.tokens.recall,), 2.0),))
-    kwargs = dict(recall=RecallSettings(), recall_token_ids=lm.tokens.as_dict(), memory_db=db, **ids_of(lm))
+    kwargs = dict(recall=recall_of(lm, db), **ids_of(lm))
     singles = [generate(lm.model, {"input_ids": torch.tensor([x])}, s, **kwargs) for x in (a, b)]
     width = max(len(a), len(b))
     ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in (a, b)])
@@ -284,7 +287,7 @@ def test_interrupt_stops_within_one_step_and_model_stays_usable(tiny_qwen3vl, sm
     stop = threading.Event()
     tokens_after_stop = 0
     result = None
-    for event in stream_generate(lm.model, inputs, s, tokenizer=lm.tokenizer, interrupt_event=stop, **ids_of(lm)):
+    for event in stream_generate(lm.model, inputs, s, tokenizer=lm.tokenizer, interrupt=stop, **ids_of(lm)):
         if isinstance(event, TokenEvent):
             if stop.is_set():
                 tokens_after_stop += 1
@@ -349,7 +352,7 @@ def test_cache_reuse_across_turns_equals_full_prefill(tiny_qwen3vl, small_image)
     first = vl_inputs(lm, small_image)
     first["input_ids"] = torch.cat([first["input_ids"], torch.tensor([[lm.tokens.recall]])], dim=1)
     first["mm_token_type_ids"] = torch.cat([first["mm_token_type_ids"], torch.zeros(1, 1, dtype=torch.int32)], 1)
-    kw = dict(recall=RecallSettings(), recall_token_ids=lm.tokens.as_dict(), memory_db=db, **ids_of(lm))
+    kw = dict(recall=recall_of(lm, db), **ids_of(lm))
     turn1 = generate(lm.model, first, GenerationSettings(max_new_tokens=6), **kw)
     assert len(turn1.injections) == 1
 
@@ -360,13 +363,13 @@ def test_cache_reuse_across_turns_equals_full_prefill(tiny_qwen3vl, small_image)
               "pixel_values": torch.cat([first["pixel_values"], second["pixel_values"]]),
               "image_grid_thw": torch.cat([first["image_grid_thw"], second["image_grid_thw"]])}
     s = GenerationSettings(max_new_tokens=8)
-    cached = generate(lm.model, inputs, s, past_key_values=turn1.cache, memory_vectors=turn1.memory_vectors[0],
+    cached = generate(lm.model, inputs, s, cache=turn1.cache, memory_vectors=turn1.memory_vectors[0],
                       output_logits=True, **kw)
     fresh = generate(lm.model, inputs, s, memory_vectors=turn1.memory_vectors[0], output_logits=True, **kw)
     torch.testing.assert_close(cached.logits, fresh.logits, atol=1e-4, rtol=1e-4)
     assert cached.sequences.tolist() == fresh.sequences.tolist()
     # and the memory really matters: without it the logits differ
-    without = generate(lm.model, inputs, s, output_logits=True, **{**kw, "memory_db": None})
+    without = generate(lm.model, inputs, s, output_logits=True, **{**kw, "recall": recall_of(lm, None)})
     assert not torch.allclose(without.logits, fresh.logits, atol=1e-3)
 
 
@@ -398,16 +401,16 @@ def test_debug_logs_each_recall_step(tiny_llama, caplog):
     ids = torch.cat([prompt, torch.tensor([[lm.tokens.recall]])], dim=1)
     with caplog.at_level("INFO"):
         res = generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3),
-                       recall=RecallSettings(debug=True, use_sampling=True, top_k=3),
-                       recall_token_ids=lm.tokens.as_dict(), memory_db=bank_for(lm), **ids_of(lm))
+                       recall=recall_of(lm, bank_for(lm), RecallSettings(debug=True, use_sampling=True, top_k=3)),
+                       **ids_of(lm))
     text = caplog.text
     r = res.injections[0]
     assert f"at position {ids.shape[1] - 1}" in text and "3 candidates" in text
     assert f"<|memory_pad|> at position {r.position} carries memory {r.memory_index}" in text
     caplog.clear()
     with caplog.at_level("INFO"):
-        generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=RecallSettings(),
-                 recall_token_ids=lm.tokens.as_dict(), memory_db=bank_for(lm), **ids_of(lm))
+        generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=recall_of(lm, bank_for(lm)),
+                 **ids_of(lm))
     assert "[recall]" not in caplog.text
 
 
@@ -417,8 +420,7 @@ def test_stop_right_after_recall_drops_the_unanswered_recall_token(tiny_llama):
     s = GenerationSettings(max_new_tokens=30, sequence_bias=(((lm.tokens.recall,), 50.0),))  # recalls at once
     stop = threading.Event()
     events = []
-    for e in stream_generate(lm.model, inputs, s, recall=RecallSettings(), recall_token_ids=lm.tokens.as_dict(),
-                             memory_db=bank_for(lm), interrupt_event=stop, **ids_of(lm)):
+    for e in stream_generate(lm.model, inputs, s, recall=recall_of(lm, bank_for(lm)), interrupt=stop, **ids_of(lm)):
         events.append(e)
         if isinstance(e, TokenEvent) and e.token_id == lm.tokens.memory_pad:
             stop.set()  # the next step writes <recall> again; the stop lands right after it

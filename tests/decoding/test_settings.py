@@ -17,10 +17,10 @@ from transformers.generation.stopping_criteria import (
     EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria,
 )
 
-from decoding.settings import (
-    GenerationSettings, RecallSettings, build_logits_processor, build_stopping_criteria, make_memory_warper,
-    to_generation_config,
+from decoding.processors import (
+    build_logits_processor, build_stopping_criteria, make_memory_warper, to_generation_config,
 )
+from decoding.settings import GenerationSettings, RecallSettings
 
 EOS = 2  # SmolLM2's <|im_end|>, also the pad token of the tiny model
 

@@ -1,4 +1,4 @@
-"""`python -m chat.memory_cli` build / show / search, with a saved tiny model and the real SmolLM2."""
+"""`python -m memory.cli` build / show / search, with a saved tiny model and the real SmolLM2."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chat.memory_cli import main
+from memory.cli import main
 from memory import MemoryVectorDB
 
 MEMORIES = ["I like green tea in the morning.", "My cat is called Miso.", "The meeting with Anna is on Friday."]
@@ -65,7 +65,7 @@ def test_errors_are_one_line_and_exit_2(tmp_path, tiny_dir, capsys):
     small.add(np.ones((2, 8), np.float32))
     small.save(tmp_path / "small.npy")
     code, _, err = run(capsys, "search", tmp_path / "small.npy", "hi", "--model", tiny_dir)
-    assert code == 2 and "dimension 8" in err and "hidden size 64" in err
+    assert code == 2 and "expected vectors of dimension 64, got dimension 8" in err
 
     (tmp_path / "broken.safetensors").write_bytes(b"\x00" * 64)
     code, _, err = run(capsys, "show", tmp_path / "broken.safetensors")
@@ -78,7 +78,7 @@ def test_cli_with_embedded_smollm2(tmp_path, smollm2_dir):
     src = tmp_path / "memories.txt"
     src.write_text("\n".join(MEMORIES) + "\n\n")
     bank = tmp_path / "bank.safetensors"
-    cli = [sys.executable, "-m", "chat.memory_cli"]
+    cli = [sys.executable, "-m", "memory.cli"]
     env_run = dict(capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     built = subprocess.run([*cli, "build", str(src), str(bank)], **env_run)
     assert built.returncode == 0, built.stderr

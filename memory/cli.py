@@ -1,8 +1,11 @@
 """Command line for memory banks: build one from texts, show it, search it.
 
-    python -m chat.memory_cli build memories.txt bank.pt [--model PATH] [--layer -1] [--pooling last]
-    python -m chat.memory_cli show bank.pt [--n 5]
-    python -m chat.memory_cli search bank.pt "what did I say about tea?" [--model PATH] [--k 5]
+    python -m memory.cli build memories.txt bank.pt [--model PATH] [--adapter auto|none|PATH]
+    python -m memory.cli show bank.pt [--n 5]
+    python -m memory.cli search bank.pt "what did I say about tea?" [--model PATH] [--k 5]
+
+Memories are written by the model's own memory encoder (the recall adapter's, for the embedded
+model); `--layer` / `--pooling` choose the hidden state of a model never trained to recall.
 
 Errors print one line to stderr and exit with status 2.
 """
@@ -15,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memory import BankError, HiddenStateSpec, MemoryVectorDB, build_bank, encode_texts
+from memory import BankError, HiddenStateSpec, MemoryVectorDB, build_bank
 
 
 def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None]:
@@ -46,17 +49,18 @@ def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None]:
     return texts, metadata
 
 
-def _load_model(path: str | None):
-    from chat.models import load_model
+def _load_model(args: argparse.Namespace, layer: int = -1, pooling: str = "last"):
+    from models import load_model  # the model package, not the chat app
 
-    return load_model(path, device="cpu")
+    adapter = None if args.adapter == "none" else args.adapter
+    return load_model(args.model, adapter=adapter, device="cpu", hidden_state=HiddenStateSpec(layer, pooling))
 
 
 def cmd_build(args: argparse.Namespace) -> None:
     texts, metadata = read_memories(Path(args.input))
-    spec = HiddenStateSpec(args.layer, args.pooling)
-    loaded = _load_model(args.model)
-    db = build_bank(loaded.model, loaded.tokenizer, texts, spec, metadata=metadata, batch_size=args.batch_size)
+    loaded = _load_model(args, args.layer, args.pooling)
+    db = build_bank(loaded.model, loaded.tokenizer, texts, loaded.encoder, metadata=metadata,
+                    batch_size=args.batch_size)
     db.info["model"] = loaded.name
     db.save(args.out)
     print(f"saved {len(db)} memories of dimension {db.dim} to {args.out}")
@@ -78,26 +82,25 @@ def cmd_show(args: argparse.Namespace) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> None:
-    db = MemoryVectorDB.load(args.bank)
-    spec = HiddenStateSpec(args.layer if args.layer is not None else db.info.get("layer", -1),
-                           args.pooling or db.info.get("pooling", "last"))
-    loaded = _load_model(args.model)
-    if db.dim != loaded.hidden_size:
-        raise ValueError(f"{args.bank} has vectors of dimension {db.dim}, but the model {loaded.name} "
-                         f"has hidden size {loaded.hidden_size}: search with the model the bank was built with")
-    query = encode_texts(loaded.model, loaded.tokenizer, [args.query], spec, progress=False)[0]
+    info = MemoryVectorDB.load(args.bank).info
+    loaded = _load_model(args, info.get("layer", -1), info.get("pooling", "last"))
+    db = MemoryVectorDB.load(args.bank, expected_dim=loaded.hidden_size, expected_encoder=loaded.encoder.name)
+    query = loaded.encoder.encode_texts(loaded.model, loaded.tokenizer, [args.query], progress=False)[0]
     for rank, hit in enumerate(db.search(query, args.k), 1):
         print(f"{rank}. score={hit['score']:.4f} [{hit['index']}] {_short(hit.get('text'))}")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m chat.memory_cli", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m memory.cli", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="encode texts into a memory bank file")
     b.add_argument("input", help=".txt (one memory a line) or .jsonl ({'text', 'metadata'})")
     b.add_argument("out", help="bank file to write: .pt, .safetensors or .npy (vectors only)")
     b.add_argument("--model", help="local model folder (default: the embedded SmolLM2)")
-    b.add_argument("--layer", type=int, default=-1, help="hidden-state index (-1 = final layer)")
+    b.add_argument("--adapter", default="auto", help="PEFT adapter folder, auto (the shipped recall adapter for "
+                   "the embedded model) or none")
+    b.add_argument("--layer", type=int, default=-1, help="hidden-state index (-1 = final layer), for a model "
+                   "without a trained memory encoder")
     b.add_argument("--pooling", choices=("last", "mean"), default="last")
     b.add_argument("--batch-size", type=int, default=8)
     b.set_defaults(run=cmd_build)
@@ -109,14 +112,16 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("bank")
     q.add_argument("query")
     q.add_argument("--model", help="local model folder (default: the embedded SmolLM2)")
+    q.add_argument("--adapter", default="auto", help="as for build: the bank's encoder must be this model's")
     q.add_argument("--k", type=int, default=5)
-    q.add_argument("--layer", type=int, default=None, help="default: the layer the bank was built with")
-    q.add_argument("--pooling", choices=("last", "mean"), default=None, help="default: as the bank was built")
     q.set_defaults(run=cmd_search)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from local folders only
     args = parser().parse_args(argv)
     try:
         args.run(args)

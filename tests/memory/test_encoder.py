@@ -9,8 +9,17 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from memory import HiddenStateSpec, build_bank, encode_inputs, encode_texts
-from memory.writer import pool, right_pad
+from memory import HiddenStateSpec, MemoryEncoder, build_bank
+from memory.encoder import pool, right_pad
+
+
+def encode_texts(model, tokenizer, texts, spec=HiddenStateSpec(), **kw):
+    return MemoryEncoder(spec).encode_texts(model, tokenizer, texts, **kw)
+
+
+def encode_inputs(model, inputs, spec=HiddenStateSpec()):
+    with torch.no_grad():
+        return MemoryEncoder(spec)(model, inputs)
 
 TEXTS = [
     "I like green tea in the morning.",
@@ -35,7 +44,9 @@ def test_pool_handles_both_padding_sides():
     left = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     assert pool(h, right, "last").tolist() == [h[0, 1].tolist(), h[1, 3].tolist()]
     assert pool(h, left, "last").tolist() == [h[0, 3].tolist(), h[1, 3].tolist()]
-    assert pool(h, left, "mean")[0].tolist() == h[0, 2:].mean(0).tolist()
+    assert pool(h, left, "mean")[0].tolist() == h[0, 3].tolist()  # the first real token is left out
+    assert pool(h, right, "mean")[1].tolist() == h[1, 1:].mean(0).tolist()
+    assert pool(h, torch.tensor([[0, 0, 0, 1], [1, 0, 0, 0]]), "mean").tolist() == [h[0, 3].tolist(), h[1, 0].tolist()]
     with pytest.raises(ValueError, match="row of padding only"):
         pool(h, torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]]), "last")
 
@@ -131,7 +142,7 @@ def test_bad_texts(tiny_llama):
 
 def test_build_bank_finds_each_text_by_its_own_vector(tiny_llama):
     m = tiny_llama
-    db = build_bank(m.model, m.tokenizer, TEXTS, HiddenStateSpec(pooling="mean"), index="hnsw",
+    db = build_bank(m.model, m.tokenizer, TEXTS, MemoryEncoder(HiddenStateSpec(pooling="mean")), index="hnsw",
                     metadata=[{"n": i} for i in range(len(TEXTS))], progress=False)
     assert (len(db), db.dim, db.index) == (len(TEXTS), m.hidden_size, "hnsw")
     assert db.info["pooling"] == "mean" and db.info["layer"] == -1
@@ -153,7 +164,7 @@ def test_qwen3vl_text_batch_equals_single(tiny_qwen3vl):
 
 
 def test_qwen3vl_with_an_image(tiny_qwen3vl, small_image):
-    from chat.vision import IMAGE_PAD, VISION_END, VISION_START, encode_with_images
+    from models.vision import IMAGE_PAD, VISION_END, VISION_START, encode_with_images
 
     m = tiny_qwen3vl
     prompt = f"{VISION_START}{IMAGE_PAD}{VISION_END} a photo of my desk"

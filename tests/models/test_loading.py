@@ -3,7 +3,7 @@ import logging
 import pytest
 import torch
 
-from chat.models import EMBEDDED_NAME, embedded_model_dir, ensure_special_tokens, load_model
+from models import EMBEDDED_NAME, embedded_model_dir, ensure_special_tokens, load_model
 from decoding import GenerationSettings, generate
 from decoding.modeling import backbone_and_head, check_bank_dim, unwrap_model
 
@@ -16,7 +16,7 @@ def test_model_path_that_does_not_exist():
 @pytest.mark.slow
 def test_embedded_model_converts_once_then_reuses_the_cache(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="chat.models"):
+    with caplog.at_level(logging.WARNING, logger="models.loading"):
         folder = embedded_model_dir()
     assert folder == tmp_path / "recall-chat" / "models" / EMBEDDED_NAME
     assert (folder / "model.safetensors").stat().st_size > 400e6
@@ -24,7 +24,7 @@ def test_embedded_model_converts_once_then_reuses_the_cache(tmp_path, monkeypatc
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".convert-")]
     caplog.clear()
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    with caplog.at_level(logging.WARNING, logger="chat.models"):
+    with caplog.at_level(logging.WARNING, logger="models.loading"):
         assert embedded_model_dir() == folder
     assert not caplog.records and (folder / "model.safetensors").stat().st_mtime_ns == stamp
 

@@ -1,0 +1,126 @@
+"""Speed of q* sampling on the embedded SmolLM2 with its recall adapter as the pair (adapter on = π_θ,
+off = π_t): direct draws vs exact speculative sampling, in one run, same prompts and settings.
+
+    .venv/bin/python bench/mixture.py [--tokens 48] [--repeats 2] [--gamma 4]
+
+Sampling at temperature 1 (top_k=0, min_new_tokens = max_new_tokens so every run draws the same
+number of tokens). Modes are interleaved per prompt and repeat so machine noise hits all alike.
+tokens/s counts decode time only (prefill excluded). Without a trained adapter in
+assets/recall-smollm2 it falls back to a fresh LoRA adapter (the training recipe's shape) with
+random B weights, and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from decoding import GenerationSettings  # noqa: E402
+from decoding.mixture import generate_mixture  # noqa: E402
+from decoding.settings import MixtureSettings  # noqa: E402
+from models import RECALL_ADAPTER, load_model  # noqa: E402
+
+PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain how photosynthesis works, step by step.",
+           "What should I pack for a week of hiking in the mountains?"]
+MODES = {  # name -> (MixtureSettings changes, batched PEFT forward)
+    "direct, 1 batched forward": (dict(speculative=False), True),
+    "direct, 2 forwards": (dict(speculative=False), False),
+    "speculative, n-gram draft": (dict(draft="ngram"), True),
+    "speculative, θ draft (own cache)": (dict(draft="theta"), True),
+    "speculative, θ draft reused (2 forwards)": (dict(draft="theta"), False),
+}
+
+
+def pair_model(lora_std: float):
+    """The PEFT model (adapter on = θ); a note on where the adapter came from."""
+    if (RECALL_ADAPTER / "adapter_config.json").is_file():
+        lm = load_model(None, device="cpu")
+        return lm, f"trained recall adapter from {RECALL_ADAPTER}"
+    from peft import LoraConfig, get_peft_model
+
+    lm = load_model(None, adapter=None, device="cpu")
+    t = lm.tokens
+    config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        trainable_token_indices=[t.recall, t.recall_end, t.memory_pad])
+    lm.model = get_peft_model(lm.model, config).eval()
+    torch.manual_seed(0)
+    for name, p in lm.model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0.0, lora_std)
+    return lm, (f"NO trained adapter at {RECALL_ADAPTER} (training still running?): a FRESH LoRA adapter "
+                f"(r=16, alpha=32, q/k/v/o, trainable recall tokens) with random B ~ N(0, {lora_std}^2)")
+
+
+def quartiles(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=4)
+    return f"{statistics.fmean(values):.3f} ({q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--lora-std", type=float, default=0.02)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids oversubscription on a busy CPU)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    transformers.logging.set_verbosity_error()
+    lm, source = pair_model(args.lora_std)
+    tok = lm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                       return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
+    n = args.tokens
+    stats = {m: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "rounds": 0, "alphas": []} for m in MODES}
+
+    def run(mode: str, ids, seed: int, tokens: int):
+        changes, batched = MODES[mode]
+        settings = GenerationSettings(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=tokens,
+                                      min_new_tokens=tokens, seed=seed)
+        mixture = MixtureSettings(enabled=True, gamma=args.gamma, **changes)
+        return generate_mixture(lm.model, None, {"input_ids": ids}, settings, mixture, batched=batched,
+                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+    for mode in MODES:  # warm-up
+        run(mode, prompts[0], 0, 4)
+    for repeat in range(args.repeats):
+        for i, ids in enumerate(prompts):
+            for mode in MODES:
+                r = run(mode, ids, 1000 * repeat + i, n)
+                s = stats[mode]
+                s["tokens"] += r.new_tokens.shape[1]
+                s["seconds"] += r.decode_seconds
+                s["drafted"] += r.drafted
+                s["accepted"] += r.accepted
+                s["rounds"] += r.rounds
+                s["alphas"] += [a for a in r.alphas if a == a]
+            print(f"repeat {repeat + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
+
+    base = stats["direct, 1 batched forward"]
+    base_tps = base["tokens"] / base["seconds"]
+    print(f"pair: {lm.name}, {source}")
+    print(f"device cpu, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}; "
+          f"{len(PROMPTS)} prompts x {args.repeats} repeats x {n} tokens a mode; temperature 1, top_k 0; γ = {args.gamma}\n")
+    print("| mode | tokens/s | vs direct (batched) | acceptance | accepted / verify | tokens / verify | α* mean (Q1 / median / Q3) |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, s in stats.items():
+        tps = s["tokens"] / s["seconds"]
+        acc = f"{s['accepted'] / s['drafted']:.3f}" if s["drafted"] else "-"
+        print(f"| {mode} | {tps:.2f} | {tps / base_tps:.2f}x | {acc} | {s['accepted'] / s['rounds']:.2f} | "
+              f"{s['tokens'] / s['rounds']:.2f} | {quartiles(s['alphas'])} |")
+    print("\nacceptance = kept drafts / drafted tokens (the n-gram draft drafts only where a lookup matches); "
+          "a verify is one forward of each model (one batched forward for the PEFT pair).")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Memory banks per session: the shared bank, the example bank, a session's own; and their operations.
+
+A session uses one of three banks: the shared bank (`memory.bank` of the config), the example bank
+(built once from `assets/example_memories.txt`, shared), or its own (uploaded, or a copy made on its
+first edit of a shared bank: a session's edits never reach other sessions). Encoding and edits run
+on the model worker, between requests; every bank is written by the model's own memory encoder and
+a bank from another encoder is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm.auto import tqdm
+
+from chat.config import Config
+from chat.textsearch import TextSearch
+from chat.worker import Request, ServiceError, Worker, describe
+from memory import BankError, MemoryVectorDB
+from models import LoadedModel
+from models.vision import IMAGE_PAD, VISION_END, VISION_START, encode_with_images
+
+if TYPE_CHECKING:
+    from chat.service import Session
+
+log = logging.getLogger("chat.banks")
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+EXAMPLE_MEMORIES = ASSETS / "example_memories.txt"
+BANK_TYPES = (".pt", ".safetensors", ".npy")
+
+
+MAX_ID = 2 ** 62
+
+
+def parse_ids(text: str) -> list[int]:
+    """`"3, 5-7"` -> [3, 5, 6, 7] (ASCII digits only; ids below 2**62)."""
+    ids: list[int] = []
+    for part in filter(None, (p.strip() for p in re.split(r"[,\s]+", text or ""))):
+        m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", part, flags=re.ASCII)
+        if m is None:
+            raise ServiceError(f"{part[:40]!r} is not a memory id: give ids like 3, 5-7 (digits 0-9)")
+        lo, hi = int(m[1]), int(m[2] or m[1])
+        if hi < lo or hi - lo > 100_000 or hi >= MAX_ID:
+            raise ServiceError(f"{part!r} is not a valid id range (ids are below {MAX_ID}, ranges under 100,000)")
+        ids += range(lo, hi + 1)
+    if not ids:
+        raise ServiceError("give the ids of the memories to delete, e.g. 3, 5-7")
+    return ids
+
+
+class Banks:
+    """The banks of every session. Thread-safe; model work is queued on `worker`."""
+
+    def __init__(self, cfg: Config, worker: Worker, model: Callable[[], LoadedModel],
+                 wait_model: Callable[[], LoadedModel], files: Path, text_search: TextSearch | None = None):
+        self.cfg, self.worker, self.files = cfg, worker, files
+        self._model, self._wait_model = model, wait_model
+        self.shared: MemoryVectorDB | None = None
+        self.shared_note = ""
+        self.example: MemoryVectorDB | None = None
+        self.text_search = text_search or TextSearch()
+
+    def load_shared(self, lm: LoadedModel) -> None:
+        path = self.cfg.memory.bank
+        if path is None:
+            return
+        try:
+            self.shared = self._load(lm, path)
+            self.shared_note = Path(path).name
+        except (BankError, FileNotFoundError) as e:
+            self.shared_note = f"not loaded: {describe(e)}"
+            log.error("memory.bank %s: %s", path, self.shared_note)
+
+    def _new(self, dim: int) -> MemoryVectorDB:
+        return MemoryVectorDB(dim, self.cfg.memory.index, hnsw_ef_search=self.cfg.memory.hnsw_ef_search)
+
+    def _load(self, lm: LoadedModel, path: str | Path) -> MemoryVectorDB:
+        return MemoryVectorDB.load(path, index=self.cfg.memory.index, expected_dim=lm.hidden_size,
+                                   max_bytes=self.cfg.memory.max_upload_mb * 2 ** 20,
+                                   expected_encoder=lm.encoder.name, hnsw_ef_search=self.cfg.memory.hnsw_ef_search)
+
+    def of(self, s: Session) -> MemoryVectorDB | None:
+        return {"shared": self.shared, "example": self.example, "own": s.own_bank}[s.bank_use]
+
+    def label(self, s: Session) -> str:
+        if s.bank_use == "own":
+            return s.own_label
+        if s.bank_use == "example":
+            return "the example bank (shared)"
+        return f"the shared bank ({self.shared_note})" if self.cfg.memory.bank else "none"
+
+    def upload(self, s: Session, path: str | Path) -> MemoryVectorDB:
+        """Make an uploaded file this session's bank; on any problem raise and keep the current one."""
+        lm = self._wait_model()
+        name = Path(path).name
+        if Path(path).suffix.lower() not in BANK_TYPES:
+            raise ServiceError(f"{name}: expected a memory bank file ending in .pt, .safetensors or .npy")
+        try:
+            db = self._load(lm, path)
+        except BankError as e:
+            raise ServiceError(f"{e} (the model {lm.name} has hidden size {lm.hidden_size}); "
+                               "the current bank is kept") from None
+        cap = self.cfg.memory.max_memories_per_session
+        if len(db) > cap:
+            raise ServiceError(f"{name}: expected at most {cap} memories (memory.max_memories_per_session), "
+                               f"got {len(db)}; the current bank is kept")
+        s.own_bank, s.own_label, s.bank_use = db, f"your upload {name}", "own"
+        return db
+
+    def use(self, s: Session, which: str) -> None:
+        if which not in ("shared", "example", "own"):
+            raise ServiceError(f"bank {which!r}: choose shared, example or own")
+        if which == "example" and self.example is None:
+            raise ServiceError("the example bank is not built yet: press Build example bank")
+        if which == "own" and s.own_bank is None:
+            raise ServiceError("this session has no bank of its own: upload one or write memories")
+        s.bank_use = which
+
+    def build_example(self, s: Session) -> Request:
+        """Queue building the example bank (once per server) and switching this session to it."""
+        def run(_: threading.Event) -> int:
+            if self.example is None:
+                lines = [ln.strip() for ln in EXAMPLE_MEMORIES.read_text().splitlines() if ln.strip()]
+                db = self._new(self._model().hidden_size)
+                db.add(self._encode_texts(lines), lines)
+                db.info = {**self._model().encoder.describe(), "source": EXAMPLE_MEMORIES.name}
+                self.example = db
+            s.bank_use = "example"
+            return len(self.example)
+
+        return self.worker.submit(Request("build_example_bank", run, s.id))
+
+    def write(self, s: Session, text: str, images: Sequence[str] = ()) -> Request:
+        """Queue encoding typed memories (one a line) and images, and adding them to this session's bank."""
+        lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+        images = [str(p) for p in images or ()]
+        if not lines and not images:
+            raise ServiceError("type the memories to write, one a line (or attach images)")
+
+        def run(_: threading.Event) -> list[int]:
+            lm = self._model()
+            if images and not lm.is_vision:
+                raise ServiceError(f"{lm.name} reads text only: memories from images need a vision-language "
+                                   "model (Qwen3-VL); nothing was written")
+            parts = [self._encode_texts(lines)] if lines else []
+            parts += [self._encode_image(p) for p in tqdm(images, desc="encoding images", unit="image")]
+            texts = lines + [f"[image] {Path(p).name}" for p in images]
+            bank, cap = self._writable(s), self.cfg.memory.max_memories_per_session
+            if len(bank) + len(texts) > cap:
+                raise ServiceError(f"the bank would hold {len(bank) + len(texts)} memories, over the limit of {cap} "
+                                   "(memory.max_memories_per_session); nothing was written")
+            return bank.add(torch.cat(parts), texts)
+
+        return self.worker.submit(Request("write_memories", run, s.id))
+
+    def delete(self, s: Session, ids_text: str) -> Request:
+        ids = parse_ids(ids_text)
+        if self.of(s) is None:
+            raise ServiceError("there is no bank to delete from")
+
+        def run(_: threading.Event) -> int:
+            try:
+                return self._writable(s).remove(ids)
+            except KeyError as e:  # unknown ids: nothing was removed
+                raise ServiceError(e.args[0]) from None
+
+        return self.worker.submit(Request("delete_memories", run, s.id))
+
+    def _writable(self, s: Session) -> MemoryVectorDB:
+        """This session's own bank; a shared one is copied first (worker thread only)."""
+        if s.bank_use != "own":
+            shared = self.of(s)
+            if shared is None:
+                s.own_bank, s.own_label = (self._new(self._model().hidden_size),
+                                           "your own bank (written here)")
+                s.own_bank.info = self._model().encoder.describe()
+            else:
+                s.own_bank = shared.copy()
+                s.own_label = f"your copy of {self.label(s)}"
+            s.bank_use = "own"
+        return s.own_bank
+
+    def _encode_texts(self, lines: list[str]) -> torch.Tensor:
+        lm = self._model()
+        return lm.encoder.encode_texts(lm.model, lm.tokenizer, lines, batch_size=8)
+
+    def _encode_image(self, path: str) -> torch.Tensor:
+        lm = self._model()
+        inputs = encode_with_images(lm.tokenizer, lm.image_processor, VISION_START + IMAGE_PAD + VISION_END, [path])
+        with torch.no_grad():
+            return lm.encoder(lm.model, inputs).cpu()
+
+    def save(self, s: Session, fmt: str = ".pt") -> Path:
+        db = self.of(s)
+        if db is None or len(db) == 0:
+            raise ServiceError("there is no bank to download")
+        if fmt not in BANK_TYPES:
+            raise ServiceError(f"format {fmt!r}: choose one of {', '.join(BANK_TYPES)}")
+        path = self.files / f"memory-bank-{s.id}-{len(db)}{fmt}"
+        db.save(path)
+        return path
+
+    def find(self, s: Session, query: str, top_k: int = 5) -> list[dict[str, Any]]:
+        """The memories whose texts read closest to `query` (sentence-transformers), best first."""
+        db = self.of(s)
+        if db is None:
+            raise ServiceError("there is no bank to search: build the example bank or upload one")
+        return self.text_search.search(db, query, int(top_k))

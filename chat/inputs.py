@@ -1,0 +1,173 @@
+"""One validation layer for everything that comes from outside: messages, settings, conversation files.
+
+Declarative where it can be (pydantic models for the file formats), then the checks that need the
+model (vocabulary, context, hidden size). Every refusal is a `ValueError` whose message names the
+field, what was expected and what came; nothing is changed before everything has passed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+FORMAT = "recall-chat/conversation-2"
+MAX_FILE_MESSAGES = 2_000
+MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request and one session may use (`app.*` and `memory.*` in the configuration)."""
+
+    max_message_chars: int
+    max_input_tokens: int
+    max_new_tokens_cap: int
+    max_memories_per_session: int
+
+
+def check_message(text: str, images: list[str], limits: Limits) -> None:
+    if not isinstance(text, str):
+        raise ValueError(f"message text: expected a string, got {type(text).__name__}")
+    if len(text) > limits.max_message_chars:
+        raise ValueError(f"message: expected at most {limits.max_message_chars} characters, got {len(text)}")
+    if len(images) > 8:
+        raise ValueError(f"message: expected at most 8 images, got {len(images)}")
+
+
+def check_new_tokens(max_new_tokens: int, limits: Limits) -> None:
+    if max_new_tokens > limits.max_new_tokens_cap:
+        raise ValueError(f"max_new_tokens: expected at most {limits.max_new_tokens_cap} "
+                         f"(app.max_new_tokens_cap), got {max_new_tokens}")
+
+
+# --------------------------------------------------------------------------- conversation files
+
+Text = Annotated[str, Field(max_length=100_000)]
+
+
+class RecallRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    row: int = Field(0, ge=0, le=0)
+    position: int = Field(ge=0)
+    score: float = Field(ge=-1.001, le=1.001)
+    memory_index: int = Field(ge=0, lt=2 ** 62)
+    text: Text | None = None
+
+
+class MessageRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["user", "assistant"]
+    text: Text
+    images: list[str] = Field(default_factory=list, max_length=8)  # base64 PNG/JPEG bytes
+    recalls: list[RecallRecord] = Field(default_factory=list, max_length=10_000)
+    finish_reason: Literal["stop", "length", "interrupted", "tool_call"] | None = None
+    start: int = Field(ge=0)
+
+
+class ConversationFile(BaseModel):
+    """A saved conversation: exact token ids, injected memory vectors, images inline (never paths)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    format: Literal["recall-chat/conversation-2"]
+    model: Text
+    system_prompt: Text | None = None
+    messages: list[MessageRecord] = Field(max_length=MAX_FILE_MESSAGES)
+    ids: list[int]
+    memory: dict[str, str] = Field(default_factory=dict)  # position -> base64 float32 little-endian vector
+
+    @field_validator("ids")
+    @classmethod
+    def _ids(cls, ids: list[int]) -> list[int]:
+        if ids and min(ids) < 0:
+            raise ValueError(f"token ids must be >= 0, got {min(ids)}")
+        return ids
+
+
+def describe(error: ValidationError) -> str:
+    """The first problem of a pydantic error as one line: field, what was expected, what came."""
+    e = error.errors()[0]
+    where = ".".join(str(p) for p in e["loc"]) or "the file"
+    got = repr(e.get("input"))[:80]
+    return f"{where}: {e['msg']} (got {got})"
+
+
+def encode_vector(v: torch.Tensor) -> str:
+    return base64.b64encode(v.detach().float().cpu().numpy().astype("<f4").tobytes()).decode()
+
+
+def decode_vector(text: str, hidden: int, where: str) -> torch.Tensor:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: expected base64 of {hidden} float32 values, got invalid base64") from None
+    if len(raw) != 4 * hidden:
+        raise ValueError(f"{where}: expected {hidden} float32 values ({4 * hidden} bytes), got {len(raw)} bytes")
+    vec = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    if not np.isfinite(vec).all():
+        raise ValueError(f"{where}: expected finite values, got NaN or inf")
+    return torch.from_numpy(vec.copy())
+
+
+def encode_image(path: str) -> str:
+    with open(path, "rb") as fh:
+        return base64.b64encode(fh.read()).decode()
+
+
+def decode_image(text: str, where: str) -> bytes:
+    """Image bytes from base64, checked to be an image PIL can read, of a sane size."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+        with Image.open(io.BytesIO(raw)) as im:
+            if im.width * im.height > MAX_IMAGE_PIXELS:
+                raise ValueError(f"{where}: expected at most {MAX_IMAGE_PIXELS} pixels, got {im.width}x{im.height}")
+            im.verify()
+    except (binascii.Error, OSError, Image.DecompressionBombError) as e:
+        raise ValueError(f"{where}: expected a base64 PNG or JPEG image, got unreadable data ({e})") from None
+    return raw
+
+
+def check_conversation(data: ConversationFile, *, vocab: int, context: int | None, memory_pad: int,
+                       hidden: int) -> dict[int, torch.Tensor]:
+    """The checks that need the model: ids in its vocabulary and context, messages in order and inside
+    the ids, recalls and memory vectors exactly at `<|memory_pad|>` positions. Returns the vectors."""
+    ids, n = data.ids, len(data.ids)
+    if context is not None and n >= context:
+        raise ValueError(f"ids: expected fewer than {context} tokens (the model's context), got {n}")
+    if ids and max(ids) >= vocab:
+        raise ValueError(f"ids: expected token ids below the vocabulary size {vocab}, got {max(ids)}")
+    starts = [m.start for m in data.messages]
+    if any(b <= a for a, b in zip(starts, starts[1:])) or (starts and starts[-1] >= max(n, 1)):
+        raise ValueError(f"messages: expected start positions increasing and below {n}, got {starts[:10]}")
+    roles = [m.role for m in data.messages]
+    if roles != ["user", "assistant"] * (len(roles) // 2) + ["user"] * (len(roles) % 2):
+        raise ValueError(f"messages: expected roles alternating user, assistant, ..., got {roles[:10]}")
+    pads = {i for i, t in enumerate(ids) if t == memory_pad}
+    memory = {}
+    for key, text in data.memory.items():
+        if not key.isascii() or not key.isdigit() or int(key) not in pads:
+            raise ValueError(f"memory[{key!r}]: expected a position holding <|memory_pad|>, got {key!r}")
+        memory[int(key)] = decode_vector(text, hidden, f"memory[{key}]")
+    if set(memory) != pads:
+        missing = sorted(pads - set(memory))[:5]
+        raise ValueError(f"memory: expected a vector for every <|memory_pad|> position, missing {missing}")
+    for i, m in enumerate(data.messages):
+        end = starts[i + 1] if i + 1 < len(starts) else n
+        for r in m.recalls:
+            if not (m.role == "assistant" and m.start <= r.position < end and r.position in pads):
+                raise ValueError(f"messages.{i}.recalls: expected positions of <|memory_pad|> inside the "
+                                 f"message ({m.start}..{end - 1}), got {r.position}")
+        if not all(math.isfinite(r.score) for r in m.recalls):
+            raise ValueError(f"messages.{i}.recalls: expected finite scores")
+    return memory

@@ -1,0 +1,299 @@
+"""An OpenAI-compatible HTTP API on the same server and model worker as the page.
+
+    POST /v1/chat/completions   (stream as server-sent events, or one JSON answer)
+    GET  /v1/models
+
+Requests are checked with pydantic and refused with OpenAI-style error JSON and status codes.
+Each request is a fresh session: the messages are its conversation (images as data: URLs, never
+fetched), the answer runs on the shared worker, taking turns with everyone else, and the session is
+freed at the end. A client that disconnects stops its answer. Recall events travel as an extra
+`recall` field in each chunk (and `recalls` in a whole answer), which standard clients ignore.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import time
+import uuid
+from typing import Annotated, Any, AsyncIterator, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from chat.inputs import describe
+from chat.config import request_settings
+from chat.service import Service, Session
+from chat.worker import END, Failed, ServiceError
+from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
+
+FINISH = {"stop": "stop", "length": "length", "tool_call": "tool_calls", "interrupted": "stop"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    url: str
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1, max_length=500)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1)
+    recall_first: bool = False  # an extension: start the answer with <recall> (pass it in the body)
+
+
+def _parts(message: ChatMessage) -> tuple[str, list[bytes]]:
+    if isinstance(message.content, str):
+        return message.content, []
+    text, images = [], []
+    for part in message.content:
+        if isinstance(part, TextPart):
+            text.append(part.text)
+            continue
+        url = part.image_url.url
+        if not url.startswith("data:image/") or ";base64," not in url:
+            raise APIError(400, "image_url: expected a data:image/...;base64,... URL (nothing is fetched), "
+                                f"got {url[:40]!r}", param="messages")
+        try:
+            images.append(base64.b64decode(url.split(",", 1)[1], validate=True))
+        except (binascii.Error, ValueError):
+            raise APIError(400, "image_url: expected base64 image data, got invalid base64", param="messages") from None
+    return "\n".join(text), images
+
+
+class OpenAIRoutes:
+    """The /v1 routes over a `Service`."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        self.router = APIRouter(prefix="/v1")
+        self.router.add_api_route("/models", self.models, methods=["GET"])
+        self.router.add_api_route("/chat/completions", self.completions, methods=["POST"])
+
+    @property
+    def model_id(self) -> str:
+        lm = self.service.lm
+        return lm.name if lm is not None else "recall-chat"
+
+    def check_key(self, request: Request) -> None:
+        key = self.service.cfg.app.api_key
+        if key is None:
+            return
+        sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(sent.encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error",
+                           code="invalid_api_key")
+
+    async def models(self, request: Request):
+        try:
+            self.check_key(request)
+        except APIError as e:
+            return e.response()
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
+                                            "owned_by": "recall-chat"}]}
+
+    async def completions(self, request: Request):
+        try:
+            self.check_key(request)
+            try:
+                body = ChatRequest.model_validate_json(await request.body())
+            except ValidationError as e:
+                raise APIError(400, describe(e), param=str(e.errors()[0]["loc"][0])) from None
+            await self.service.worker.wait_for(self.service.ready())
+            if body.model != self.model_id:
+                raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_id!r}",
+                               param="model", code="model_not_found")
+            session, turn = self.start(body)
+            if body.stream:
+                return StreamingResponse(self.chunks(request, session, turn, body), media_type="text/event-stream")
+            return await self.whole(request, session, turn, body)
+        except APIError as e:
+            return e.response()
+
+    def start(self, body: ChatRequest):
+        """A fresh session holding the request's conversation, with its answer queued."""
+        svc = self.service
+        gen = {"generation.max_new_tokens": body.max_completion_tokens or body.max_tokens
+               or svc.cfg.generation.max_new_tokens}
+        if body.temperature is not None:
+            gen.update({"generation.do_sample": body.temperature > 0,
+                        "generation.temperature": body.temperature or 1.0})
+        if body.top_p is not None:
+            gen["generation.top_p"] = body.top_p
+        if body.stop:
+            gen["generation.stop_strings"] = [body.stop] if isinstance(body.stop, str) else body.stop
+        if body.seed is not None:
+            gen["generation.seed"] = body.seed
+        s = svc.new_session()
+        try:
+            settings, recall = request_settings(svc.cfg, gen)
+            *history, last = body.messages
+            if last.role != "user":
+                raise APIError(400, f"messages: expected the last message to be from the user, got {last.role!r}",
+                               param="messages")
+            conv = svc.conversation(s)
+            for message in history:
+                text, images = _parts(message)
+                if message.role == "system":
+                    conv.system_prompt = text
+                elif message.role == "user":
+                    conv.build_inputs(text, self.files(s, images))
+                else:
+                    conv.add_answer_text(text)
+            text, images = _parts(last)
+            return s, svc.chat(s, text, self.files(s, images), settings, recall, body.recall_first)
+        except APIError:
+            svc.end_session(s)
+            raise
+        except (ValueError, ServiceError) as e:
+            svc.end_session(s)
+            raise APIError(400, str(e)) from None
+
+    @staticmethod
+    def files(s: Session, images: list[bytes]) -> list[str]:
+        from chat.inputs import decode_image
+
+        paths = []
+        for i, raw in enumerate(images):
+            decode_image(base64.b64encode(raw).decode(), f"image {i}")  # a readable image of a sane size
+            path = s.files / f"api-{uuid.uuid4().hex}.png"
+            path.write_bytes(raw)
+            paths.append(str(path))
+        return paths
+
+    async def events(self, request: Request, session: Session, turn) -> AsyncIterator[Any]:
+        """The answer's events; a disconnected client stops it; the session is freed at the end."""
+        req = turn.request
+        try:
+            while (event := await self.service.worker.next_event(req, 0.5)) is not END:
+                if event is None:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                yield event
+        finally:
+            if not req.done.is_set():
+                self.service.worker.withdraw(req)
+            self.service.end_session(session)
+
+    async def chunks(self, request: Request, session: Session, turn, body: ChatRequest) -> AsyncIterator[str]:
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+            data = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+            return f"data: {json.dumps(data)}\n\n"
+
+        yield chunk({"role": "assistant", "content": ""})
+        text = StopText(body.stop)
+        async for event in self.events(request, session, turn):
+            if isinstance(event, TokenEvent) and event.text:
+                if out := text.push(event.text):
+                    yield chunk({"content": out})
+            elif isinstance(event, RecallEvent):
+                yield chunk({}, recall=_recall(event))
+            elif isinstance(event, FinishEvent):
+                if out := text.finish():
+                    yield chunk({"content": out})
+                yield chunk({}, FINISH[event.reason])
+            elif isinstance(event, Failed):
+                yield f"data: {json.dumps({'error': {'message': event.message, 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def whole(self, request: Request, session: Session, turn, body: ChatRequest) -> JSONResponse:
+        text, recalls, reason, tokens, prompt = StopText(body.stop), [], "stop", 0, 0
+        async for event in self.events(request, session, turn):
+            if isinstance(event, DoneEvent):
+                prompt = event.result.prompt_length
+            elif isinstance(event, TokenEvent):
+                text.push(event.text)
+                tokens += 1
+            elif isinstance(event, RecallEvent):
+                recalls.append(_recall(event))
+            elif isinstance(event, FinishEvent):
+                reason = FINISH[event.reason]
+            elif isinstance(event, Failed):
+                raise APIError(500, event.message, "server_error")
+        return JSONResponse({
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_id, "recalls": recalls,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text.all()},
+                         "finish_reason": reason}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}})
+
+
+class StopText:
+    """The answer's text without its stop sequence, as OpenAI returns it: text that might be the start
+    of a stop sequence is held back until it is known not to be one."""
+
+    def __init__(self, stop: str | list[str] | None):
+        self.stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.text, self.sent, self.done = "", 0, False
+
+    def push(self, delta: str) -> str:
+        if self.done:
+            return ""
+        self.text += delta
+        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.text, self.done = self.text[:min(hits)], True
+            return self._send(len(self.text))
+        hold = max((len(s) - 1 for s in self.stops), default=0)
+        return self._send(max(self.sent, len(self.text) - hold))
+
+    def finish(self) -> str:
+        return self._send(len(self.text))
+
+    def all(self) -> str:
+        return self.text
+
+    def _send(self, upto: int) -> str:
+        out, self.sent = self.text[self.sent:upto], max(self.sent, upto)
+        return out
+
+
+def _recall(event: RecallEvent) -> dict:
+    return {"position": event.position, "score": round(event.score, 6), "memory_index": event.memory_index,
+            "text": event.text}
+
+
+def mount(app, service: Service) -> None:
+    """Add the /v1 routes to a running FastAPI app (Gradio's own: one server, one port)."""
+    app.include_router(OpenAIRoutes(service).router)

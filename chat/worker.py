@@ -1,0 +1,242 @@
+"""The model worker: one thread that owns the model and runs every request, each with its own event queue.
+
+Generation, memory encoding and bank edits are requests on its queue; answers take turns on the
+model one event (one forward) at a time, and a bank edit runs whole between them, so a bank is
+never edited in the middle of a recall. Every request has its
+own interrupt event and its own event queue, which ends with `END`; a waiting request is told how
+many requests are ahead of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import GeneratorType
+from typing import Any
+
+from decoding.events import FinishEvent, TokenEvent
+
+log = logging.getLogger("chat.worker")
+
+END = object()  # the last item of every request's event queue
+
+
+class ServiceError(ValueError):
+    """A request that could not be done; the message is meant for the user."""
+
+
+@dataclass(frozen=True)
+class Waiting:
+    ahead: int  # requests before this one; 0 = it is running
+
+
+@dataclass(frozen=True)
+class Notice:
+    text: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+@dataclass(eq=False)
+class Request:
+    """One piece of work for the model worker. `run(interrupt)` returns a value or an event generator."""
+
+    kind: str
+    run: Callable[[threading.Event], Any]
+    session_id: int | None = None
+    label: str = ""
+    id: int = 0  # numbered by the worker on submission
+    interrupt: threading.Event = field(default_factory=threading.Event)
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)  # the submitter's (progress bars)
+    done: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    stop_requested: float | None = None
+    finished: float | None = None
+    steps: int = 0  # tokens generated
+    reason: str | None = None  # finish reason of a generation
+    result: Any = None
+    error: str | None = None
+    on_withdraw: Callable[[], None] | None = None  # called when withdrawn before it ran (off the worker)
+
+    def stop(self) -> None:
+        if self.stop_requested is None:
+            self.stop_requested = time.perf_counter()
+        self.interrupt.set()
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line message for the user, never a traceback."""
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    if isinstance(exc, (ValueError, FileNotFoundError, RuntimeError)) and str(exc):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Worker:
+    """One thread owns the model and runs every request; generations take turns.
+
+    A request whose `run` returns a value (a bank edit, loading the model) runs whole. One that
+    returns an event generator (an answer) joins the running ones, up to `max_running`, and the
+    worker advances them in turn, one event each: a long prompt is read in chunks and a long
+    answer written token by token, so no request holds the model for more than one forward while
+    others wait (they share it, and each finishes later by the others' share). Two requests of the
+    same session never run together: the second waits for the first.
+    """
+
+    def __init__(self, name: str = "recall-chat-model", max_running: int = 8):
+        self._pending: deque[Request] = deque()
+        self._cond = threading.Condition()
+        self._ids = itertools.count(1)
+        self.max_running = max_running
+        self.waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"{name}-wait")  # blocked on queues
+        self.running: list[Request] = []
+        self.history: deque[Request] = deque(maxlen=256)  # records of finished requests, newest last
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, req: Request) -> Request:
+        with self._cond:
+            if self._closed:
+                raise ServiceError("the server is shutting down")
+            req.id = next(self._ids)
+            self._pending.append(req)
+            req.events.put(Waiting(len(self._pending)))
+            self._cond.notify()
+        return req
+
+    def withdraw(self, req: Request) -> None:
+        """Stop `req`: a running one ends within one decoding step, a waiting one leaves the queue now."""
+        req.stop()
+        with self._cond:
+            if req not in self._pending:
+                return
+            self._pending.remove(req)
+            self._announce()
+        req.reason = "interrupted"
+        try:
+            if req.on_withdraw is not None:
+                req.on_withdraw()
+        except Exception:  # noqa: BLE001 - the stop itself must succeed
+            log.exception("request %d: recording its withdrawal failed", req.id)
+        finally:
+            self._close(req)
+
+    def _announce(self) -> None:
+        for i, req in enumerate(self._pending):
+            req.events.put(Waiting(i + 1))
+
+    def _next_to_start(self) -> Request | None:
+        """The first waiting request that may start now (under the lock)."""
+        busy = {r.session_id for r in self.running if r.session_id is not None}
+        for req in self._pending:
+            if len(self.running) < self.max_running and (req.session_id is None or req.session_id not in busy):
+                self._pending.remove(req)
+                return req
+        return None
+
+    def _loop(self) -> None:
+        generators: dict[int, Iterator[Any]] = {}
+        while True:
+            with self._cond:
+                while not self.running and not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self.running and not self._pending:
+                    return
+                req = self._next_to_start()
+                if req is not None:
+                    self.running.append(req)
+                    req.events.put(Waiting(0))
+                    self._announce()
+                turn = list(self.running)
+            if req is not None:
+                self._start(req, generators)
+            for r in turn:  # one event each, in turn
+                if r.id in generators:
+                    self._step(r, generators)
+
+    def _start(self, req: Request, generators: dict[int, Iterator[Any]]) -> None:
+        req.started = time.perf_counter()
+        try:
+            out = req.context.run(req.run, req.interrupt)
+        except Exception as e:  # noqa: BLE001 - reported to the requester
+            return self._fail(req, e)
+        if isinstance(out, GeneratorType):
+            generators[req.id] = out
+        else:
+            req.result = out
+            self._finish(req)
+
+    def _step(self, req: Request, generators: dict[int, Iterator[Any]]) -> None:
+        try:
+            event = req.context.run(next, generators[req.id])
+        except StopIteration as stop:
+            del generators[req.id]
+            req.result = stop.value
+            return self._finish(req)
+        except Exception as e:  # noqa: BLE001 - reported to the requester
+            del generators[req.id]
+            return self._fail(req, e)
+        if isinstance(event, TokenEvent):
+            req.steps += 1
+        elif isinstance(event, FinishEvent):
+            req.reason = event.reason
+        req.events.put(event)
+
+    def _fail(self, req: Request, e: Exception) -> None:
+        if not isinstance(e, (ValueError, KeyError, FileNotFoundError)):
+            log.exception("request %d (%s) failed", req.id, req.kind)
+        req.error = describe(e)
+        req.events.put(Failed(req.error))
+        self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        with self._cond:
+            self.running.remove(req)
+        self._close(req)
+
+    def _close(self, req: Request) -> None:
+        req.finished = time.perf_counter()
+        req.run = req.on_withdraw = None  # their closures hold the session (conversation, KV cache, bank)
+        self.history.append(dataclasses.replace(req, events=None, result=None))  # a record, holding nothing big
+        req.events.put(END)
+        req.done.set()
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        with self._cond:
+            self._closed = True
+            for req in [*self._pending, *self.running]:
+                req.stop()
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        self.waiters.shutdown(wait=False, cancel_futures=True)
+
+    async def wait_for(self, req: Request) -> Any:
+        """Await a request's end; its result, or `ServiceError` with its message."""
+        await asyncio.get_running_loop().run_in_executor(self.waiters, req.done.wait)
+        if req.error is not None:
+            raise ServiceError(req.error)
+        return req.result
+
+    async def next_event(self, req: Request, timeout: float | None) -> Any:
+        """The request's next event, or None after `timeout` seconds without one."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.waiters, req.events.get, True, timeout)
+        except queue.Empty:
+            return None

@@ -1,0 +1,25 @@
+"""Pure sampling functions: processed scores in, choices out. No model, no state.
+
+The same `sample` picks the next token from the vocabulary and the memory from the bank: the
+memory head's similarities are logits like any others (seed 000's symmetry of `lm_head` and the
+memory head).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """Choices [B] from processed scores [B, N]: a draw from softmax(scores), or the argmax (first on ties).
+
+    The operations are `GenerationMixin._sample`'s, so a seeded draw matches `model.generate`.
+    """
+    if do_sample:
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    return torch.argmax(scores, dim=-1)
+
+
+def kept(scores: torch.Tensor) -> torch.Tensor:
+    """How many candidates of each row [B, N] a warper left (scores above -inf): [B]."""
+    return torch.isfinite(scores).sum(dim=-1)

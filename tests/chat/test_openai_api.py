@@ -1,0 +1,155 @@
+"""The OpenAI-compatible API with the official `openai` client against the real server (SmolLM2)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import openai
+import pytest
+
+from memory import MemoryVectorDB
+from test_app import serve
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["What is the capital of France?", "Name three colours.", "Write one sentence about rain.",
+           "What is 2 plus 2?", "Say hello in Spanish.", "Name a big animal.", "What do bees make?",
+           "Tell me a short fact about the moon."]
+
+
+@pytest.fixture(scope="module")
+def bank_path(smollm2, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bank") / "facts.pt"
+    texts = ["Mira Castellan is the lighthouse keeper of Port Avel.", "Biscuit is Mira's grey cat."]
+    db = MemoryVectorDB(smollm2.hidden_size)
+    db.add(smollm2.encoder.encode_texts(smollm2.model, smollm2.tokenizer, texts, progress=False), texts)
+    db.info = smollm2.encoder.describe()
+    db.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, bank_path):
+    with serve(smollm2, f"memory.bank={bank_path}") as s:
+        yield s
+
+
+@pytest.fixture
+def api(server):
+    return openai.OpenAI(base_url=server.url + "v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def model_id(api) -> str:
+    return api.models.list().data[0].id
+
+
+def greedy(api, prompt: str, **kw):
+    return api.chat.completions.create(model=model_id(api), messages=[{"role": "user", "content": prompt}],
+                                       **{"temperature": 0, "max_tokens": 12, **kw})
+
+
+def test_models_and_a_whole_answer(api, smollm2):
+    models = api.models.list().data
+    assert [m.id for m in models] == [smollm2.name]
+    out = greedy(api, "What is the capital of France?")
+    assert "Paris" in out.choices[0].message.content and out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.completion_tokens > 0 and out.usage.prompt_tokens > 10
+
+
+def test_streaming_gives_the_same_text_as_a_whole_answer(api):
+    whole = greedy(api, "Name three colours.").choices[0].message.content
+    chunks = list(greedy(api, "Name three colours.", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_history_and_system_prompt_are_read_as_the_chat_template_lays_them_out(api, smollm2):
+    messages = [{"role": "system", "content": "You are a helpful assistant who answers briefly."},
+                {"role": "user", "content": "My name is Oda."}, {"role": "assistant", "content": "Hello Oda!"},
+                {"role": "user", "content": "What is my name?"}]
+    out = api.chat.completions.create(model=model_id(api), temperature=0, max_tokens=8, messages=messages)
+    tok = smollm2.tokenizer
+    expected = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"]
+    assert out.usage.prompt_tokens == len(expected)
+
+
+def test_stop_sequences_end_the_answer_and_are_not_returned(api):
+    whole = greedy(api, "Write one sentence about rain.", max_tokens=24).choices[0].message.content
+    word = whole.split()[3]
+    cut = greedy(api, "Write one sentence about rain.", max_tokens=24, stop=[word])
+    text = cut.choices[0].message.content
+    assert word not in text and whole.startswith(text) and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       greedy(api, "Write one sentence about rain.", max_tokens=24, stop=[word], stream=True))
+    assert streamed == text
+
+
+def test_a_recall_event_travels_in_the_chunks(api):
+    chunks = list(api.chat.completions.create(
+        model=model_id(api), messages=[{"role": "user", "content": "Who keeps the lighthouse of Port Avel?"}],
+        temperature=0, max_tokens=8, stream=True, extra_body={"recall_first": True}))
+    recalls = [c.model_extra["recall"] for c in chunks if c.model_extra and "recall" in c.model_extra]
+    assert len(recalls) == 1 and recalls[0]["memory_index"] in (0, 1)
+    assert recalls[0]["text"] in ("Mira Castellan is the lighthouse keeper of Port Avel.", "Biscuit is Mira's grey cat.")
+    whole = greedy(api, "Who keeps the lighthouse of Port Avel?", extra_body={"recall_first": True})
+    assert whole.model_extra["recalls"][0]["memory_index"] == recalls[0]["memory_index"]
+
+
+@pytest.mark.parametrize("kw, error, words", [
+    (dict(model="gpt-4"), openai.NotFoundError, "does not exist"),
+    (dict(temperature=5), openai.BadRequestError, "temperature"),
+    (dict(max_tokens=5000), openai.BadRequestError, "max_new_tokens: expected at most 1024"),
+    (dict(messages=[{"role": "user", "content": "x" * 200_000}]), openai.BadRequestError, "200000"),
+    (dict(messages=[{"role": "assistant", "content": "hi"}]), openai.BadRequestError, "last message"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+     openai.BadRequestError, "nothing is fetched"),
+])
+def test_bad_requests_get_openai_style_errors(api, kw, error, words):
+    args = dict(model=model_id(api), messages=[{"role": "user", "content": "hi"}], max_tokens=4) | kw
+    with pytest.raises(error) as info:
+        api.chat.completions.create(**args)
+    assert words in info.value.message and info.value.body["type"] in ("invalid_request_error",)
+    assert greedy(api, "Say hi.").choices[0].message.content  # and the server answers the next one
+
+
+def test_an_api_key_is_checked_when_set(smollm2):
+    with serve(smollm2, "app.api_key=s3cret-key") as s:
+        bad = openai.OpenAI(base_url=s.url + "v1", api_key="wrong-key", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=s.url + "v1", api_key="s3cret-key", max_retries=0)
+        assert good.models.list().data
+
+
+def test_eight_concurrent_sessions_get_what_they_would_get_alone(api, server):
+    alone = {p: greedy(api, p, max_tokens=16).choices[0].message.content for p in PROMPTS}
+    got: dict[str, str] = {}
+    rng = random.Random(0)
+    stops = set(rng.sample(PROMPTS, 3))  # these clients hang up after a few chunks
+
+    def run(prompt):
+        client = openai.OpenAI(base_url=server.url + "v1", api_key="unused", max_retries=0, timeout=300)
+        stream = greedy(client, prompt, max_tokens=300 if prompt in stops else 16, stream=True)
+        text = []
+        for i, chunk in enumerate(stream):
+            text.append(chunk.choices[0].delta.content or "")
+            if prompt in stops and i == 4:
+                stream.close()
+                break
+        got[prompt] = "".join(text)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for p in PROMPTS:
+        assert alone[p].startswith(got[p]) or got[p].startswith(alone[p]), (p, got[p], alone[p])
+        assert p in stops or got[p] == alone[p], (p, got[p], alone[p])
+    deadline = time.monotonic() + 60
+    while any(r.label in stops for r in server.service.worker.running) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    reasons = {r.label: r.reason for r in server.service.worker.history if r.label in stops}
+    assert reasons and set(reasons.values()) == {"interrupted"}  # a client that hangs up stops its answer

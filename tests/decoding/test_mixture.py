@@ -1,0 +1,519 @@
+"""The q* mixture (seed 003) and its exact speculative sampling: α* solves the KL balance, the
+acceptance rule reproduces q* (and the seed's scheme would not), speculative and direct sampling
+agree in distribution and under greedy, caches roll back exactly, recall injects into both models."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TopKLogitsWarper
+
+from conftest import make_tiny_llama
+from decoding import GenerationSettings, Recall, RecallEvent, RecallSettings
+from decoding.mixture import (
+    MixtureEvent, MixtureResult, OptimalSpeculativeDecoder, generate_mixture, mixture_log_probs, stream_mixture,
+)
+from decoding.settings import MixtureSettings
+from decoding.speculative import ModelPair, accept_draft, point_masses, speculative_round
+from memory import MemoryVectorDB
+
+P_MIN = 1e-3  # chi-square p-value below which a distribution test fails
+
+
+class AllowOnly(LogitsProcessor):
+    """Masks every token but `ids` and sharpens the rest (tiny random models are nearly uniform)."""
+
+    def __init__(self, ids, scale=25.0):
+        self.ids, self.scale = torch.tensor(ids), scale
+
+    def __call__(self, input_ids, scores):
+        out = torch.full_like(scores, -float("inf"))
+        out[:, self.ids] = scores[:, self.ids] * self.scale
+        return out
+
+
+class Sharpen(LogitsProcessor):
+    def __init__(self, scale=25.0):
+        self.scale = scale
+
+    def __call__(self, input_ids, scores):
+        return scores * self.scale
+
+
+class BiasAt(LogitsProcessor):
+    """+bias on `token` when the input has `length` tokens: forces it at one position only."""
+
+    def __init__(self, length, token, bias=100.0):
+        self.length, self.token, self.bias = length, token, bias
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] == self.length:
+            scores = scores.clone()
+            scores[:, self.token] += self.bias
+        return scores
+
+
+def chi2_p(samples, probs):
+    """Chi-square p-value of integer samples against `probs`, cells with expected < 5 merged."""
+    probs = np.asarray(probs, dtype=float)
+    observed = np.bincount(np.asarray(samples), minlength=len(probs)).astype(float)
+    expected = probs / probs.sum() * len(samples)
+    small = expected < 5
+    if small.any():
+        observed = np.append(observed[~small], observed[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    return chisquare(observed, expected).pvalue
+
+
+# ------------------------------------------------------------------ fixtures and references
+
+
+@pytest.fixture(scope="module")
+def pair2(smollm2_dir):
+    """Two different tiny Llamas with one tokenizer."""
+    return make_tiny_llama(smollm2_dir, seed=0), make_tiny_llama(smollm2_dir, seed=1)
+
+
+@pytest.fixture(scope="module")
+def peft_lm(smollm2_dir):
+    """A tiny Llama with a LoRA adapter (random B) and trainable recall tokens: θ = adapter, t = base."""
+    from peft import LoraConfig, get_peft_model
+    lm = make_tiny_llama(smollm2_dir, seed=7)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        trainable_token_indices=[lm.tokens.recall, lm.tokens.memory_pad])
+    model = get_peft_model(lm.model, config).eval()
+    torch.manual_seed(3)
+    for name, p in model.named_parameters():
+        if "lora_B" in name or "trainable_tokens_delta" in name:
+            p.data.normal_(0, 0.5)
+    lm.model = model
+    return lm
+
+
+def models_of(case, pair2, peft_lm):
+    return (pair2[0].model, pair2[1].model) if case == "two" else (peft_lm.model, None)
+
+
+def side(model_theta, model_t, which):
+    """(module, context) of θ (0) or t (1): for a PEFT pair t is the same model with its adapter off."""
+    if which == 0 or model_t is not None:
+        return (model_theta, model_t)[which], contextlib.nullcontext()
+    return model_theta, model_theta.disable_adapter()
+
+
+def full_logits(model_theta, model_t, ids, embeds=(None, None)):
+    """Last-position logits of both models by a plain uncached forward: [2, V]."""
+    out = []
+    for which in (0, 1):
+        model, context = side(model_theta, model_t, which)
+        kw = {"inputs_embeds": embeds[which]} if embeds[which] is not None else {"input_ids": torch.tensor([ids])}
+        with context, torch.no_grad():
+            out.append(model(**kw).logits[0, -1])
+    return torch.stack(out)
+
+
+def embed_of(model_theta, model_t, which, ids):
+    """Input embeddings [1, S, H] of `ids` in θ (0) or t (1)."""
+    model, context = side(model_theta, model_t, which)
+    with context, torch.no_grad():
+        return model.get_input_embeddings()(torch.tensor([ids])).clone()
+
+
+def reference_q(model_theta, model_t, ids, processors=None, alpha="auto"):
+    logits = full_logits(model_theta, model_t, ids)
+    if processors:
+        logits = processors(torch.tensor([ids]).expand(2, -1), logits)
+    return mixture_log_probs(logits[0], logits[1], alpha)
+
+
+def reference_greedy(model_theta, model_t, ids, steps, alpha="auto"):
+    ids = list(ids)
+    for _ in range(steps):
+        ids.append(int(reference_q(model_theta, model_t, ids, alpha=alpha)[0].argmax()))
+    return ids
+
+
+def conditioned_kls(scores_theta, scores_t, log_q):
+    """KL(q‖π_θ|S), KL(q‖π_t|S) computed from scratch in float64."""
+    s = torch.isfinite(scores_theta) & torch.isfinite(scores_t)
+    lp = torch.log_softmax(scores_theta.double().masked_fill(~s, -float("inf")), -1)
+    lr = torch.log_softmax(scores_t.double().masked_fill(~s, -float("inf")), -1)
+    q, lq = log_q.double().exp(), log_q.double()
+    kl = lambda other: torch.where(q > 0, q * (lq - other), torch.zeros_like(q)).sum(-1)  # noqa: E731
+    return kl(lp), kl(lr)
+
+
+# ------------------------------------------------------------------ α* and q*
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0, 4.0, 12.0])
+def test_alpha_balances_the_two_kls(scale):
+    torch.manual_seed(int(scale * 10))
+    theta, t = torch.randn(16, 3000) * scale, torch.randn(16, 3000) * scale + torch.randn(16, 1)
+    log_q, alpha = mixture_log_probs(theta, t)
+    kl_theta, kl_t = conditioned_kls(theta, t, _mix(theta, t, alpha))
+    assert ((alpha >= 0) & (alpha <= 1)).all()
+    assert (kl_theta - kl_t).abs().max() < 1e-5
+    assert torch.allclose(log_q.exp().double(), _mix(theta, t, alpha).exp(), atol=1e-6)
+    # and it is the root plain bisection finds
+    lo, hi = torch.zeros(16, dtype=torch.float64), torch.ones(16, dtype=torch.float64)
+    for _ in range(50):  # δ = KL(q‖π_θ) - KL(q‖π_t) decreases in α
+        mid = (lo + hi) / 2
+        kl_theta, kl_t = conditioned_kls(theta, t, _mix(theta, t, mid))
+        lo, hi = torch.where(kl_theta > kl_t, mid, lo), torch.where(kl_theta > kl_t, hi, mid)
+    assert (alpha - lo).abs().max() < 1e-5
+
+
+def _mix(theta, t, alpha):
+    """log q_α in float64 from scratch: α log π_θ|S + (1-α) log π_t|S, renormalised, on S only."""
+    s = torch.isfinite(theta) & torch.isfinite(t)
+    lp = torch.log_softmax(theta.double().masked_fill(~s, -float("inf")), -1)
+    lr = torch.log_softmax(t.double().masked_fill(~s, -float("inf")), -1)
+    a = alpha[:, None]
+    return torch.log_softmax((a * lp.masked_fill(~s, 0) + (1 - a) * lr.masked_fill(~s, 0)).masked_fill(~s, -float("inf")), -1)
+
+
+def test_equal_models_any_alpha_returns_half_and_the_model():
+    scores = torch.randn(3, 500) * 3
+    log_q, alpha = mixture_log_probs(scores, scores.clone())
+    assert torch.allclose(alpha, torch.full((3,), 0.5, dtype=torch.float64))
+    assert torch.allclose(log_q, torch.log_softmax(scores, -1), atol=1e-5)
+
+
+def test_one_hot_and_peaked_distributions():
+    t = torch.randn(2, 400)
+    one_hot = torch.full((2, 400), -float("inf"))
+    one_hot[:, 7] = 0.0
+    log_q, alpha = mixture_log_probs(one_hot, t)
+    assert torch.allclose(log_q.exp()[:, 7], torch.ones(2)) and alpha.tolist() == [0.5, 0.5]
+    peaked = torch.zeros(2, 400)
+    peaked[:, 3] = 100.0  # finite but ~one-hot: stable in log space
+    log_q, alpha = mixture_log_probs(peaked, t)
+    assert torch.isfinite(alpha).all() and not torch.isnan(log_q).any()
+    kl_theta, kl_t = conditioned_kls(peaked, t, _mix(peaked, t, alpha))
+    assert (kl_theta - kl_t).abs().max() < 1e-5
+
+
+def test_masking_processors_zero_q_outside_the_common_support():
+    torch.manual_seed(5)
+    theta, t = torch.randn(4, 300) * 2, torch.randn(4, 300) * 2
+    theta[:, :3] += 10  # both keep tokens 0..2 among their top 8
+    t[:, :3] += 10
+    top = TopKLogitsWarper(8)
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    s_theta, s_t = top(ids, theta.clone()), top(ids, t.clone())
+    log_q, alpha = mixture_log_probs(s_theta, s_t)
+    common = torch.isfinite(s_theta) & torch.isfinite(s_t)
+    assert (log_q.exp()[~common] == 0).all() and (log_q.exp()[common] > 0).all()
+    assert torch.allclose(log_q.exp().double(), _mix(s_theta, s_t, alpha).exp(), atol=1e-6)
+    kl_theta, kl_t = conditioned_kls(s_theta, s_t, _mix(s_theta, s_t, alpha))
+    assert (kl_theta - kl_t).abs().max() < 1e-5
+
+
+def test_disjoint_supports_fall_back_to_theta():
+    theta, t = torch.full((1, 50), -float("inf")), torch.full((1, 50), -float("inf"))
+    theta[0, :3], t[0, 10:13] = torch.tensor([1.0, 2.0, 3.0]), 0.0
+    log_q, alpha = mixture_log_probs(theta, t)
+    assert alpha.tolist() == [1.0]
+    assert torch.allclose(log_q.exp(), torch.softmax(theta, -1))
+
+
+def test_fixed_alpha_is_the_geometric_mixture():
+    theta, t = torch.randn(3, 200), torch.randn(3, 200)
+    assert torch.allclose(mixture_log_probs(theta, t, 1.0)[0], torch.log_softmax(theta, -1), atol=1e-5)
+    assert torch.allclose(mixture_log_probs(theta, t, 0.0)[0], torch.log_softmax(t, -1), atol=1e-5)
+    expected = _mix(theta, t, torch.full((3,), 0.3, dtype=torch.float64)).float()
+    assert torch.allclose(mixture_log_probs(theta, t, 0.3)[0], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"alpha": 1.5}, ["1.5", '"auto"', "[0, 1]"]), ({"alpha": "max"}, ["'max'", '"auto"']),
+    ({"gamma": 0}, ["gamma", "0", ">= 1"]), ({"draft": "medusa"}, ["'medusa'", "ngram", "theta", "target"]),
+    ({"target": ""}, ["target", "None"]), ({"speculative": "yes"}, ["speculative", "bool"]),
+])
+def test_settings_name_the_value_and_what_is_allowed(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        MixtureSettings(**kwargs)
+    assert all(w in str(err.value) for w in words)
+
+
+# ------------------------------------------------------------------ the acceptance rule, no model
+
+Q_CASES = {  # (target q over 5 tokens, draft d)
+    "d=pi_theta": ([.30, .25, .20, .15, .10], [.60, .05, .05, .20, .10]),
+    "far draft": ([.05, .10, .15, .30, .40], [.90, .04, .03, .02, .01]),
+    "point mass": ([.20, .20, .20, .20, .20], [0., 0., 1., 0., 0.]),
+}
+
+
+@pytest.mark.parametrize("case", Q_CASES)
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_one_speculative_step_is_distributed_as_q(case, gamma):
+    q0, d0 = (torch.tensor(v) for v in Q_CASES[case])
+    n_draws = 40000
+    g = torch.Generator().manual_seed(11 + gamma)
+    q1 = torch.tensor([.1, .4, .1, .3, .1])  # the next position's target
+    q = torch.stack([q0] + [q1] * gamma)[None].expand(n_draws, -1, -1)  # [N, γ+1, V]
+    d = torch.stack([d0] + [d0.roll(1)] * (gamma - 1))[None].expand(n_draws, -1, -1)  # [N, γ, V]
+    x = torch.stack([torch.multinomial(d[0, i], n_draws, replacement=True, generator=g) for i in range(gamma)], 1)
+    n, y = accept_draft(q, d, x, generator=g)
+    first = torch.where(n >= 1, x[:, 0], y)
+    assert chi2_p(first.numpy(), q0) > P_MIN
+    if gamma > 1:  # the token after a kept first draft follows q_1
+        kept = n >= 1
+        second = torch.where(n >= 2, x[:, 1], y)[kept]
+        assert chi2_p(second.numpy(), q1) > P_MIN
+
+
+def seed_scheme(p_theta, q_star, k, generator):
+    """Seed 003's rule (for contrast only): k candidates from π_θ, first kept with min(1, q*/π_θ)."""
+    for c in torch.multinomial(p_theta, k, replacement=True, generator=generator):
+        if float(torch.rand(1, generator=generator)) < min(1.0, float(q_star[c] / p_theta[c])):
+            return int(c)
+    return int(torch.multinomial(q_star, 1, generator=generator))
+
+
+class _StubPair:
+    """A pair whose forward is free: the target is given, caches are a counter."""
+
+    def __init__(self):
+        self.length, self.runs = 0, 0
+
+    def run(self, tokens, inject={}, logits=True):
+        self.runs += 1
+        self.length += len(tokens)
+        return torch.zeros(2, len(tokens), 2), None
+
+    def crop(self, length):
+        self.length = min(self.length, length)
+
+
+class _PiThetaDraft:
+    def __init__(self, p):
+        self.p = p
+
+    def propose(self, seq, gamma, **_):
+        return torch.multinomial(self.p, gamma, replacement=True).tolist(), self.p[None].expand(gamma, -1)
+
+
+def test_seed_scheme_is_not_used_pi_theta_draft_gives_q_star():
+    """π_θ = (.9, .1), q* = (.5, .5): our round samples (.5, .5); the seed's rule gives (.7, .3)."""
+    p, q = torch.tensor([.9, .1]), torch.tensor([.5, .5])
+    torch.manual_seed(0)
+    target = lambda seq, drafts, logits: (q.log()[None].expand(len(drafts) + 1, -1), torch.zeros(len(drafts) + 1))  # noqa: E731
+    pair = _StubPair()
+    ours = [speculative_round([0], pair, _PiThetaDraft(p), 1, target, True).tokens[0] for _ in range(6000)]
+    assert pair.runs == 6000  # one verify forward per round
+    assert chi2_p(ours, q) > P_MIN
+    g = torch.Generator().manual_seed(0)
+    seeds = [seed_scheme(p, q, 1, g) for _ in range(6000)]
+    assert chi2_p(seeds, q) < 1e-9  # the contrast: the test has the power to catch the seed's scheme
+    assert abs(np.mean(np.asarray(seeds) == 0) - 0.70) < 0.03
+
+
+# ------------------------------------------------------------------ end to end on models
+
+ALLOWED_WORDS = 4
+
+
+def allowed_setup(model_theta, model_t):
+    """Four allowed tokens A B C D (sharpened), and a prompt [A, k, B, C, A] whose n-gram lookup proposes
+    k, chosen as q*'s likeliest first token so that drafts are both kept and rejected."""
+    ids = list(range(1000, 1000 + ALLOWED_WORDS))
+    processors = LogitsProcessorList([AllowOnly(ids)])
+    a, b, c = ids[:3]
+    best = max(ids[1:], key=lambda k: float(reference_q(model_theta, model_t, [a, k, b, c, a], processors)[0][k]))
+    return ids, [a, best, b, c, a], processors
+
+
+def two_token_distribution(model_theta, model_t, prompt, allowed, processors):
+    """Exact P(x1, x2) over allowed x allowed, from uncached forwards."""
+    q1 = reference_q(model_theta, model_t, prompt, processors)[0].exp()
+    table = [[float(q1[a]) * float(reference_q(model_theta, model_t, prompt + [a], processors)[0].exp()[b])
+              for b in allowed] for a in allowed]
+    return np.asarray(table).ravel()
+
+
+@pytest.mark.parametrize("case, modes", [("two", ["direct", "ngram", "theta"]), ("peft", ["ngram", "theta"])])
+def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, case, modes):
+    """Against the exact P(x1, x2) of q*: direct; the n-gram draft; θ drafting on its own cache in the pair
+    with its logits reused (two models) or on a separate cache (the batched PEFT pair)."""
+    model_theta, model_t = models_of(case, pair2, peft_lm)
+    allowed, prompt, processors = allowed_setup(model_theta, model_t)
+    exact = two_token_distribution(model_theta, model_t, prompt, allowed, processors)
+    index = {a: i for i, a in enumerate(allowed)}
+    for mode in modes:
+        mixture = MixtureSettings(enabled=True, speculative=mode != "direct", draft="theta" if mode == "theta" else "ngram",
+                                  gamma=3)
+        draws, accepted = [], 0
+        for seed in range(500):
+            settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=2, seed=seed)
+            r = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, settings, mixture,
+                                 logits_processor=processors)
+            a, b = r.new_tokens[0].tolist()
+            draws.append(index[a] * ALLOWED_WORDS + index[b])
+            accepted += r.accepted
+        assert chi2_p(draws, exact) > P_MIN, mode
+        if mode != "direct":
+            assert 0 < accepted < len(draws)  # drafts were kept in some runs and rejected in others
+
+
+@pytest.mark.parametrize("case", ["two", "peft", "peft-two-forwards"])
+@pytest.mark.parametrize("draft", ["ngram", "theta", "target"])
+def test_greedy_speculative_equals_direct_equals_reference(pair2, peft_lm, case, draft):
+    model_theta, model_t = models_of(case.split("-")[0], pair2, peft_lm)
+    prompt = peft_lm.tokenizer("the sea the sea the sea the").input_ids
+    settings = GenerationSettings(max_new_tokens=10)
+    batched = case != "peft-two-forwards"
+    runs = [generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, settings,
+                             MixtureSettings(enabled=True, speculative=spec, draft=draft, gamma=3), eos_token_id=[],
+                             batched=batched) for spec in (False, True)]
+    expected = reference_greedy(model_theta, model_t, prompt, 10)
+    assert runs[0].sequences[0].tolist() == expected == runs[1].sequences[0].tolist()
+    assert runs[1].drafted > 0 and len(runs[1].alphas) == 10
+    assert np.allclose(runs[0].alphas, runs[1].alphas, atol=1e-5)
+
+
+class _FixedDraft:
+    def __init__(self, tokens, vocab):
+        self.tokens, self.vocab = tokens, vocab
+
+    def propose(self, seq, gamma, **_):
+        return self.tokens, point_masses(self.tokens, self.vocab)
+
+
+@pytest.mark.parametrize("case", ["two", "peft", "peft-two-forwards"])
+@pytest.mark.parametrize("keep", [0, 1, 2])
+def test_caches_after_a_rejection_equal_a_fresh_prefill(pair2, peft_lm, case, keep):
+    model_theta, model_t = models_of(case.split("-")[0], pair2, peft_lm)
+    batched = case != "peft-two-forwards"
+    prompt = peft_lm.tokenizer("a quiet harbour at dawn").input_ids
+    good = reference_greedy(model_theta, model_t, prompt, keep)[len(prompt):]
+    wrong = [t for t in (11, 12, 13, 14) if t != reference_greedy(model_theta, model_t, prompt + good, 1)[-1]][:3 - keep]
+    pair = ModelPair(model_theta, model_t, batched=batched)
+    pair.run(prompt[:-1], logits=False)
+    target = lambda seq, drafts, logits: mixture_log_probs(logits[0], logits[1])  # noqa: E731
+    rnd = speculative_round(list(prompt), pair, _FixedDraft(good + wrong, pair.vocab), 3, target, False)
+    assert rnd.accepted == keep and rnd.tokens[:keep] == good
+    seq = prompt + rnd.tokens
+    assert pair.length == len(seq) - 1
+    fresh = ModelPair(model_theta, model_t, batched=batched)
+    fresh.run(seq[:-1], logits=False)
+    after, expected = pair.run(seq[-1:])[0], fresh.run(seq[-1:])[0]
+    assert torch.allclose(after, expected, atol=1e-4)
+    assert torch.allclose(after[:, -1], full_logits(model_theta, model_t, seq), atol=1e-4)
+
+
+def test_peft_pair_is_one_batched_forward_per_round(peft_lm):
+    """The shipped default: adapter on and off in one forward (PEFT mixed adapter batch)."""
+    calls = []
+    backbone = peft_lm.model.get_base_model().model
+    handle = backbone.register_forward_hook(lambda m, a, kw_out: calls.append(1))
+    try:
+        prompt = peft_lm.tokenizer("one two one two one").input_ids
+        r = generate_mixture(peft_lm.model, None, {"input_ids": torch.tensor([prompt])}, GenerationSettings(max_new_tokens=6),
+                             MixtureSettings(enabled=True, speculative=True, draft="ngram", gamma=2), eos_token_id=[])
+    finally:
+        handle.remove()
+    assert r.drafted > 0 and len(calls) == 1 + r.rounds  # the prefill, then one forward per verify round
+
+
+# ------------------------------------------------------------------ recall inside the mixture
+
+
+def _bank(dim, n=6):
+    torch.manual_seed(2)
+    db = MemoryVectorDB(dim)
+    db.add(torch.randn(n, dim), texts=[f"fact {i}" for i in range(n)])
+    return db
+
+
+@pytest.mark.parametrize("case", ["two", "peft"])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_recall_injects_the_memory_into_both_models(pair2, peft_lm, case, speculative):
+    model_theta, model_t = models_of(case, pair2, peft_lm)
+    lm = peft_lm
+    db = _bank(64)
+    recall = Recall(lm.tokens.recall, lm.tokens.memory_pad, db, RecallSettings())
+    prompt = lm.tokenizer("tell me what you remember").input_ids
+    L = len(prompt)
+    processors = LogitsProcessorList([Sharpen(), BiasAt(L, lm.tokens.recall, 1e4)])
+    events = list(stream_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])},
+                                 GenerationSettings(max_new_tokens=3), MixtureSettings(enabled=True, speculative=speculative),
+                                 recall=recall, tokenizer=lm.tokenizer, eos_token_id=[], logits_processor=processors))
+    result = events[-1].result
+    assert isinstance(result, MixtureResult) and any(isinstance(e, MixtureEvent) for e in events)
+    recalls = [e for e in events if isinstance(e, RecallEvent)]
+    assert len(recalls) == 1 and recalls[0].position == L + 1
+    seq = result.sequences[0].tolist()
+    assert seq[L:L + 2] == [lm.tokens.recall, lm.tokens.memory_pad] and np.isnan(result.alphas[1])
+    # θ's hidden state at <recall> chose the memory
+    with torch.no_grad():
+        hidden = model_theta(torch.tensor([seq[:L + 1]]), output_hidden_states=True).hidden_states[-1][0, -1]
+    assert recalls[0].memory_index == int(db.topk(hidden, 1)[1][0])
+    vector = db.vector(recalls[0].memory_index)
+    # the third token's α* is the one of both models seeing the memory, and not of one alone
+    alphas = {}
+    for who in ("both", "theta", "t", "none"):
+        embeds = [embed_of(model_theta, model_t, which, seq[:L + 2]) for which in (0, 1)]
+        for which, name in enumerate(("theta", "t")):
+            if who in ("both", name):
+                embeds[which][0, L + 1] = vector
+        logits = processors(torch.tensor([seq[:L + 2]]).expand(2, -1), full_logits(model_theta, model_t, None, embeds))
+        alphas[who] = float(mixture_log_probs(logits[0], logits[1])[1])
+    assert abs(result.alphas[2] - alphas["both"]) < 1e-4, alphas
+    assert all(abs(alphas["both"] - alphas[w]) > 1e-3 for w in ("theta", "t", "none")), alphas
+
+
+def test_a_drafted_recall_cuts_the_round(pair2, peft_lm):
+    """α = 1 makes θ's draft always right, so <recall> arrives inside a kept block of drafts."""
+    model_theta, model_t = pair2[0].model, pair2[1].model
+    lm = peft_lm
+    recall = Recall(lm.tokens.recall, lm.tokens.memory_pad, _bank(64), RecallSettings())
+    prompt = lm.tokenizer("remember this").input_ids
+    processors = LogitsProcessorList([BiasAt(len(prompt) + 1, lm.tokens.recall)])
+    runs = [generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, GenerationSettings(max_new_tokens=6),
+                             MixtureSettings(enabled=True, alpha=1.0, speculative=spec, draft="theta", gamma=4),
+                             recall=recall, eos_token_id=[], logits_processor=processors) for spec in (False, True)]
+    assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
+    assert runs[1].sequences[0, len(prompt) + 1] == lm.tokens.recall and runs[1].accepted >= 2
+    assert [e.memory_index for e in runs[0].injections] == [e.memory_index for e in runs[1].injections]
+
+
+# ------------------------------------------------------------------ seed 003's class
+
+
+def test_seed_class_shapes_and_greedy_tokens(pair2):
+    model_theta, model_t = pair2[0].model, pair2[1].model
+    ids = torch.tensor([[504, 1813, 314, 253], [253, 2593, 3719, 504]])
+    decoder = OptimalSpeculativeDecoder(model_theta, model_t, k=3)
+    greedy = decoder.generate(ids, max_length=6, temperature=0.0)
+    assert greedy.shape == (2, ids.shape[1] + 6)
+    for row in range(2):
+        assert greedy[row].tolist() == reference_greedy(model_theta, model_t, ids[row].tolist(), 6)
+    sampled = decoder.generate(ids, max_length=6, temperature=1.0, seed=4)
+    assert sampled.shape == (2, ids.shape[1] + 6) and sampled[:, :ids.shape[1]].equal(ids)
+    assert sampled.equal(decoder.generate(ids, max_length=6, temperature=1.0, seed=4))
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_eos_inside_a_kept_block_stops_there_and_interrupt_stops_before_start(pair2, speculative):
+    model_theta, model_t = pair2[0].model, pair2[1].model
+    prompt = [504, 1813, 314, 253]
+    eos = reference_greedy(model_theta, model_t, prompt, 3, alpha=1.0)[-1]  # the 3rd greedy token, made EOS
+    mixture = MixtureSettings(enabled=True, speculative=speculative, alpha=1.0, gamma=4)  # θ's drafts all kept
+    r = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, GenerationSettings(max_new_tokens=8),
+                         mixture, eos_token_id=eos)
+    assert r.new_tokens[0].tolist()[-1] == eos and r.finish_reasons == ["stop"]
+    assert r.sequences[0].tolist() == reference_greedy(model_theta, model_t, prompt, r.new_tokens.shape[1], alpha=1.0)
+    assert not speculative or r.accepted >= 2
+    stop = __import__("threading").Event()
+    stop.set()
+    events = list(stream_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, mixture=mixture,
+                                 interrupt=stop))
+    assert events[-1].result.finish_reasons == ["interrupted"] and events[-1].result.new_tokens.shape[1] == 0

@@ -1,0 +1,83 @@
+"""A short training run on a tiny model: the loss goes down, and the adapter it writes loads back."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from memory import MemoryEncoder, MemoryVectorDB
+from memory.validate import BankError
+from models import load_model
+from training.train import Recipe, train
+
+TINY = dict(steps=80, facts_per_batch=6, chats_per_batch=2, repeats_per_batch=1, chat_prompts=6, reply_tokens=4,
+            lr=3e-2, warmup=5, lora_r=8, lora_alpha=16, encoder_layer=1, projector_inner=32, queue=12,
+            eval_every=40, eval_facts=8)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, smollm2_dir):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-base")
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,  # as SmolLM2
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    lm = load_model(folder, adapter=None, device="cpu")
+    out = tmp_path_factory.mktemp("adapter")
+    model, encoder = train(lm, Recipe(**TINY), out)
+    return folder, out, model, encoder, lm
+
+
+def test_training_lowers_the_loss_and_logs_it(trained):
+    _, out, *_ = trained
+    rows = list(csv.DictReader(open(out / "training_log.csv")))
+    assert len(rows) == TINY["steps"] and rows[-1]["step"] == str(TINY["steps"])
+    mean = lambda key, part: sum(float(r[key]) for r in part) / len(part)  # noqa: E731
+    assert mean("loss", rows[-10:]) < 0.9 * mean("loss", rows[:10])
+    assert mean("decision", rows[-10:]) < 0.4 * mean("decision", rows[:10])  # it learned when to say <recall>
+    # (a random tiny model cannot learn its 49k-token answers in 80 steps; SmolLM2's run is in the README)
+    assert rows[39]["eval_retrieval@1"] != "" and rows[38]["eval_retrieval@1"] == ""
+
+
+def test_the_adapter_loads_back_with_its_encoder(trained, tmp_path):
+    folder, out, model, encoder, lm = trained
+    assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors",
+                                               "memory_encoder.json", "memory_projector.safetensors",
+                                               "training_log.csv", "recipe.json"}
+    loaded = load_model(folder, adapter=out, device="cpu")
+    assert loaded.recall_trained and loaded.encoder.spec == encoder.spec
+    assert loaded.encoder.name.startswith(encoder.name + "@")
+    ids = torch.tensor([[1, 2, 3, lm.tokens.recall, lm.tokens.memory_pad]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(input_ids=ids).logits, model(input_ids=ids).logits)
+        texts = ["Mira keeps the lighthouse.", "The ferry leaves at seven."]
+        torch.testing.assert_close(loaded.encoder.encode_texts(loaded.model, loaded.tokenizer, texts, progress=False),
+                                   encoder.encode_texts(model, lm.tokenizer, texts, progress=False))
+        vec = torch.randn(2, loaded.hidden_size)
+        torch.testing.assert_close(loaded.encoder.embedding(vec), encoder.embedding(vec))
+
+
+def test_a_bank_from_another_encoder_is_refused(trained, tmp_path):
+    folder, out, *_ = trained
+    loaded = load_model(folder, adapter=out, device="cpu")
+    from memory import build_bank
+
+    db = build_bank(loaded.model, loaded.tokenizer, ["a fact"], loaded.encoder, progress=False)
+    db.save(tmp_path / "mine.pt")
+    assert len(MemoryVectorDB.load(tmp_path / "mine.pt", expected_encoder=loaded.encoder.name)) == 1
+    plain = load_model(folder, adapter=None, device="cpu")
+    with pytest.raises(BankError, match="written by .*rebuild it from its texts"):
+        MemoryVectorDB.load(tmp_path / "mine.pt", expected_encoder=plain.encoder.name)
+    other = build_bank(plain.model, plain.tokenizer, ["a fact"], plain.encoder, progress=False)
+    other.save(tmp_path / "plain.pt")
+    with pytest.raises(BankError, match=f"expected memories written by this model's encoder '{loaded.encoder.name}'"):
+        MemoryVectorDB.load(tmp_path / "plain.pt", expected_encoder=loaded.encoder.name)
+    assert isinstance(plain.encoder, MemoryEncoder) and not plain.recall_trained

@@ -1,0 +1,152 @@
+"""Training examples as token ids, laid out exactly as the chat app and the generation loop see them.
+
+A fact question (positive):
+
+    <chat template: user question, generation prompt> <recall> <|memory_pad|> answer <|im_end|>
+                                                    ^ learn to say <recall>     ^ the memory vector is
+                                                                                  this position's input
+
+A request to repeat a memory (autoencoding, the dense reading signal of ICAE, Ge et al. 2024): the
+same layout with the fact's whole text as the answer.
+
+An ordinary prompt (negative): the template, then the base model's own answer (learn not to recall,
+and keep answering as before).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from training.facts import Fact, fact_stream
+
+IGNORE = -100
+REPEAT = "Repeat what you remember."
+
+
+@dataclass(frozen=True)
+class Example:
+    ids: list[int]
+    labels: list[int]  # IGNORE where nothing is predicted
+    decision: int  # the position whose label says "recall or not" (the last prompt token)
+    recall_at: int | None  # position of <recall> (positives): its final hidden state is the query
+    fact_ids: list[int] | None  # the memory's text (positives)
+    value_at: tuple[int, ...] = ()  # label positions of the answer's value tokens (what only the memory knows)
+
+
+def prompt_ids(tokenizer, question: str) -> list[int]:
+    """The chat template with a generation prompt, tokenized as `chat.session` does."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def answer_ids(tokenizer, answer: str) -> list[int]:
+    return tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def value_tokens(tokenizer, answer: str, value: str) -> list[int]:
+    """Indices of the tokens of `answer` that spell `value` (case-insensitive), by character offsets."""
+    start = answer.lower().find(value.lower())
+    if start < 0:
+        return []
+    end = start + len(value)
+    offsets = tokenizer(answer, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
+
+
+def positive(tokenizer, tokens, fact: Fact, question: str, repeat: bool = False) -> Example:
+    """A fact question answered through a recall of the fact (or, with `repeat`, the fact repeated)."""
+    prompt = prompt_ids(tokenizer, REPEAT if repeat else question)
+    answer = answer_ids(tokenizer, fact.text if repeat else fact.answer)
+    ids = prompt + [tokens.recall, tokens.memory_pad] + answer
+    labels = [IGNORE] * len(ids)
+    p = len(prompt)
+    labels[p - 1] = tokens.recall  # decide to recall
+    # labels[p] stays IGNORE: after <recall> the loop forces <|memory_pad|>
+    for i, tid in enumerate(answer):
+        labels[p + 1 + i] = tid  # the answer, read from the injected memory
+    fact_ids = tokenizer(fact.text, add_special_tokens=True)["input_ids"]
+    value = () if repeat else tuple(p + 1 + i for i in value_tokens(tokenizer, fact.answer, fact.value))
+    return Example(ids, labels, p - 1, p, fact_ids, value)
+
+
+def negative(tokenizer, prompt: str, reply_ids: Sequence[int]) -> Example:
+    """An ordinary prompt answered without recall, with the base model's own reply."""
+    ids = prompt_ids(tokenizer, prompt)
+    p = len(ids)
+    ids = ids + list(reply_ids)
+    labels = [IGNORE] * (p - 1) + list(reply_ids) + [IGNORE]
+    return Example(ids, labels, p - 1, None, None)
+
+
+def _padded(rows: Sequence[Sequence[int]], pad_id: int, fill: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(r) for r in rows), default=1)
+    ids = torch.full((len(rows), width), pad_id if fill is None else fill, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, S] right-padded: P questions, A repeats, then negatives
+    labels: torch.Tensor  # [B, S]
+    decision: torch.Tensor  # [B] position of the recall-or-not decision
+    recall_rows: torch.Tensor  # [P] the question rows, whose <recall> state is a memory query
+    recall_at: torch.Tensor  # [P] their <recall> positions
+    memory_rows: torch.Tensor  # [P + A] rows that read a memory
+    memory_of: torch.Tensor  # [P + A] which fact's memory each of them reads
+    fact_ids: torch.Tensor  # [P, F] right-padded memory texts
+    fact_mask: torch.Tensor  # [P, F]
+    question_ids: torch.Tensor  # [P, Q] the questions as plain text (their encoding: the query's target)
+    question_mask: torch.Tensor  # [P, Q]
+    value: torch.Tensor  # [B, S] True at the label positions of answer values
+
+
+def collate(questions: Sequence[Example], repeats: Sequence[tuple[int, Example]], negatives: Sequence[Example],
+            question_texts: Sequence[Sequence[int]], pad_id: int) -> Batch:
+    """Right-pad (a causal model's real tokens never see right padding). `repeats` pairs an example
+    with the index of the question row whose fact it repeats."""
+    examples = [*questions, *(e for _, e in repeats), *negatives]
+    ids, _ = _padded([e.ids for e in examples], pad_id)
+    labels, _ = _padded([e.labels for e in examples], pad_id, fill=IGNORE)
+    fact_ids, fact_mask = _padded([e.fact_ids for e in questions], pad_id)
+    question_ids, question_mask = _padded(question_texts, pad_id)
+    p, a = len(questions), len(repeats)
+    value = torch.zeros_like(labels, dtype=torch.bool)
+    for row, e in enumerate(examples):
+        value[row, list(e.value_at)] = True
+    return Batch(ids, labels, torch.tensor([e.decision for e in examples]), torch.arange(p),
+                 torch.tensor([e.recall_at for e in questions], dtype=torch.long), torch.arange(p + a),
+                 torch.tensor(list(range(p)) + [i for i, _ in repeats], dtype=torch.long),
+                 fact_ids, fact_mask, question_ids, question_mask, value)
+
+
+def batches(tokenizer, tokens, replies: dict[str, list[int]], facts_per_batch: int, chats_per_batch: int,
+            seed: int, repeats_per_batch: int = 0) -> Iterator[tuple[Batch, list[Fact]]]:
+    """Endless batches: new training facts each time (no two asked the same way), the first few of
+    them also to repeat, then ordinary prompts."""
+    rng = random.Random(f"batches:{seed}")
+    stream = fact_stream("train", seed)
+    prompts = sorted(replies)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    while True:
+        facts: list[Fact] = []
+        asked: set[str] = set()
+        while len(facts) < facts_per_batch:
+            fact = next(stream)
+            if fact.questions[0] not in asked:
+                asked.add(fact.questions[0])
+                facts.append(fact)
+        asked_as = [rng.choice(f.questions) for f in facts]
+        questions = [positive(tokenizer, tokens, f, q) for f, q in zip(facts, asked_as)]
+        repeats = [(i, positive(tokenizer, tokens, facts[i], "", repeat=True)) for i in range(repeats_per_batch)]
+        negatives = [negative(tokenizer, p, replies[p]) for p in rng.sample(prompts, min(chats_per_batch, len(prompts)))]
+        texts = [tokenizer(q, add_special_tokens=True)["input_ids"] for q in asked_as]
+        yield collate(questions, repeats, negatives, texts, pad), facts
