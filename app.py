@@ -315,7 +315,7 @@ def build_demo(service: Service) -> gr.Blocks:
                                                "<recall>", elem_id="recall-first")
                     example_btn = gr.Button("Build example bank", variant="primary", elem_id="build-example")
                 gr.Examples([{"text": "Who keeps the lighthouse of Port Avel?", "files": []},
-                             {"text": "What is the name of Mira's cat?", "files": []},
+                             {"text": "When does the ferry to Lune Island leave?", "files": []},
                              {"text": "What does this picture show?", "files": [str(EXAMPLE_IMAGES[0])]}],
                             inputs=[box], label="Try")
                 answer = gr.HighlightedText(label="Last answer: memory markers show where memories were injected",

@@ -60,7 +60,8 @@ def test_the_adapter_loads_back_with_its_encoder(trained, tmp_path):
         torch.testing.assert_close(loaded.model(input_ids=ids).logits, model(input_ids=ids).logits)
         texts = ["Mira keeps the lighthouse.", "The ferry leaves at seven."]
         torch.testing.assert_close(loaded.encoder.encode_texts(loaded.model, loaded.tokenizer, texts, progress=False),
-                                   encoder.encode_texts(model, lm.tokenizer, texts, progress=False))
+                                   encoder.encode_texts(model, lm.tokenizer, texts, progress=False),
+                                   rtol=1e-4, atol=1e-3)  # loaded merged: fp32 rounding, amplified by standardising
         vec = torch.randn(2, loaded.hidden_size)
         torch.testing.assert_close(loaded.encoder.embedding(vec), encoder.embedding(vec))
 
