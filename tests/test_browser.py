@@ -143,3 +143,25 @@ def test_first_minute_with_the_trained_model(page, smollm2):
             assert re.search(r"⟨memory #\d+: " + memory, answer), answer
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "first_minute.png"), full_page=True)
+
+
+def test_entropy_and_mixture_pictures_show_in_the_page(page, smollm2):
+    """Layer decoding (seed 002) draws entropy over layers; the mixture (seed 003) draws α* per token."""
+    with serve(smollm2, "generation.max_new_tokens=8") as server:
+        page.goto(server.url)
+        page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
+        page.get_by_role("tab", name="Decoding").click()
+        page.locator("#entropy-mode").get_by_label("trough").check()
+        page.locator("#message textarea").fill("Name a colour.")
+        page.locator("#message textarea").press("Enter")
+        page.wait_for_selector("#decoding-plot img", state="visible")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "entropy.png"), full_page=True)
+        page.locator("#entropy-mode").get_by_label("off").check()
+        page.get_by_role("tab", name="Mixture").click()
+        page.locator("#mixture-on input[type=checkbox]").check()
+        page.locator("#message textarea").fill("And another one?")
+        page.locator("#message textarea").press("Enter")
+        page.wait_for_function("document.querySelector('#status').innerText.includes('q*: direct')")
+        page.wait_for_selector("#decoding-plot img", state="visible")
+        page.screenshot(path=str(ARTIFACTS / "mixture.png"), full_page=True)

@@ -330,7 +330,8 @@ def test_early_stop_on_tool_call(smollm2):
     lm = smollm2
     prompt = CHAT.format("Call the weather tool.") + "<tool_call>{\"name\": \"weather\"}"
     inputs = lm.tokenizer([prompt], return_tensors="pt")
-    bias = tuple(((t,), 8.0) for t in lm.tokenizer("</tool_call>", add_special_tokens=False)["input_ids"][:1])
+    end = lm.tokenizer("</tool_call>", add_special_tokens=False)["input_ids"]  # "</", "tool", "_", "call", ">"
+    bias = (((end[0],), 20.0),) + tuple((tuple(end[:i + 1]), 40.0) for i in range(1, len(end)))  # then the rest
     s = GenerationSettings(max_new_tokens=20, early_stop_on_tool_call=True, sequence_bias=bias)
     events = list(stream_generate(lm.model, inputs, s, tokenizer=lm.tokenizer, **ids_of(lm)))
     result = events[-1].result

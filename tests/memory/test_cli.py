@@ -90,4 +90,5 @@ def test_cli_with_embedded_smollm2(tmp_path, smollm2_dir):
     scores = [float(line.split("score=")[1].split()[0]) for line in lines]
     assert scores == sorted(scores, reverse=True) and scores[2] < 0.99
     shown = subprocess.run([*cli, "show", str(bank)], **env_run)
-    assert "3 memories, dimension 576" in shown.stdout and '"model": "SmolLM2-135M-Instruct"' in shown.stdout
+    assert "3 memories, dimension 576" in shown.stdout
+    assert '"model": "SmolLM2-135M-Instruct + recall-smollm2"' in shown.stdout  # the shipped adapter's encoder

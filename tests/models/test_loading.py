@@ -30,7 +30,8 @@ def test_embedded_model_converts_once_then_reuses_the_cache(tmp_path, monkeypatc
 
 
 def test_embedded_default_loads_with_recall_tokens(smollm2):
-    assert smollm2.name == EMBEDDED_NAME and smollm2.hidden_size == 576 and not smollm2.is_vision
+    assert smollm2.name == f"{EMBEDDED_NAME} + recall-smollm2" and smollm2.recall_trained  # the shipped adapter
+    assert smollm2.hidden_size == 576 and not smollm2.is_vision
     tok = smollm2.tokenizer
     assert tok.convert_ids_to_tokens([smollm2.tokens.recall, smollm2.tokens.memory_pad]) == ["<recall>", "<|memory_pad|>"]
     assert smollm2.model.get_input_embeddings().weight.shape[0] >= len(tok)
