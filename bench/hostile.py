@@ -124,7 +124,9 @@ def main() -> None:
                     outcome = f"refused: {type(e).__name__}: {str(e)[:60]}"
                 user.join()
             healthy = "done" in chat(Client(url, verbose=False), "Say hi.", max_new_tokens=2)
-            rows.append((name, " ".join(str(outcome).split())[:90], (peak.peak - peak.base) / 2 ** 20, healthy,
+            outcome = " ".join(str(outcome).split())
+            outcome = "refused: " + outcome.split("⚠", 1)[1].strip() if "⚠" in outcome else outcome.split(" · ")[-1]
+            rows.append((name, outcome[:110], (peak.peak - peak.base) / 2 ** 20, healthy,
                          waits[0] if waits else float("nan")))
         print("| probe | outcome | peak RSS over baseline | healthy after | another user's 3-token chat |")
         print("|---|---|---|---|---|")

@@ -34,9 +34,9 @@ PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain how photosy
 MODES = {  # name -> (MixtureSettings changes, batched PEFT forward)
     "direct, 1 batched forward": (dict(speculative=False), True),
     "direct, 2 forwards": (dict(speculative=False), False),
-    "speculative, n-gram draft": (dict(draft="ngram"), True),
-    "speculative, θ draft (own cache)": (dict(draft="theta"), True),
-    "speculative, θ draft reused (2 forwards)": (dict(draft="theta"), False),
+    "speculative, n-gram draft": (dict(speculative=True, draft="ngram"), True),
+    "speculative, θ draft (own cache)": (dict(speculative=True, draft="theta"), True),
+    "speculative, θ draft reused (2 forwards)": (dict(speculative=True, draft="theta"), False),
 }
 
 
