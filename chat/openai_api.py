@@ -30,6 +30,7 @@ from chat.service import Service, Session
 from chat.worker import END, Failed, ServiceError
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 
+ALIAS = "recall-chat"  # always accepted as the model name
 FINISH = {"stop": "stop", "length": "length", "tool_call": "tool_calls", "interrupted": "stop"}
 
 
@@ -110,7 +111,7 @@ class OpenAIRoutes:
     @property
     def model_id(self) -> str:
         lm = self.service.lm
-        return lm.name if lm is not None else "recall-chat"
+        return lm.name if lm is not None else ALIAS
 
     def check_key(self, request: Request) -> None:
         key = self.service.cfg.app.api_key
@@ -137,7 +138,7 @@ class OpenAIRoutes:
             except ValidationError as e:
                 raise APIError(400, describe(e), param=str(e.errors()[0]["loc"][0])) from None
             await self.service.worker.wait_for(self.service.ready())
-            if body.model != self.model_id:
+            if body.model not in (self.model_id, ALIAS):  # (the alias is what /v1/models says while loading)
                 raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_id!r}",
                                param="model", code="model_not_found")
             session, turn = self.start(body)

@@ -55,6 +55,9 @@ def test_models_and_a_whole_answer(api, smollm2):
     out = greedy(api, "What is the capital of France?")
     assert "Paris" in out.choices[0].message.content and out.choices[0].finish_reason in ("stop", "length")
     assert out.usage.completion_tokens > 0 and out.usage.prompt_tokens > 10
+    alias = api.chat.completions.create(model="recall-chat", messages=[{"role": "user", "content": "What is the "
+                                        "capital of France?"}], temperature=0, max_tokens=12)  # the alias: the same
+    assert alias.choices[0].message.content == out.choices[0].message.content
 
 
 def test_streaming_gives_the_same_text_as_a_whole_answer(api):
