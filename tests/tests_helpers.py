@@ -3,6 +3,8 @@
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from chat.worker import END, Request, ServiceError
+
 
 def fresh_tiny_llama(like):
     """A tiny random Llama and a tokenizer WITHOUT the recall tokens (re-read from the SmolLM2 files)."""
@@ -33,3 +35,18 @@ class Evil:
     def __reduce__(self):
         import os
         return os.mkdir, (str(self.marker),)
+
+
+def drain(req: Request, timeout: float = 60) -> list:
+    """All events of a request, END excluded."""
+    events = []
+    while (event := req.events.get(timeout=timeout)) is not END:
+        events.append(event)
+    return events
+
+
+def result(req: Request, timeout: float = 60):
+    assert req.done.wait(timeout), f"request {req.kind} did not finish"
+    if req.error:
+        raise ServiceError(req.error)
+    return req.result

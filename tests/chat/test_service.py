@@ -11,20 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from chat.config import load_config
 from chat.banks import parse_ids
-from chat.config import ConfigError, request_settings
+from chat.config import ConfigError, load_config, request_settings
 from chat.service import Service
 from chat.view import (
     TurnView, answer_segments, bank_sample, bank_summary, chat_messages, found_table, inline_text, recall_table,
 )
-from chat.worker import END, Failed, Notice, Request, ServiceError, Waiting
+from chat.worker import Failed, Notice, Request, ServiceError, Waiting
 from chat.textsearch import TextSearch
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 from decoding.modeling import backbone_and_head
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
-from tests_helpers import Evil, bank_file
+from tests_helpers import Evil, bank_file, drain, result
 
 GREEDY = GenerationSettings(max_new_tokens=8)
 NO_RECALL = RecallSettings(enabled=False)
@@ -44,21 +43,6 @@ def service(tiny_llama, text_search):
     svc = Service(config(), tiny_llama, text_search=text_search)
     yield svc
     svc.close()
-
-
-def drain(req: Request, timeout: float = 60) -> list:
-    """All events of a request, END excluded."""
-    events = []
-    while (event := req.events.get(timeout=timeout)) is not END:
-        events.append(event)
-    return events
-
-
-def result(req: Request, timeout: float = 60):
-    assert req.done.wait(timeout), f"request {req.kind} did not finish"
-    if req.error:
-        raise ServiceError(req.error)
-    return req.result
 
 
 def result_error(req: Request) -> str:

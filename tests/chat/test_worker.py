@@ -6,22 +6,8 @@ import contextvars
 import threading
 import time
 
-from chat.worker import END, Failed, Request, ServiceError, Waiting, Worker
-
-
-def drain(req: Request, timeout: float = 60) -> list:
-    """All events of a request, END excluded."""
-    events = []
-    while (event := req.events.get(timeout=timeout)) is not END:
-        events.append(event)
-    return events
-
-
-def result(req: Request, timeout: float = 60):
-    assert req.done.wait(timeout), f"request {req.kind} did not finish"
-    if req.error:
-        raise ServiceError(req.error)
-    return req.result
+from chat.worker import Failed, Request, Waiting, Worker
+from tests_helpers import drain, result
 
 
 def test_worker_runs_in_order_and_reports_positions():
