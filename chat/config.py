@@ -40,11 +40,13 @@ class ModelConfig:
     adapter: str | None = "auto"  # a local PEFT adapter folder; auto = the shipped recall adapter for the embedded model
     device: str = "auto"
     dtype: str = "float32"
+    compile: bool = True  # compile the decode step in the background at start (text models; decoding/compiled.py)
 
     def __post_init__(self):
         _check(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(self.device)) is not None, "device", self.device,
                "auto, cpu, mps, cuda or cuda:N")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype, "float32, bfloat16, float16")
+        _check(isinstance(self.compile, bool), "compile", self.compile, "true, false")
 
 
 @dataclass(frozen=True)

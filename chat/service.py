@@ -32,6 +32,7 @@ from chat.banks import Banks
 from chat.inputs import Limits, check_message, check_new_tokens
 from chat.view import TurnView, chat_messages, status_line, user_message
 from chat.worker import END, Notice, Request, ServiceError, Worker, describe
+from decoding import compiled
 from decoding.events import DoneEvent
 from decoding.mixture import MixtureResult
 from decoding.modeling import max_positions
@@ -153,7 +154,22 @@ class Service:
             lm = self._loader()
             self.banks.load_shared(lm)
             self._lm = lm
+            self._compile(lm)
         return self._lm
+
+    def _compile(self, lm: LoadedModel) -> None:
+        """With `model.compile`, compile the decode step of a text model in the background: answers
+        decode eagerly until it is ready, and the status line says so meanwhile."""
+        if self.cfg.model.compile and not lm.is_vision:
+            step = compiled.enable(lm.merged())
+            threading.Thread(target=step.warm_up, name="recall-chat-compile", daemon=True).start()
+
+    def compile_state(self) -> str:
+        """"compiling the decode step…" while it compiles, "" otherwise (also when compiling failed or is off)."""
+        step = compiled.attached(self._lm.model) if self._lm else None
+        if step is None or step.ready.is_set() or step.error:
+            return ""
+        return "compiling the decode step…"
 
     def ready(self) -> Request:
         """A request that loads the model (when not yet loaded); submit it from a handler to show progress."""
@@ -380,5 +396,6 @@ class Service:
         if lm is None:
             model = f"**{Path(self.cfg.model.path).name if self.cfg.model.path else EMBEDDED_NAME}** · loading…"
         else:
-            model = f"**{lm.name}** · {lm.device}" + ("" if lm.recall_trained else " · recall untrained")
+            model = " · ".join(filter(None, [f"**{lm.name}**", str(lm.device),
+                                             "" if lm.recall_trained else "recall untrained", self.compile_state()]))
         return status_line(model, self.banks.of(s), s.bank_use, s.last_speed, " · ".join(filter(None, [s.last_note, state])))

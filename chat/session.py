@@ -19,6 +19,7 @@ import torch
 from pydantic import ValidationError
 
 from chat.inputs import FORMAT, ConversationFile, check_conversation, decode_image, describe, encode_image, encode_vector
+from decoding.compiled import crop, seq_length
 from decoding.events import DoneEvent, Event, GenerationResult, RecallEvent
 from decoding.loop import stream_generate
 from decoding.memory import Recall
@@ -204,9 +205,7 @@ class Conversation:
         self.ids = self.ids[:length]
         self.memory = {p: v for p, v in self.memory.items() if p < length}
         if self.cache is not None:
-            extra = self.cache.get_seq_length() - (length - 1)  # keep the cache short of the last token
-            if extra > 0:
-                self.cache.crop(-extra)
+            crop(self.cache, seq_length(self.cache) - (length - 1))  # keep the cache short of the last token
 
     def recall(self, memory_db, settings: RecallSettings) -> Recall:
         """The loop's recall context: this model's tokens, the bank, and its memory embedding."""
@@ -215,7 +214,7 @@ class Conversation:
         return Recall(tokens.recall, tokens.memory_pad, memory_db, settings, embedding)
 
     def _run(self, inputs, prompt_len, settings, recall, memory_db, interrupt_event) -> Iterator[Event]:
-        past = self.cache if self.cache is not None and self.cache.get_seq_length() < prompt_len else None
+        past = self.cache if self.cache is not None and seq_length(self.cache) < prompt_len else None
         answer = Message("assistant", "", start=prompt_len)
         result: GenerationResult | None = None
         try:

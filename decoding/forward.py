@@ -12,6 +12,7 @@ from typing import Mapping
 
 import torch
 
+from decoding.compiled import compiled_step
 from decoding.modeling import backbone_and_head, head_logits, unwrap_model
 
 
@@ -25,6 +26,7 @@ class Forward:
         self.embed = self.base.get_input_embeddings()
         param = next(self.base.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.compiled = compiled_step(model)  # the compiled decode step, once it is warm (decoding/compiled.py)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [B, V] of final hidden states [B, H], as the model's own forward gives them."""
@@ -40,7 +42,10 @@ class Forward:
 
     def step(self, embeds: torch.Tensor, position: torch.Tensor, cache,
              attention_mask: torch.Tensor | None, layers: bool = False) -> torch.Tensor:
-        """One new position a row: embeds [B, 1, H] -> hidden state [B, H] (`layers`: [B, L, H]), on the KV cache."""
+        """One new position a row: embeds [B, 1, H] -> hidden state [B, H] (`layers`: [B, L, H]), on the KV cache
+        (compiled on a static cache of unpadded rows)."""
+        if self.compiled is not None and self.compiled.covers(cache) and attention_mask is None and not layers:
+            return self.compiled(embeds, position, cache)
         out = self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=cache, use_cache=True,
                             attention_mask=attention_mask, **_all_layers(layers))
         return _last_position(out, layers)

@@ -22,6 +22,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from decoding.compiled import crop
 from decoding.events import DoneEvent, Event, GenerationResult, PrefillEvent, RecallEvent, TokenEvent
 from decoding.forward import Forward, prefill_positions, vision_suffix
 from decoding.memory import MemorySelector, Recall
@@ -241,7 +242,7 @@ def _drop_held(rows: Rows, cache, pad: int) -> None:
         return
     if rows.seq.shape[0] == 1:
         rows.cur -= 1
-        cache.crop(-1)  # the cache covers all but the last token, as always
+        crop(cache, 1)  # the cache covers all but the last token, as always
     else:
         rows.seq[list(rows.held), rows.cur - 1] = pad
     rows.held.clear()

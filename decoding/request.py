@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
+from transformers import DynamicCache, LogitsProcessorList, StaticCache, StoppingCriteriaList
 
+from decoding.compiled import fit, seq_length, static_cache
 from decoding.entropy import EntropyDecoder, repeat_rows
 from decoding.events import FinishEvent, GenerationResult, RecallEvent, TokenEvent
 from decoding.forward import Forward
@@ -151,8 +152,15 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
         attention_mask = attention_mask.to(device)
         if bool(attention_mask.all()):
             attention_mask = None  # no padding: let attention take the causal fast path
-    cache = cache if cache is not None else DynamicCache(config=fwd.base.config.get_text_config(decoder=True))
-    past_len = cache.get_seq_length()
+    max_len = prompt_len + settings.max_new_tokens
+    fast = (fwd.compiled is not None and attention_mask is None and settings.entropy_decoding is None
+            and not hasattr(fwd.backbone, "get_rope_index"))  # the compiled step: unpadded text, final layer
+    if cache is None:
+        cache = (static_cache(model, max_len) if fast
+                 else DynamicCache(config=fwd.base.config.get_text_config(decoder=True)))
+    elif isinstance(cache, StaticCache):
+        cache = fit(cache, model, max_len)
+    past_len = seq_length(cache)
     if past_len >= prompt_len:
         raise ValueError(f"the cache covers {past_len} tokens but the prompt has only {prompt_len}")
     if past_len and attention_mask is not None:
@@ -180,7 +188,6 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
     if stopping_criteria:
         criteria.extend(stopping_criteria)
 
-    max_len = prompt_len + settings.max_new_tokens
     seq = torch.full((batch, max_len), pad, dtype=torch.long, device=device)
     seq[:, :prompt_len] = input_ids
     mask = None

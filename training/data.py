@@ -11,6 +11,9 @@ same layout with the fact's whole text as the answer.
 
 An ordinary prompt (negative): the template, then the base model's own answer (learn not to recall,
 and keep answering as before).
+
+Any of them may come after an earlier turn (an ordinary prompt and the base model's answer), so that
+a question in the middle of a conversation is recalled for as in its first turn.
 """
 
 from __future__ import annotations
@@ -37,10 +40,17 @@ class Example:
     value_at: tuple[int, ...] = ()  # label positions of the answer's value tokens (what only the memory knows)
 
 
-def prompt_ids(tokenizer, question: str) -> list[int]:
-    """The chat template with a generation prompt, tokenized as `chat.session` does."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
+History = tuple[str, Sequence[int]]  # an earlier turn: (prompt, the base model's reply ids)
+
+
+def prompt_ids(tokenizer, question: str, history: History | None = None) -> list[int]:
+    """The chat template with a generation prompt, tokenized as `chat.session` does; `history`, an
+    earlier turn, comes first."""
+    messages = [{"role": "user", "content": question}]
+    if history is not None:
+        reply = tokenizer.decode([t for t in history[1] if t != tokenizer.eos_token_id])
+        messages = [{"role": "user", "content": history[0]}, {"role": "assistant", "content": reply}] + messages
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -58,9 +68,10 @@ def value_tokens(tokenizer, answer: str, value: str) -> list[int]:
     return [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
 
 
-def positive(tokenizer, tokens, fact: Fact, question: str, repeat: bool = False) -> Example:
+def positive(tokenizer, tokens, fact: Fact, question: str, repeat: bool = False,
+             history: History | None = None) -> Example:
     """A fact question answered through a recall of the fact (or, with `repeat`, the fact repeated)."""
-    prompt = prompt_ids(tokenizer, REPEAT if repeat else question)
+    prompt = prompt_ids(tokenizer, REPEAT if repeat else question, history)
     answer = answer_ids(tokenizer, fact.text if repeat else fact.answer)
     ids = prompt + [tokens.recall, tokens.memory_pad] + answer
     labels = [IGNORE] * len(ids)
@@ -74,9 +85,9 @@ def positive(tokenizer, tokens, fact: Fact, question: str, repeat: bool = False)
     return Example(ids, labels, p - 1, p, fact_ids, value)
 
 
-def negative(tokenizer, prompt: str, reply_ids: Sequence[int]) -> Example:
+def negative(tokenizer, prompt: str, reply_ids: Sequence[int], history: History | None = None) -> Example:
     """An ordinary prompt answered without recall, with the base model's own reply."""
-    ids = prompt_ids(tokenizer, prompt)
+    ids = prompt_ids(tokenizer, prompt, history)
     p = len(ids)
     ids = ids + list(reply_ids)
     labels = [IGNORE] * (p - 1) + list(reply_ids) + [IGNORE]
@@ -129,9 +140,10 @@ def collate(questions: Sequence[Example], repeats: Sequence[tuple[int, Example]]
 
 
 def batches(tokenizer, tokens, replies: dict[str, list[int]], facts_per_batch: int, chats_per_batch: int,
-            seed: int, repeats_per_batch: int = 0) -> Iterator[tuple[Batch, list[Fact]]]:
+            seed: int, repeats_per_batch: int = 0, history: float = 0.0) -> Iterator[tuple[Batch, list[Fact]]]:
     """Endless batches: new training facts each time (no two asked the same way), the first few of
-    them also to repeat, then ordinary prompts."""
+    them also to repeat, then ordinary prompts; a question or prompt comes after an earlier ordinary
+    turn with probability `history`."""
     rng = random.Random(f"batches:{seed}")
     stream = fact_stream("train", seed)
     prompts = sorted(replies)
@@ -144,9 +156,16 @@ def batches(tokenizer, tokens, replies: dict[str, list[int]], facts_per_batch: i
             if fact.questions[0] not in asked:
                 asked.add(fact.questions[0])
                 facts.append(fact)
+        def earlier() -> History | None:
+            if rng.random() >= history:
+                return None
+            p = rng.choice(prompts)
+            return p, replies[p]
+
         asked_as = [rng.choice(f.questions) for f in facts]
-        questions = [positive(tokenizer, tokens, f, q) for f, q in zip(facts, asked_as)]
+        questions = [positive(tokenizer, tokens, f, q, history=earlier()) for f, q in zip(facts, asked_as)]
         repeats = [(i, positive(tokenizer, tokens, facts[i], "", repeat=True)) for i in range(repeats_per_batch)]
-        negatives = [negative(tokenizer, p, replies[p]) for p in rng.sample(prompts, min(chats_per_batch, len(prompts)))]
+        negatives = [negative(tokenizer, p, replies[p], earlier())
+                     for p in rng.sample(prompts, min(chats_per_batch, len(prompts)))]
         texts = [tokenizer(q, add_special_tokens=True)["input_ids"] for q in asked_as]
         yield collate(questions, repeats, negatives, texts, pad), facts

@@ -466,3 +466,30 @@ def test_the_model_loads_lazily_on_the_worker(tiny_llama, text_search):
         assert "tiny-llama" in svc.status(s)
     finally:
         svc.close()
+
+
+def test_the_decode_step_compiles_in_the_background(smollm2_dir, text_search, monkeypatch):
+    from conftest import make_tiny_llama
+    from decoding import compiled
+
+    lm = make_tiny_llama(smollm2_dir, seed=5)
+    go = threading.Event()
+    warm_up = compiled.CompiledStep.warm_up
+    monkeypatch.setattr(compiled.CompiledStep, "warm_up", lambda step: go.wait(60) and warm_up(step))
+    svc = Service(config("model.compile=true"), loader=lambda: lm, text_search=text_search)
+    try:
+        s = svc.new_session()
+        result(svc.chat(s, "Hi", [], GREEDY, NO_RECALL).request)  # answered while the step compiles
+        eager = (list(s.conv.ids), type(s.conv.cache).__name__)
+        step = compiled.attached(lm.model)
+        assert step is not None and not step.ready.is_set() and "compiling the decode step" in svc.status(s)
+        go.set()
+        assert step.ready.wait(300) and step.error is None
+        assert "compiling" not in svc.status(s)
+        s.conv.clear()
+        result(svc.chat(s, "Hi", [], GREEDY, NO_RECALL).request)
+        assert (s.conv.ids, type(s.conv.cache).__name__) == (eager[0], "StaticCache")  # same answer, compiled
+        assert eager[1] == "DynamicCache"
+    finally:
+        go.set()
+        svc.close()

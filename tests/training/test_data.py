@@ -54,3 +54,23 @@ def test_batches_put_questions_repeats_then_negatives(tiny_llama):
     assert len({f.questions[0] for f in facts}) == 4
     again, _ = next(batches(tok, lm.tokens, replies, 4, 2, seed=0, repeats_per_batch=1))
     assert torch.equal(again.input_ids, batch.input_ids)  # seeded
+
+
+def test_questions_and_prompts_can_follow_an_earlier_turn(tiny_llama):
+    lm = tiny_llama
+    tok, tokens = lm.tokenizer, lm.tokens
+    fact = make_facts(1, "train", 0)[0]
+    reply = tok("It is sunny.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    e = positive(tok, tokens, fact, fact.questions[0], history=("How is the weather?", reply))
+    text = tok.decode(e.ids[:e.decision + 1])
+    assert text.count("<|im_start|>user") == 2 and text.index("How is the weather?") < text.index(fact.questions[0])
+    assert "It is sunny." in text and e.labels[e.decision] == tokens.recall  # recall comes in the second turn
+    assert all(label == IGNORE for label in e.labels[:e.decision])  # the earlier turn is context, not a target
+    n = negative(tok, "Why?", reply, history=("How is the weather?", reply))
+    assert tok.decode(n.ids).count("<|im_start|>user") == 2 and n.labels[n.decision] == reply[0]
+    replies = {p: tok(p.upper(), add_special_tokens=False)["input_ids"] for p in ("Hi!", "Thanks.", "Why?")}
+    every, _ = next(batches(tok, tokens, replies, 4, 2, seed=0, history=1.0))
+    never, _ = next(batches(tok, tokens, replies, 4, 2, seed=0, history=0.0))
+    for batch, turns in ((every, 2), (never, 1)):
+        for row in range(batch.input_ids.shape[0]):
+            assert tok.decode(batch.input_ids[row, :int(batch.decision[row]) + 1]).count("<|im_start|>user") == turns

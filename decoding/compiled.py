@@ -1,0 +1,136 @@
+"""The fast decode path: a static, preallocated KV cache and the decode step compiled once (gpt-fast style).
+
+`enable(model)` attaches a `CompiledStep` to a model: `torch.compile` of one backbone forward for
+one new position a row, over transformers' `StaticCache` (keys and values preallocated to a length
+rounded up to `BUCKET`, written in place). A step has the same shapes whatever the conversation's
+length, a token or a memory embedding, so it compiles once per batch size and cache bucket; a
+new conversation, a new cache object or a recall does not recompile. `warm_up()` compiles it on
+dummy inputs for the first bucket (the app runs it in the background at start; until it is done
+the loop decodes eagerly on a dynamic cache); a conversation that outgrows the bucket goes on
+eagerly on a longer static cache rather than stall everyone for another compile. The loop takes
+the compiled step for unpadded text prompts; a padded batch, Qwen3-VL's mRoPE positions and
+entropy decoding (every layer's state) stay eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+from transformers import StaticCache
+
+from decoding.modeling import backbone_and_head, unwrap_model
+
+BUCKET = 1024  # static caches are this many positions long, or a multiple: few shapes, few compiles
+_ATTR = "_recall_compiled_step"
+log = logging.getLogger("decoding.compiled")
+
+
+class CompiledStep:
+    """One decode step, compiled: embeds [B, 1, H], position ids [B, 1], a `StaticCache` -> hidden [B, H]."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.backbone, _ = backbone_and_head(model)
+        self._fn = torch.compile(self._step, dynamic=False)
+        self.ready = threading.Event()  # set once warm_up has compiled it
+        self.lengths: set[int] = set()  # cache lengths it is compiled for (a longer cache decodes eagerly:
+                                        # compiling another shape would stall the worker for minutes)
+        self.compile_seconds: float | None = None
+        self.error: str | None = None
+
+    def _step(self, embeds: torch.Tensor, position: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+        return self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=cache,
+                             use_cache=True).last_hidden_state[:, -1]
+
+    def __call__(self, embeds: torch.Tensor, position: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+        return self._fn(embeds, position, cache)
+
+    def covers(self, cache) -> bool:
+        """Whether a step on `cache` runs compiled (a static cache of a length compiled for)."""
+        return isinstance(cache, StaticCache) and cache.layers[0].max_cache_len in self.lengths
+
+    def warm_up(self, batch: int = 1) -> float:
+        """Compile on dummy inputs (a 2-token prompt, two steps); returns the seconds it took. A failure
+        is logged and kept in `error`: the loop then stays on the eager path."""
+        t0 = time.perf_counter()
+        try:
+            param = next(self.model.parameters())
+            embed = unwrap_model(self.model).get_input_embeddings()
+            ids = torch.zeros((batch, 2), dtype=torch.long, device=param.device)
+            with torch.no_grad():
+                cache = static_cache(self.model, 4)
+                self.backbone(inputs_embeds=embed(ids), past_key_values=cache, use_cache=True)
+                for pos in (2, 3):
+                    self(embed(ids[:, :1]), torch.full((batch, 1), pos, device=param.device), cache)
+            self.lengths.add(cache.layers[0].max_cache_len)
+        except Exception as e:  # noqa: BLE001 - any compiler failure leaves the exact eager path in charge
+            self.error = f"{type(e).__name__}: {e}"
+            log.warning("compiling the decode step failed, decoding stays eager: %s", self.error)
+            return time.perf_counter() - t0
+        self.compile_seconds = time.perf_counter() - t0
+        self.ready.set()
+        return self.compile_seconds
+
+
+def enable(model: torch.nn.Module) -> CompiledStep:
+    """Attach a (not yet compiled) `CompiledStep` to the model; the loop uses it once it is ready."""
+    base = unwrap_model(model)
+    step = getattr(base, _ATTR, None)
+    if step is None:
+        step = CompiledStep(model)
+        object.__setattr__(base, _ATTR, step)  # not a submodule: kept out of state_dict and .to()
+    return step
+
+
+def attached(model: torch.nn.Module) -> CompiledStep | None:
+    """The step `enable` attached to the model, compiled or not yet."""
+    return getattr(unwrap_model(model), _ATTR, None)
+
+
+def compiled_step(model: torch.nn.Module) -> CompiledStep | None:
+    """The model's compiled step, if `enable` attached one and it is compiled."""
+    step = attached(model)
+    return step if step is not None and step.ready.is_set() else None
+
+
+def static_cache(model: torch.nn.Module, needed: int) -> StaticCache:
+    """A static cache for at least `needed` positions (rounded up to a multiple of `BUCKET`)."""
+    config = unwrap_model(model).config.get_text_config(decoder=True)
+    length = -(-max(needed, 1) // BUCKET) * BUCKET
+    return StaticCache(config=config, max_cache_len=length)
+
+
+def seq_length(cache) -> int:
+    """Positions a cache holds, as an int (a static cache counts in a tensor)."""
+    return int(cache.get_seq_length())
+
+
+def crop(cache, drop: int) -> None:
+    """Forget the last `drop` positions of a cache. A static cache only moves its write position back:
+    what lies past it is overwritten before it is ever attended to."""
+    if drop <= 0:
+        return
+    if isinstance(cache, StaticCache):
+        for layer in cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.sub_(drop)
+    else:
+        cache.crop(-drop)
+
+
+def fit(cache: StaticCache, model: torch.nn.Module, needed: int) -> StaticCache:
+    """`cache` if it holds `needed` positions, else a longer static cache with its contents."""
+    if cache.layers[0].max_cache_len >= needed:
+        return cache
+    bigger = static_cache(model, needed)
+    held = seq_length(cache)
+    for old, new in zip(cache.layers, bigger.layers):
+        if old.is_initialized:
+            new.lazy_initialization(old.keys, old.values)
+            new.keys[:, :, :held] = old.keys[:, :, :held]
+            new.values[:, :, :held] = old.values[:, :, :held]
+            new.cumulative_length.fill_(held)
+    return bigger

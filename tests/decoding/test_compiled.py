@@ -1,0 +1,122 @@
+"""The compiled decode step on a static cache: exact against `generate` and the eager loop, and compiled once."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import DynamicCache, StaticCache
+
+from chat.session import Conversation
+from conftest import make_tiny_llama
+from decoding import compiled
+from decoding.events import TokenEvent
+from decoding.loop import generate, stream_generate
+from decoding.processors import to_generation_config
+from decoding.settings import GenerationSettings, RecallSettings
+from test_loop import CHAT, bank_for, check_replay, ids_of, recall_of, replay_embeds, run_with_recalls
+
+
+@pytest.fixture(scope="module")
+def fast_llama(smollm2_dir):
+    """A tiny Llama of its own (the shared fixture stays eager), its decode step compiled."""
+    lm = make_tiny_llama(smollm2_dir, seed=3)
+    step = compiled.enable(lm.model)
+    assert compiled.compiled_step(lm.model) is None  # not before it is warm
+    step.warm_up()
+    assert step.error is None and compiled.compiled_step(lm.model) is step
+    return lm
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("settings", [GenerationSettings(max_new_tokens=24),
+                                      GenerationSettings(do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                                                         repetition_penalty=1.2, max_new_tokens=24)],
+                         ids=["greedy", "sample"])
+def test_compiled_loop_matches_generate_and_the_eager_loop(fast_llama, settings):
+    lm = fast_llama
+    inputs = lm.tokenizer([CHAT.format("Tell me a story")], return_tensors="pt")
+    torch.manual_seed(7)
+    expected = lm.model.generate(**inputs, generation_config=to_generation_config(settings, **ids_of(lm)))
+    torch.manual_seed(7)
+    fast = generate(lm.model, inputs, settings, output_logits=True, **ids_of(lm))
+    assert isinstance(fast.cache, StaticCache)  # it took the compiled path
+    assert fast.sequences.tolist() == expected.tolist()
+    torch.manual_seed(7)
+    eager = generate(lm.model, inputs, settings, output_logits=True, cache=DynamicCache(config=lm.model.config),
+                     **ids_of(lm))
+    torch.testing.assert_close(fast.logits, eager.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_recalls_through_the_compiled_step_replay_exactly(fast_llama):
+    lm = fast_llama
+    db = bank_for(lm)
+    inputs = lm.tokenizer([CHAT.format("What do you remember?")], return_tensors="pt")
+    result = run_with_recalls(lm, inputs, db)
+    assert isinstance(result.cache, StaticCache) and len(result.injections) >= 2
+    seq, emb = replay_embeds(lm, result)
+    with torch.no_grad():
+        full = lm.model(inputs_embeds=emb).logits
+    check_replay(result, full)
+
+
+def test_a_conversation_with_recalls_compiles_nothing_new(fast_llama):
+    lm = fast_llama
+    db = bank_for(lm)
+    before = graphs()
+    conv = Conversation(lm)
+    greedy = GenerationSettings(max_new_tokens=12)
+    for turn in range(10):
+        for _ in conv.stream(f"Question {turn}?", (), greedy, RecallSettings(), db, recall_first=turn % 2 == 0):
+            pass
+        assert isinstance(conv.cache, StaticCache) and compiled.seq_length(conv.cache) == len(conv.ids) - 1
+    assert sum(len(m.recalls) for m in conv.messages) >= 5
+    assert graphs() == before  # 10 turns, 5 recalls, new caches: no recompile
+    # and the conversation is what the eager loop gives, token for token
+    eager = Conversation(lm)
+    compiled_ids, conv_turns = conv.ids, [m.text for m in conv.messages]
+    step, lm.model._recall_compiled_step = lm.model._recall_compiled_step, None
+    try:
+        for turn in range(10):
+            for _ in eager.stream(f"Question {turn}?", (), greedy, RecallSettings(), db, recall_first=turn % 2 == 0):
+                pass
+        assert not isinstance(eager.cache, StaticCache)
+    finally:
+        lm.model._recall_compiled_step = step
+    assert eager.ids == compiled_ids and [m.text for m in eager.messages] == conv_turns
+
+
+def test_a_static_cache_grows_with_its_contents(fast_llama):
+    lm = fast_llama
+    inputs = lm.tokenizer([CHAT.format("Count")], return_tensors="pt")
+    first = generate(lm.model, inputs, GenerationSettings(max_new_tokens=8), **ids_of(lm))
+    small = first.cache
+    held = compiled.seq_length(small)
+    bigger = compiled.fit(small, lm.model, compiled.BUCKET + 1)
+    assert bigger.layers[0].max_cache_len == 2 * compiled.BUCKET and compiled.seq_length(bigger) == held
+    for old, new in zip(small.layers, bigger.layers):
+        torch.testing.assert_close(new.keys[:, :, :held], old.keys[:, :, :held], rtol=0, atol=0)
+    assert compiled.fit(small, lm.model, held + 5) is small
+    step = compiled.compiled_step(lm.model)
+    assert step.covers(small) and not step.covers(bigger)  # a longer cache decodes eagerly: no compile mid-chat
+
+
+def test_stop_right_after_recall_crops_the_static_cache(fast_llama):
+    lm = fast_llama
+    inputs = lm.tokenizer([CHAT.format("Go")], return_tensors="pt")
+    s = GenerationSettings(max_new_tokens=30, sequence_bias=(((lm.tokens.recall,), 50.0),))
+    stop = threading.Event()
+    events = []
+    for e in stream_generate(lm.model, inputs, s, recall=recall_of(lm, bank_for(lm)), interrupt=stop, **ids_of(lm)):
+        events.append(e)
+        if isinstance(e, TokenEvent) and e.token_id == lm.tokens.memory_pad:
+            stop.set()
+    result = events[-1].result
+    seq = result.sequences[0].tolist()
+    assert isinstance(result.cache, StaticCache) and seq[-1] == lm.tokens.memory_pad
+    assert compiled.seq_length(result.cache) == len(seq) - 1
