@@ -1,15 +1,15 @@
 """The fast decode path: a static, preallocated KV cache and the decode step compiled once (gpt-fast style).
 
 `enable(model)` attaches a `CompiledStep` to a model: `torch.compile` of one backbone forward for
-one new position a row, over transformers' `StaticCache` (keys and values preallocated to a length
-rounded up to `BUCKET`, written in place). A step has the same shapes whatever the conversation's
-length, a token or a memory embedding, so it compiles once per batch size and cache bucket; a
-new conversation, a new cache object or a recall does not recompile. `warm_up()` compiles it on
-dummy inputs for the first bucket (the app runs it in the background at start; until it is done
-the loop decodes eagerly on a dynamic cache); a conversation that outgrows the bucket goes on
-eagerly on a longer static cache rather than stall everyone for another compile. The loop takes
-the compiled step for unpadded text prompts; a padded batch, Qwen3-VL's mRoPE positions and
-entropy decoding (every layer's state) stay eager.
+one new position a row, over transformers' `StaticCache` (keys and values preallocated to one of
+a few bucket lengths, written in place). A step has the same shapes whatever the conversation's
+length, a token or a memory embedding, so it compiles once per batch size and bucket; a new
+conversation, a new cache object or a recall does not recompile. `warm_up()` compiles it on dummy
+inputs for each bucket, shortest first (the app runs it in the background at start; until the
+first is done the loop decodes eagerly on a dynamic cache); a conversation that outgrows its
+bucket moves to the next one, eagerly if that one is not compiled yet, rather than stall everyone
+for a compile. The loop takes the compiled step for unpadded text prompts; a padded batch,
+Qwen3-VL's mRoPE positions and entropy decoding (every layer's state) stay eager.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import time
 import torch
 from transformers import StaticCache
 
-from decoding.modeling import backbone_and_head, unwrap_model
+from decoding.modeling import backbone_and_head, max_positions, unwrap_model
 
-BUCKET = 1024  # static caches are this many positions long, or a multiple: few shapes, few compiles
+BUCKETS = (512, 1024, 2048, 4096, 8192)  # static cache lengths: few shapes, few compiles. A step attends over
+                                          # its whole bucket (masked), so a short chat wants a short one
 _ATTR = "_recall_compiled_step"
 log = logging.getLogger("decoding.compiled")
 
@@ -53,26 +54,35 @@ class CompiledStep:
         return isinstance(cache, StaticCache) and cache.layers[0].max_cache_len in self.lengths
 
     def warm_up(self, batch: int = 1) -> float:
-        """Compile on dummy inputs (a 2-token prompt, two steps); returns the seconds it took. A failure
-        is logged and kept in `error`: the loop then stays on the eager path."""
-        t0 = time.perf_counter()
-        try:
-            param = next(self.model.parameters())
-            embed = unwrap_model(self.model).get_input_embeddings()
-            ids = torch.zeros((batch, 2), dtype=torch.long, device=param.device)
-            with torch.no_grad():
-                cache = static_cache(self.model, 4)
-                self.backbone(inputs_embeds=embed(ids), past_key_values=cache, use_cache=True)
-                for pos in (2, 3):
-                    self(embed(ids[:, :1]), torch.full((batch, 1), pos, device=param.device), cache)
-            self.lengths.add(cache.layers[0].max_cache_len)
-        except Exception as e:  # noqa: BLE001 - any compiler failure leaves the exact eager path in charge
-            self.error = f"{type(e).__name__}: {e}"
-            log.warning("compiling the decode step failed, decoding stays eager: %s", self.error)
-            return time.perf_counter() - t0
-        self.compile_seconds = time.perf_counter() - t0
-        self.ready.set()
-        return self.compile_seconds
+        """Compile on dummy inputs (a 2-token prompt, two steps) for every bucket up to the model's
+        context, shortest first; `ready` is set after the first. Returns the seconds the first took.
+        A failure is logged and kept in `error`: the buckets not compiled decode eagerly."""
+        context = max_positions(self.model) or BUCKETS[-1]
+        for length in BUCKETS:
+            t0 = time.perf_counter()
+            try:
+                self._compile(length, batch)
+            except Exception as e:  # noqa: BLE001 - any compiler failure leaves the exact eager path in charge
+                self.error = f"{type(e).__name__}: {e}"
+                log.warning("compiling the decode step failed, decoding stays eager: %s", self.error)
+                break
+            self.lengths.add(length)
+            if self.compile_seconds is None:
+                self.compile_seconds = time.perf_counter() - t0
+                self.ready.set()
+            if length >= context:
+                break
+        return self.compile_seconds or 0.0
+
+    def _compile(self, length: int, batch: int) -> None:
+        param = next(self.model.parameters())
+        embed = unwrap_model(self.model).get_input_embeddings()
+        ids = torch.zeros((batch, 2), dtype=torch.long, device=param.device)
+        with torch.no_grad():
+            cache = static_cache(self.model, length)
+            self.backbone(inputs_embeds=embed(ids), past_key_values=cache, use_cache=True)
+            for pos in (2, 3):
+                self(embed(ids[:, :1]), torch.full((batch, 1), pos, device=param.device), cache)
 
 
 def enable(model: torch.nn.Module) -> CompiledStep:
@@ -97,9 +107,10 @@ def compiled_step(model: torch.nn.Module) -> CompiledStep | None:
 
 
 def static_cache(model: torch.nn.Module, needed: int) -> StaticCache:
-    """A static cache for at least `needed` positions (rounded up to a multiple of `BUCKET`)."""
+    """A static cache for at least `needed` positions: the shortest bucket that holds them (beyond the
+    longest, a multiple of it)."""
     config = unwrap_model(model).config.get_text_config(decoder=True)
-    length = -(-max(needed, 1) // BUCKET) * BUCKET
+    length = next((b for b in BUCKETS if b >= needed), -(-needed // BUCKETS[-1]) * BUCKETS[-1])
     return StaticCache(config=config, max_cache_len=length)
 
 

@@ -123,17 +123,18 @@ def test_chat_with_an_image_stream_stop_upload_and_recall(page, vl_page_server, 
 
 def test_first_minute_with_the_trained_model(page, smollm2):
     """The README's first minute on the embedded SmolLM2 with its recall adapter: build the example
-    bank, ask about Port Avel without "recall first"; the model recalls by itself, and the memory it
-    picks is the fact that answers the question."""
+    bank, ask about Port Avel without "recall first"; the model recalls by itself, the memory it
+    picks is the fact that answers the question, and the ferry's answer is read from that memory."""
     with serve(smollm2, "generation.max_new_tokens=32") as server:
         page.goto(server.url)
         page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
         page.locator("#build-example").click()
         page.wait_for_function("document.querySelector('#bank-info').innerText.includes('36 memories')")
         page.get_by_role("tab", name="Conversation").click()  # where Clear is
-        for question, memory in [("Who keeps the lighthouse of Port Avel?", "Mira Castellan is the lighthouse keeper"),
-                                 ("When does the ferry to Lune Island leave?", "The ferry to Lune Island leaves at seven")]:
-            page.locator("#clear").click()  # a fresh conversation: the adapter learned recall in first turns only
+        for question, memory, value in [
+                ("Who keeps the lighthouse of Port Avel?", "Mira Castellan is the lighthouse keeper", None),
+                ("When does the ferry to Lune Island leave?", "The ferry to Lune Island leaves at seven", "seven")]:
+            page.locator("#clear").click()
             page.wait_for_function("!document.querySelector('#answer').innerText.includes('⟨memory')")
             page.locator("#message textarea").fill(question)
             page.locator("#message textarea").press("Enter")
@@ -141,6 +142,8 @@ def test_first_minute_with_the_trained_model(page, smollm2):
                                    "document.querySelector('#status').innerText.includes('done')")
             answer = page.inner_text("#answer")  # recalled without being asked to, the memory that answers it:
             assert re.search(r"⟨memory #\d+: " + memory, answer), answer
+            if value is not None:  # the words after the memory marker are the model's own: read from the memory
+                assert value in answer[answer.index("⟩") + 1:], answer
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "first_minute.png"), full_page=True)
 
