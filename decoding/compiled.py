@@ -6,9 +6,9 @@ a few bucket lengths, written in place). A step has the same shapes whatever the
 length, a token or a memory embedding, so it compiles once per batch size and bucket; a new
 conversation, a new cache object or a recall does not recompile. `warm_up()` compiles it on dummy
 inputs for each bucket, shortest first (the app runs it in the background at start; until the
-first is done the loop decodes eagerly on a dynamic cache); a conversation that outgrows its
-bucket moves to the next one, eagerly if that one is not compiled yet, rather than stall everyone
-for a compile. The loop takes the compiled step for unpadded text prompts; a padded batch,
+first is done the loop decodes eagerly on a dynamic cache). A request starts in the shortest
+bucket that holds its prompt and moves to the next one when it fills (`fit`, a copy of the keys
+and values), eagerly if that one is not compiled yet rather than stall everyone for a compile. The loop takes the compiled step for unpadded text prompts; a padded batch,
 Qwen3-VL's mRoPE positions and entropy decoding (every layer's state) stay eager.
 """
 
@@ -23,8 +23,8 @@ from transformers import StaticCache
 
 from decoding.modeling import backbone_and_head, max_positions, unwrap_model
 
-BUCKETS = (512, 1024, 2048, 4096, 8192)  # static cache lengths: few shapes, few compiles. A step attends over
-                                          # its whole bucket (masked), so a short chat wants a short one
+BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)  # static cache lengths: few shapes, few compiles. A step
+                                                    # attends over its whole bucket (masked): the shorter the better
 _ATTR = "_recall_compiled_step"
 log = logging.getLogger("decoding.compiled")
 

@@ -20,9 +20,9 @@ import time
 from typing import Iterator, Mapping, Sequence
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import LogitsProcessorList, StaticCache, StoppingCriteriaList
 
-from decoding.compiled import crop
+from decoding.compiled import crop, fit
 from decoding.events import DoneEvent, Event, GenerationResult, PrefillEvent, RecallEvent, TokenEvent
 from decoding.forward import Forward, prefill_positions, vision_suffix
 from decoding.memory import MemorySelector, Recall
@@ -212,6 +212,8 @@ def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrup
                          rows.cur - 1, rows.injections[-1].memory_index, tuple(emb[row, 0].shape), emb.dtype,
                          emb.device, rows.cur - 1, rows.cur)
         position = position + 1
+        if isinstance(req.cache, StaticCache):  # a full static cache moves to the next bucket
+            req.cache = fit(req.cache, fwd.model, rows.cur)
         hidden = fwd.step(emb, position, req.cache, None if rows.mask is None else rows.mask[:, :rows.cur],
                           layers=entropy is not None)
     req.decode_s = time.perf_counter() - t1

@@ -155,11 +155,11 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
     max_len = prompt_len + settings.max_new_tokens
     fast = (fwd.compiled is not None and attention_mask is None and settings.entropy_decoding is None
             and not hasattr(fwd.backbone, "get_rope_index"))  # the compiled step: unpadded text, final layer
-    if cache is None:
-        cache = (static_cache(model, max_len) if fast
+    if cache is None:  # a static cache starts just long enough for the prompt; the loop grows it (`fit`)
+        cache = (static_cache(model, prompt_len + 1) if fast
                  else DynamicCache(config=fwd.base.config.get_text_config(decoder=True)))
     elif isinstance(cache, StaticCache):
-        cache = fit(cache, model, max_len)
+        cache = fit(cache, model, prompt_len + 1)
     past_len = seq_length(cache)
     if past_len >= prompt_len:
         raise ValueError(f"the cache covers {past_len} tokens but the prompt has only {prompt_len}")

@@ -104,7 +104,21 @@ def test_a_static_cache_grows_with_its_contents(fast_llama):
         torch.testing.assert_close(new.keys[:, :, :held], old.keys[:, :, :held], rtol=0, atol=0)
     assert compiled.fit(small, lm.model, held + 5) is small
     step = compiled.compiled_step(lm.model)
-    assert step.covers(small) and not step.covers(bigger)  # a longer cache decodes eagerly: no compile mid-chat
+    assert step.lengths == {128, 256, 512}  # every bucket up to the model's context (512)
+    assert step.covers(small) and step.covers(bigger)
+    beyond = compiled.fit(bigger, lm.model, 600)
+    assert not step.covers(beyond)  # never compiled: it decodes eagerly, no compile in the middle of a chat
+
+
+def test_an_answer_that_outgrows_its_bucket_stays_exact(fast_llama):
+    lm = fast_llama
+    inputs = lm.tokenizer([CHAT.format("Tell me everything")], return_tensors="pt")
+    settings = GenerationSettings(max_new_tokens=300, min_new_tokens=300)
+    expected = lm.model.generate(**inputs, generation_config=to_generation_config(settings, **ids_of(lm)))
+    before = graphs()
+    got = generate(lm.model, inputs, settings, **ids_of(lm))
+    assert got.cache.layers[0].max_cache_len == 512 and compiled.seq_length(got.cache) == got.sequences.shape[1] - 1
+    assert got.sequences.tolist() == expected.tolist() and graphs() == before  # 128 -> 256 -> 512, all compiled
 
 
 def test_stop_right_after_recall_crops_the_static_cache(fast_llama):
