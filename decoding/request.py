@@ -152,7 +152,6 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
         attention_mask = attention_mask.to(device)
         if bool(attention_mask.all()):
             attention_mask = None  # no padding: let attention take the causal fast path
-    max_len = prompt_len + settings.max_new_tokens
     fast = (fwd.compiled is not None and attention_mask is None and settings.entropy_decoding is None
             and not hasattr(fwd.backbone, "get_rope_index"))  # the compiled step: unpadded text, final layer
     if cache is None:  # a static cache starts just long enough for the prompt; the loop grows it (`fit`)
@@ -188,6 +187,7 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
     if stopping_criteria:
         criteria.extend(stopping_criteria)
 
+    max_len = prompt_len + settings.max_new_tokens
     seq = torch.full((batch, max_len), pad, dtype=torch.long, device=device)
     seq[:, :prompt_len] = input_ids
     mask = None
