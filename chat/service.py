@@ -164,7 +164,7 @@ class Service:
             step = compiled.enable(lm.merged())
             threading.Thread(target=step.warm_up, name="recall-chat-compile", daemon=True).start()
 
-    def compile_state(self) -> str:
+    def _compile_state(self) -> str:
         """"compiling the decode step…" while it compiles, "" otherwise (also when compiling failed or is off)."""
         step = compiled.attached(self._lm.model) if self._lm else None
         if step is None or step.ready.is_set() or step.error:
@@ -397,5 +397,5 @@ class Service:
             model = f"**{Path(self.cfg.model.path).name if self.cfg.model.path else EMBEDDED_NAME}** · loading…"
         else:
             model = " · ".join(filter(None, [f"**{lm.name}**", str(lm.device),
-                                             "" if lm.recall_trained else "recall untrained", self.compile_state()]))
+                                             "" if lm.recall_trained else "recall untrained", self._compile_state()]))
         return status_line(model, self.banks.of(s), s.bank_use, s.last_speed, " · ".join(filter(None, [s.last_note, state])))

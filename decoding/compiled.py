@@ -8,8 +8,9 @@ conversation, a new cache object or a recall does not recompile. `warm_up()` com
 inputs for each bucket, shortest first (the app runs it in the background at start; until the
 first is done the loop decodes eagerly on a dynamic cache). A request starts in the shortest
 bucket that holds its prompt and moves to the next one when it fills (`fit`, a copy of the keys
-and values), eagerly if that one is not compiled yet rather than stall everyone for a compile. The loop takes the compiled step for unpadded text prompts; a padded batch,
-Qwen3-VL's mRoPE positions and entropy decoding (every layer's state) stay eager.
+and values), eagerly if that one is not compiled yet rather than stall everyone for a compile.
+The loop takes the compiled step for unpadded text prompts; a padded batch, Qwen3-VL's mRoPE
+positions and entropy decoding (every layer's state) stay eager.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Questions and prompts sometimes follow an earlier ordinary turn (`history`), so 
 the middle of a conversation too. The memory encoder is the token embeddings' mean (layer 0): a
 memory then carries its words in the very space the model reads its input from, which it learns to
 read within tens of steps (a final-layer state was not read at all after 300 steps), and writing a
-bank costs an embedding lookup. A fixed seed makes a run repeatable on the same machine; the losses go to `training_log.csv`.
+bank costs an embedding lookup. A fixed seed makes a run repeatable on the same machine; the losses
+go to `training_log.csv`.
 """
 
 from __future__ import annotations
