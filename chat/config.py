@@ -78,6 +78,7 @@ class AppConfig:
     max_new_tokens_cap: int = 1024  # the most one request may ask for
     context_overflow: str = "refuse"  # refuse | drop_oldest: what happens when a conversation outgrows the limits
     prefill_chunk_tokens: int = 256  # a long prompt is read in chunks: a stop, and other sessions, wait one chunk
+    batching: bool = True  # answers of different sessions decode as rows of one forward; false: they take turns
     session_ttl_s: int = 1800  # a session idle this long is freed (also API clients, which never close a page)
     api_key: str | None = None  # required as "Authorization: Bearer <key>" on /v1 when set
 
@@ -90,6 +91,7 @@ class AppConfig:
             value = getattr(self, key)
             _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, key, value,
                    "a positive integer")
+        _check(isinstance(self.batching, bool), "batching", self.batching, "true or false")
         _check(self.context_overflow in ("refuse", "drop_oldest"), "context_overflow", self.context_overflow,
                "refuse, drop_oldest")
         _check(self.api_key is None or (isinstance(self.api_key, str) and len(self.api_key) >= 8), "api_key",

@@ -218,6 +218,7 @@ class Service:
         if s.conv is None:
             s.conv = Conversation(self._model())
         s.conv.prefill_chunk = self.cfg.app.prefill_chunk_tokens
+        s.conv.batch = self.worker.batch if self.cfg.app.batching else None
         return s.conv
 
     def _fit(self, conv: Conversation, text: str, images: Sequence[str], settings: GenerationSettings,

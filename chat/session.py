@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from chat.inputs import FORMAT, ConversationFile, check_conversation, decode_image, describe, encode_image, encode_vector
 from decoding.compiled import crop, seq_length
 from decoding.events import DoneEvent, Event, GenerationResult, RecallEvent
+from decoding.batch import Batch
 from decoding.loop import stream_generate
 from decoding.memory import Recall
 from decoding.mixture import stream_mixture
@@ -60,9 +61,11 @@ def _content(msg: Message) -> Any:
 class Conversation:
     """State of one chat with one model. Not thread-safe: one request at a time."""
 
-    def __init__(self, lm: LoadedModel, system_prompt: str | None = None, prefill_chunk: int = 512):
+    def __init__(self, lm: LoadedModel, system_prompt: str | None = None, prefill_chunk: int = 512,
+                 batch: Batch | None = None):
         self.lm = lm
         self.prefill_chunk = prefill_chunk  # tokens read per forward of a long prompt
+        self.batch = batch  # where its answers decode with other sessions' (decoding/batch.py); None: alone
         self.clear()
         self.system_prompt = system_prompt
 
@@ -226,7 +229,7 @@ class Conversation:
                                         prefill_chunk=self.prefill_chunk, **common)
             else:
                 events = stream_generate(self.lm.merged(), inputs, settings, cache=past,
-                                         prefill_chunk=self.prefill_chunk, **common)
+                                         prefill_chunk=self.prefill_chunk, batch=self.batch, **common)
             for event in events:
                 if isinstance(event, DoneEvent):
                     result = event.result

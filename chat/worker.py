@@ -1,10 +1,11 @@
 """The model worker: one thread that owns the model and runs every request, each with its own event queue.
 
-Generation, memory encoding and bank edits are requests on its queue; answers take turns on the
-model one event (one forward) at a time, and a bank edit runs whole between them, so a bank is
-never edited in the middle of a recall. Every request has its
-own interrupt event and its own event queue, which ends with `END`; a waiting request is told how
-many requests are ahead of it.
+Generation, memory encoding and bank edits are requests on its queue. Running answers decode
+together: each round, every answer is advanced to its next decode step, and the worker's `Batch`
+runs those steps as rows of one forward (continuous batching, `decoding/batch.py`); an answer
+joins at a round's boundary and leaves when it ends. A bank edit runs whole between rounds, so a
+bank is never edited in the middle of a recall. Every request has its own interrupt event and its
+own event queue, which ends with `END`; a waiting request is told how many requests are ahead of it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from types import GeneratorType
 from typing import Any
 
+from decoding.batch import Batch, Step
 from decoding.events import FinishEvent, TokenEvent
 
 log = logging.getLogger("chat.worker")
@@ -92,11 +94,12 @@ class Worker:
     """One thread owns the model and runs every request; generations take turns.
 
     A request whose `run` returns a value (a bank edit, loading the model) runs whole. One that
-    returns an event generator (an answer) joins the running ones, up to `max_running`, and the
-    worker advances them in turn, one event each: a long prompt is read in chunks and a long
-    answer written token by token, so no request holds the model for more than one forward while
-    others wait (they share it, and each finishes later by the others' share). Two requests of the
-    same session never run together: the second waits for the first.
+    returns an event generator (an answer) joins the running ones, up to `max_running`, and each
+    round the worker advances every one of them: an answer that decodes in `batch` up to its next
+    decode `Step` (which the batch then runs with the others' as one forward), any other generator
+    by one event (a chunk of a long prompt, a token of a decoder that runs alone). So no request
+    holds the model for more than one forward while others wait. Two requests of the same session
+    never run together: the second waits for the first.
     """
 
     def __init__(self, name: str = "recall-chat-model", max_running: int = 8):
@@ -106,6 +109,9 @@ class Worker:
         self.max_running = max_running
         self.waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"{name}-wait")  # blocked on queues
         self.running: list[Request] = []
+        self.batch = Batch()  # the decode steps of this round's answers, run as one forward
+        self._stepping: set[int] = set()  # requests whose generator decodes in `batch`
+        self._parked: list[Request] = []  # requests waiting for this round's batch to run
         self.history: deque[Request] = deque(maxlen=256)  # records of finished requests, newest last
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -167,9 +173,10 @@ class Worker:
                 turn = list(self.running)
             if req is not None:
                 self._start(req, generators)
-            for r in turn:  # one event each, in turn
+            for r in turn:  # each to its next decode step (or one event), in turn
                 if r.id in generators:
                     self._step(r, generators)
+            self._run_batch(generators)
 
     def _start(self, req: Request, generators: dict[int, Iterator[Any]]) -> None:
         req.started = time.perf_counter()
@@ -184,20 +191,44 @@ class Worker:
             self._finish(req)
 
     def _step(self, req: Request, generators: dict[int, Iterator[Any]]) -> None:
+        """Advance a generator to its next decode `Step` (it is then parked until the batch runs), to its
+        end, or by one event when it does not decode in the batch (yet)."""
+        while True:
+            try:
+                event = req.context.run(next, generators[req.id])
+            except StopIteration as stop:
+                self._drop(req, generators)
+                req.result = stop.value
+                return self._finish(req)
+            except Exception as e:  # noqa: BLE001 - reported to the requester
+                self._drop(req, generators)
+                return self._fail(req, e)
+            if isinstance(event, Step):
+                self._stepping.add(req.id)
+                self._parked.append(req)
+                return
+            if isinstance(event, TokenEvent):
+                req.steps += 1
+            elif isinstance(event, FinishEvent):
+                req.reason = event.reason
+            req.events.put(event)
+            if req.id not in self._stepping:
+                return
+
+    def _drop(self, req: Request, generators: dict[int, Iterator[Any]]) -> None:
+        del generators[req.id]
+        self._stepping.discard(req.id)
+
+    def _run_batch(self, generators: dict[int, Iterator[Any]]) -> None:
+        """Run the round's decode steps; if that fails, every request in it fails with the message."""
+        parked, self._parked = self._parked, []
         try:
-            event = req.context.run(next, generators[req.id])
-        except StopIteration as stop:
-            del generators[req.id]
-            req.result = stop.value
-            return self._finish(req)
-        except Exception as e:  # noqa: BLE001 - reported to the requester
-            del generators[req.id]
-            return self._fail(req, e)
-        if isinstance(event, TokenEvent):
-            req.steps += 1
-        elif isinstance(event, FinishEvent):
-            req.reason = event.reason
-        req.events.put(event)
+            self.batch.run()
+        except Exception as e:  # noqa: BLE001 - reported to each requester
+            for req in parked:
+                req.context.run(generators[req.id].close)  # its cleanup runs: the batch lets go of its row
+                self._drop(req, generators)
+                self._fail(req, e)
 
     def _fail(self, req: Request, e: Exception) -> None:
         if not isinstance(e, (ValueError, KeyError, FileNotFoundError)):

@@ -133,9 +133,10 @@ def crop(cache, drop: int) -> None:
         cache.crop(-drop)
 
 
-def fit(cache: StaticCache, model: torch.nn.Module, needed: int) -> StaticCache:
-    """`cache` if it holds `needed` positions, else a longer static cache with its contents."""
-    if cache.layers[0].max_cache_len >= needed:
+def fit(cache, model: torch.nn.Module, needed: int) -> StaticCache:
+    """A static cache that holds `needed` positions with `cache`'s contents: `cache` itself when it is a
+    static cache long enough, else a new one (from a shorter static cache, or a dynamic one)."""
+    if isinstance(cache, StaticCache) and cache.layers[0].max_cache_len >= needed:
         return cache
     bigger = static_cache(model, needed)
     held = seq_length(cache)

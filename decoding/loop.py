@@ -22,6 +22,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from transformers import LogitsProcessorList, StaticCache, StoppingCriteriaList
 
+from decoding.batch import Batch
 from decoding.compiled import crop, fit
 from decoding.events import DoneEvent, Event, GenerationResult, PrefillEvent, RecallEvent, TokenEvent
 from decoding.forward import Forward, prefill_positions, vision_suffix
@@ -87,6 +88,7 @@ def stream_generate(
     pad_token_id: int | None = None,
     output_logits: bool = False,
     prefill_chunk: int = 512,
+    batch: Batch | None = None,
 ) -> Iterator[Event]:
     """Generate from `inputs` (`input_ids` [B, L], optional `attention_mask`, Qwen3-VL image kwargs),
     yielding token, recall and finish events, and a `DoneEvent` with the result last.
@@ -103,6 +105,10 @@ def stream_generate(
     layer its entropy rule picks: a `LayerEvent` follows every `TokenEvent`, the result's `entropy`
     holds the per-step record, and `logits` are the selected layer's. A caller's `logits_processor`
     then scores [B*L] rows at once (each row's ids repeated per layer, row b*L + i is layer i).
+
+    With a `batch` (`decoding/batch.py`) a request of one unpadded row decodes in it: each decode
+    forward is a `Step` yielded to the caller, who runs the batch with the other requests' steps
+    before resuming this one.
     """
     req = prepare(model, inputs, settings, recall, tokenizer, cache, memory_vectors, logits_processor,
                   stopping_criteria, eos_token_id, pad_token_id)
@@ -113,13 +119,18 @@ def stream_generate(
         return
     req.fwd.reset_request_state()
     try:
-        with torch.no_grad():
-            start = yield from _prefill(req, inputs, interrupt, prefill_chunk)  # None: stopped between chunks
-            if start is not None:
-                yield from _decode(req, *start, interrupt, output_logits)
+        yield from _generate(req, inputs, interrupt, prefill_chunk, output_logits, batch)
     finally:
         req.fwd.reset_request_state()
     yield DoneEvent(req.result())
+
+
+@torch.no_grad()  # as a decorator: grad mode is off only while the loop runs, never left off between its yields
+def _generate(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: threading.Event | None,
+              prefill_chunk: int, output_logits: bool, batch: Batch | None) -> Iterator[Event]:
+    start = yield from _prefill(req, inputs, interrupt, prefill_chunk)  # None: stopped between chunks
+    if start is not None:
+        yield from _decode(req, *start, interrupt, output_logits, batch)
 
 
 def _prefill(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: threading.Event | None,
@@ -146,76 +157,90 @@ def _prefill(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: thread
     return hidden, positions[..., -1:]  # [B, H] (entropy decoding: [B, L, H]), [B, 1] or [4, B, 1]
 
 
-def _next_scores(req: Request, hidden: torch.Tensor):
-    """(raw logits [B, V], processed scores [B, V], final-layer state [B, H], the entropy step or None).
+def _next_scores(req: Request, hidden: torch.Tensor, logits: torch.Tensor | None):
+    """(raw logits [B, V], processed scores [B, V], final-layer state [B, H], the entropy step or None);
+    `logits` when the batch already computed them.
 
     With entropy decoding `hidden` holds every layer's state [B, L, H] and the scores are the chosen
     layer's; the final layer's state stays the memory head's query.
     """
     seen = req.rows.seq[:, :req.rows.cur]
     if req.entropy is None:
-        logits = req.fwd.logits(hidden)  # [B, V]
+        logits = req.fwd.logits(hidden) if logits is None else logits  # [B, V]
         return logits, req.processors(seen, logits) if req.processors else logits, hidden, None
     step = req.entropy.step(hidden, seen, req.processors)
     return step.logits, step.scores, hidden[:, -1], step
 
 
 def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrupt: threading.Event | None,
-            output_logits: bool) -> Iterator[Event]:
+            output_logits: bool, batch: Batch | None) -> Iterator[Event]:
     """Steps 2-5, one token a row a step, until every row finished or a stop."""
     rows, fwd, recall, entropy = req.rows, req.fwd, req.recall, req.entropy
     t1 = time.perf_counter()
     last = req.input_ids[:, -1].tolist()
     recall_rows = [r for r in range(req.batch) if req.recall_on and last[r] == recall.recall_id]
     unfinished = torch.ones(req.batch, dtype=torch.bool, device=fwd.device)
-    while True:
-        # 2. the next token of every row
-        logits, scores, hidden, layer_step = _next_scores(req, hidden)
-        if output_logits:
-            req.kept_logits.append(logits)
-        next_tokens = sample(scores, req.settings.do_sample)  # [B]
+    if req.batch > 1 or req.attention_mask is not None or entropy is not None:
+        batch = None  # a batch takes requests of one unpadded row decoding from the final layer
+    logits, stopped = None, False
+    try:
+        while True:
+            # 2. the next token of every row
+            logits, scores, hidden, layer_step = _next_scores(req, hidden, logits)
+            if output_logits:
+                req.kept_logits.append(logits)
+            next_tokens = sample(scores, req.settings.do_sample)  # [B]
 
-        # 3. the recall step: rows whose newest input was <recall> get <|memory_pad|> and a memory
-        recalled, events = _recall(rows, recall_rows, hidden, req.selector, recall) if recall_rows else ({}, [])
-        if recalled:
-            next_tokens[list(recalled)] = recall.memory_pad_id
-        if req.eos:
-            next_tokens = torch.where(unfinished, next_tokens, req.pad)
-        rows.seq[:, rows.cur] = next_tokens
-        rows.cur += 1
-        unfinished &= ~req.criteria(rows.seq[:, :rows.cur], scores)
-        tokens, still = torch.stack((next_tokens, unfinished.long())).tolist()  # the one sync
-        req.steps += 1
+            # 3. the recall step: rows whose newest input was <recall> get <|memory_pad|> and a memory
+            recalled, events = _recall(rows, recall_rows, hidden, req.selector, recall) if recall_rows else ({}, [])
+            if recalled:
+                next_tokens[list(recalled)] = recall.memory_pad_id
+            if req.eos:
+                next_tokens = torch.where(unfinished, next_tokens, req.pad)
+            rows.seq[:, rows.cur] = next_tokens
+            rows.cur += 1
+            unfinished &= ~req.criteria(rows.seq[:, :rows.cur], scores)
+            tokens, still = torch.stack((next_tokens, unfinished.long())).tolist()  # the one sync
+            req.steps += 1
 
-        # 4. events and finish reasons; a <recall> token is streamed with its recall, next step
-        alive = list(rows.alive)
-        events += _step_events(rows, tokens, still, unfinished, recall if req.recall_on else None, req.eos,
-                               req.limit, req.settings, req.t0)
-        if layer_step is not None:  # a LayerEvent after each token (one more host copy, after the sync)
-            events = entropy.annotate(events, layer_step, alive, rows.cur - 1)
-        yield from events
-        if not any(rows.alive):
-            break
-        if interrupt is not None and interrupt.is_set():
-            _drop_held(rows, req.cache, req.pad)
-            yield from req.stop_all()
-            break
+            # 4. events and finish reasons; a <recall> token is streamed with its recall, next step
+            alive = list(rows.alive)
+            events += _step_events(rows, tokens, still, unfinished, recall if req.recall_on else None, req.eos,
+                                   req.limit, req.settings, req.t0)
+            if layer_step is not None:  # a LayerEvent after each token (one more host copy, after the sync)
+                events = entropy.annotate(events, layer_step, alive, rows.cur - 1)
+            yield from events
+            if not any(rows.alive):
+                break
+            if interrupt is not None and interrupt.is_set():
+                stopped = True
+                break
 
-        # 5. forward the new tokens; memory embeddings replace the <|memory_pad|> embeddings
-        recall_rows = [r for r in range(req.batch) if req.recall_on and rows.alive[r] and tokens[r] == recall.recall_id]
-        emb = fwd.embed(next_tokens[:, None])  # [B, 1, H]
-        for row, vec in recalled.items():
-            emb[row, 0] = recall.embed(vec[None], fwd.device, fwd.dtype)[0]
-            if recall.settings.debug:
-                log.info("[inject] row %d: <|memory_pad|> at position %d carries memory %s; its embedding "
-                         "%s %s on %s is the input of this forward; the KV cache grows %d -> %d", row,
-                         rows.cur - 1, rows.injections[-1].memory_index, tuple(emb[row, 0].shape), emb.dtype,
-                         emb.device, rows.cur - 1, rows.cur)
-        position = position + 1
-        if isinstance(req.cache, StaticCache):  # a full static cache moves to the next bucket
-            req.cache = fit(req.cache, fwd.model, rows.cur)
-        hidden = fwd.step(emb, position, req.cache, None if rows.mask is None else rows.mask[:, :rows.cur],
-                          layers=entropy is not None)
+            # 5. forward the new tokens; memory embeddings replace the <|memory_pad|> embeddings
+            recall_rows = [r for r in range(req.batch)
+                           if req.recall_on and rows.alive[r] and tokens[r] == recall.recall_id]
+            emb = fwd.embed(next_tokens[:, None])  # [B, 1, H]
+            for row, vec in recalled.items():
+                emb[row, 0] = recall.embed(vec[None], fwd.device, fwd.dtype)[0]
+                if recall.settings.debug:
+                    log.info("[inject] row %d: <|memory_pad|> at position %d carries memory %s; its embedding "
+                             "%s %s on %s is the input of this forward; the KV cache grows %d -> %d", row,
+                             rows.cur - 1, rows.injections[-1].memory_index, tuple(emb[row, 0].shape), emb.dtype,
+                             emb.device, rows.cur - 1, rows.cur)
+            position = position + 1
+            if isinstance(req.cache, StaticCache):  # a full static cache moves to the next bucket
+                req.cache = fit(req.cache, fwd.model, rows.cur)
+            if batch is not None:  # run by the batch, with other requests' steps
+                hidden, logits = yield from batch.step(req, emb, position)
+            else:
+                hidden, logits = fwd.step(emb, position, req.cache, None if rows.mask is None else
+                                          rows.mask[:, :rows.cur], layers=entropy is not None), None
+    finally:
+        if batch is not None:
+            batch.leave(req)  # its keys and values come back to `req.cache`
+    if stopped:
+        _drop_held(rows, req.cache, req.pad)
+        yield from req.stop_all()
     req.decode_s = time.perf_counter() - t1
 
 

@@ -293,32 +293,32 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
     yield from _drive(run, draft, interrupt, prompt_len, prefill_chunk)
 
 
+@torch.no_grad()  # as a decorator: grad mode is off only while this generator runs, not between its yields
 def _drive(run: _Run, draft, interrupt, prompt_len: int, prefill_chunk: int) -> Iterator:
     prefill_s, t1 = 0.0, run.t0
     if interrupt is not None and interrupt.is_set():  # stopped while queued: the models are not touched
         run.reason = "interrupted"
         yield FinishEvent(0, "interrupted")
-    with torch.no_grad():
-        if run.reason is None:
-            for event in run.prefill(prefill_chunk):  # other requests, and a stop, wait one chunk at most
-                yield event
-                if interrupt is not None and interrupt.is_set():
-                    run.reason = "interrupted"
-                    yield FinishEvent(0, "interrupted")
-                    break
-            prefill_s, t1 = time.perf_counter() - run.t0, time.perf_counter()
-        while run.reason is None:
-            events: list = []
-            if run.recall_due():  # the prompt ends with <recall>
-                run.recall_step(events)
-            if run.reason is None:
-                run.round(draft, events)
-            if run.recall_due():  # right away, so an interrupt never separates <recall> from its memory
-                run.recall_step(events)
-            yield from events
-            if run.reason is None and interrupt is not None and interrupt.is_set():
+    if run.reason is None:
+        for event in run.prefill(prefill_chunk):  # other requests, and a stop, wait one chunk at most
+            yield event
+            if interrupt is not None and interrupt.is_set():
                 run.reason = "interrupted"
                 yield FinishEvent(0, "interrupted")
+                break
+        prefill_s, t1 = time.perf_counter() - run.t0, time.perf_counter()
+    while run.reason is None:
+        events: list = []
+        if run.recall_due():  # the prompt ends with <recall>
+            run.recall_step(events)
+        if run.reason is None:
+            run.round(draft, events)
+        if run.recall_due():  # right away, so an interrupt never separates <recall> from its memory
+            run.recall_step(events)
+        yield from events
+        if run.reason is None and interrupt is not None and interrupt.is_set():
+            run.reason = "interrupted"
+            yield FinishEvent(0, "interrupted")
     run.pair.reset()
     yield DoneEvent(MixtureResult(
         sequences=torch.tensor([run.seq], device=run.pair.device), prompt_length=prompt_len,

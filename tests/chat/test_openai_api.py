@@ -127,14 +127,20 @@ def test_an_api_key_is_checked_when_set(smollm2):
 
 
 def test_eight_concurrent_sessions_get_what_they_would_get_alone(api, server):
-    alone = {p: greedy(api, p, max_tokens=16).choices[0].message.content for p in PROMPTS}
+    """Eight clients of mixed settings at once, three hanging up early: they decode as rows of shared
+    forwards, and each gets the answer it gets alone."""
+    mixed = {p: {"max_tokens": 12 + 4 * (i % 3), **({"stop": ["."]} if i % 4 == 1 else {})} for i, p in enumerate(PROMPTS)}
+    alone = {p: greedy(api, p, **mixed[p]).choices[0].message.content for p in PROMPTS}
+    batch = server.service.worker.batch
+    forwards, rows = batch.forwards, batch.rows_run
     got: dict[str, str] = {}
     rng = random.Random(0)
     stops = set(rng.sample(PROMPTS, 3))  # these clients hang up after a few chunks
 
     def run(prompt):
         client = openai.OpenAI(base_url=server.url + "v1", api_key="unused", max_retries=0, timeout=300)
-        stream = greedy(client, prompt, max_tokens=300 if prompt in stops else 16, stream=True)
+        stream = greedy(client, prompt, **{**mixed[prompt], **({"max_tokens": 300} if prompt in stops else {})},
+                        stream=True)
         text = []
         for i, chunk in enumerate(stream):
             text.append(chunk.choices[0].delta.content or "")
@@ -151,6 +157,7 @@ def test_eight_concurrent_sessions_get_what_they_would_get_alone(api, server):
     for p in PROMPTS:
         assert alone[p].startswith(got[p]) or got[p].startswith(alone[p]), (p, got[p], alone[p])
         assert p in stops or got[p] == alone[p], (p, got[p], alone[p])
+    assert (batch.rows_run - rows) / (batch.forwards - forwards) > 2  # answers shared their forwards
     deadline = time.monotonic() + 60
     while any(r.label in stops for r in server.service.worker.running) and time.monotonic() < deadline:
         time.sleep(0.1)

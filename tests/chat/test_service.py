@@ -164,6 +164,65 @@ def test_sessions_share_the_model_and_one_sessions_stop_never_stops_another(serv
     assert [m.role for m in b.conv.messages] == ["user", "assistant"] * 2
 
 
+def _plan(i: int) -> tuple[GenerationSettings, bool]:
+    """Session i's settings (all different) and whether it recalls first from the example bank."""
+    return (GenerationSettings(max_new_tokens=24 + 3 * i, repetition_penalty=1.0 + 0.1 * (i % 3),
+                               no_repeat_ngram_size=i % 2 * 3, stop_strings=("zzzz",) if i == 4 else ()),
+            i % 2 == 1)
+
+
+def _converse(svc: Service, together: bool, stop_at: dict[int, int]) -> tuple[list, int]:
+    """Two turns for each of 8 sessions (stopped ones: one), all at once or one session after another;
+    every session's token ids and recalls, and the most answers one forward carried."""
+    sessions = [svc.new_session() for _ in range(8)]
+    for i, s in enumerate(sessions):
+        if _plan(i)[1]:
+            result(svc.banks.build_example(s))
+    for turn in range(2):
+        todo = [i for i in range(8) if turn == 0 or i not in stop_at]
+        chats = {}
+        for i in todo:
+            settings, recall_first = _plan(i)
+            chats[i] = svc.chat(sessions[i], f"Question {turn} of session {i}?", [], settings, RecallSettings(),
+                                recall_first=recall_first)
+            if not together:
+                result(chats[i].request)
+        while turn == 0 and stop_at and not all(chats[i].request.done.is_set() for i in chats):
+            for i, steps in stop_at.items():
+                if chats[i].request.steps >= steps:
+                    svc.stop(sessions[i])
+            time.sleep(0.001)
+        for i in todo:
+            result(chats[i].request)
+    return [(s.conv.ids, [(r.position, r.memory_index, m.finish_reason) for m in s.conv.messages for r in m.recalls],
+             s.conv.messages[-1].finish_reason) for s in sessions]
+
+
+def test_eight_sessions_decode_together_and_each_gets_what_it_gets_alone(tiny_llama, text_search):
+    """Eight sessions of mixed settings, half recalling from a bank, two turns each (the second on the
+    cache the first left), two stopped mid-answer: batched, every session's tokens and recalls are those
+    it gets running alone, and the answers did share forwards."""
+    stop_at = {2: 5, 5: 9}
+    alone_svc = Service(config(), tiny_llama, text_search=text_search)
+    try:
+        alone = _converse(alone_svc, together=False, stop_at={})
+    finally:
+        alone_svc.close()
+    svc = Service(config(), tiny_llama, text_search=text_search)
+    try:
+        together = _converse(svc, together=True, stop_at=stop_at)
+        batch = svc.worker.batch
+        assert batch.forwards > 20 and batch.rows_run / batch.forwards > 3  # several answers per forward
+    finally:
+        svc.close()
+    for i, ((ids, recalls, reason), (ids1, recalls1, _)) in enumerate(zip(together, alone)):
+        if i in stop_at:  # its one answer stopped: a prefix of the answer it gets alone
+            assert reason == "interrupted" and ids == ids1[:len(ids)], i
+        else:
+            assert ids == ids1 and recalls == recalls1 and reason != "interrupted", i
+    assert sum(bool(r) for _, r, _ in alone) >= 3  # the recalling sessions did recall
+
+
 def test_a_sessions_second_message_waits_and_a_stop_while_queued_keeps_it(service, tiny_llama):
     s = service.new_session()
     with Slow(tiny_llama, seconds=0.002):

@@ -1,0 +1,169 @@
+"""Serving many people: aggregate decode speed and time to first token with 1, 2, 4, 8 sessions at once,
+batched (answers decode as rows of one forward, the default) against taking turns (`app.batching=false`:
+one forward per answer per round), on the embedded SmolLM2 through the chat service, in one run.
+
+    .venv/bin/python bench/serving.py [--tokens 64] [--no-compile]
+
+Every answer is greedy and exactly `--tokens` long (min_new_tokens), so every run decodes the same
+amount. Aggregate tokens/s = all answers' tokens / wall time from submitting to the last one's end.
+Time to first token is per session, from its submission. The join row: 7 sessions are busy with long
+answers when an 8th sends its message; its time to first token is reported in ms, in batch forwards
+(rounds) between its submission and its first token, and next to its own prefill time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from chat.config import load_config  # noqa: E402
+from chat.service import Service  # noqa: E402
+from chat.worker import END  # noqa: E402
+from decoding import compiled  # noqa: E402
+from decoding.events import DoneEvent, TokenEvent  # noqa: E402
+from decoding.settings import GenerationSettings, RecallSettings  # noqa: E402
+
+QUESTIONS = ["Write about the sea.", "Tell me about bread.", "Describe a forest in autumn.", "What is a comet?",
+             "Explain how a bicycle works.", "Write a poem about rain.", "Why do cats purr?", "Describe a city at night."]
+OFF = RecallSettings(enabled=False)
+
+
+class Follow:
+    """Reads one request's events on a thread: when its first token came, and its result."""
+
+    def __init__(self, svc: Service, turn, submitted: float):
+        self.svc, self.req, self.submitted = svc, turn.request, submitted
+        self.first: float | None = None
+        self.first_round: int | None = None
+        self.result = None
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while (event := self.req.events.get()) is not END:
+            if isinstance(event, TokenEvent) and self.first is None:
+                self.first, self.first_round = time.perf_counter(), self.svc.worker.batch.forwards
+            elif isinstance(event, DoneEvent):
+                self.result = event.result
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.submitted
+
+
+def chat_all(svc: Service, sessions, settings: GenerationSettings, questions) -> list[Follow]:
+    follows = []
+    for s, q in zip(sessions, questions):
+        t = time.perf_counter()
+        follows.append(Follow(svc, svc.chat(s, q, [], settings, OFF), t))
+    return follows
+
+
+def wait(follows: list[Follow]) -> None:
+    for f in follows:
+        f.thread.join()
+        if f.req.error:
+            raise RuntimeError(f.req.error)
+
+
+def concurrent(svc: Service, n: int, tokens: int) -> dict:
+    sessions = [svc.new_session() for _ in range(n)]
+    settings = GenerationSettings(max_new_tokens=tokens, min_new_tokens=tokens)
+    t0 = time.perf_counter()
+    follows = chat_all(svc, sessions, settings, QUESTIONS[:n])
+    wait(follows)
+    wall = time.perf_counter() - t0
+    produced = sum(len(f.result.new_tokens[0]) for f in follows)
+    for s in sessions:
+        svc.end_session(s)
+    return {"tok_s": produced / wall, "ttft_ms": statistics.median(f.ttft for f in follows) * 1e3,
+            "ttft_max_ms": max(f.ttft for f in follows) * 1e3, "answers": [f.result.new_tokens[0].tolist() for f in follows]}
+
+
+def join(svc: Service, tokens: int) -> dict:
+    """7 sessions decode long answers; an 8th joins after they are well under way."""
+    busy = [svc.new_session() for _ in range(7)]
+    follows = chat_all(svc, busy, GenerationSettings(max_new_tokens=4 * tokens, min_new_tokens=4 * tokens),
+                       QUESTIONS[:7])
+    while min(f.req.steps for f in follows) < 10:
+        time.sleep(0.01)
+    newcomer = svc.new_session()
+    before = svc.worker.batch.forwards
+    mine = chat_all(svc, [newcomer], GenerationSettings(max_new_tokens=8, min_new_tokens=8), QUESTIONS[7:])[0]
+    wait([mine])
+    for s in busy:
+        svc.stop(s)
+    wait(follows)
+    for s in [*busy, newcomer]:
+        svc.end_session(s)
+    return {"ttft_ms": mine.ttft * 1e3, "rounds": mine.first_round - before,
+            "prefill_ms": mine.result.prefill_seconds * 1e3}
+
+
+def service(batching: bool, compile_: bool) -> Service:
+    cfg = load_config(overrides=[f"app.batching={str(batching).lower()}", f"model.compile={str(compile_).lower()}",
+                                 "generation.max_new_tokens=512"], environ={})
+    svc = Service(cfg)
+    req = svc.ready()
+    req.done.wait()
+    step = compiled.attached(svc.lm.model)
+    if step is not None:  # every bucket compiled before measuring (the warm-up thread ends with the longest)
+        while step.error is None and compiled.BUCKETS[-1] not in step.lengths:
+            time.sleep(0.5)
+    return svc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    transformers.logging.set_verbosity_error()
+    rows, answers = {}, {}
+    for batching in (True, False):
+        svc = service(batching, not args.no_compile)
+        try:
+            concurrent(svc, 1, 8)  # warm
+            for n in (1, 2, 4, 8):
+                out = concurrent(svc, n, args.tokens)
+                answers[(batching, n)] = out.pop("answers")
+                rows[(batching, n)] = out
+                print(f"{'batched' if batching else 'turns  '} {n} sessions: {out['tok_s']:6.1f} tok/s  "
+                      f"TTFT median {out['ttft_ms']:6.0f} ms, max {out['ttft_max_ms']:6.0f} ms", flush=True)
+            j = join(svc, args.tokens)
+            rows[(batching, "join")] = j
+            print(f"{'batched' if batching else 'turns  '} joining 7 busy: TTFT {j['ttft_ms']:.0f} ms "
+                  f"({j['rounds']} batch rounds), its prefill {j['prefill_ms']:.0f} ms", flush=True)
+        finally:
+            svc.close()
+    same = all(answers[(True, n)] == answers[(False, n)][:len(answers[(True, n)])] for n in (1, 2, 4, 8))
+    print(f"\nbatched answers == answers taking turns (greedy): {same}")
+    print("\n| sessions | batched tok/s | taking turns tok/s | batched TTFT median / max (ms) | turns TTFT median / max (ms) |")
+    print("|---|---|---|---|---|")
+    for n in (1, 2, 4, 8):
+        b, t = rows[(True, n)], rows[(False, n)]
+        print(f"| {n} | {b['tok_s']:.1f} | {t['tok_s']:.1f} | {b['ttft_ms']:.0f} / {b['ttft_max_ms']:.0f} | "
+              f"{t['ttft_ms']:.0f} / {t['ttft_max_ms']:.0f} |")
+    print(f"\naggregate 8 ÷ 1 sessions: batched {rows[(True, 8)]['tok_s'] / rows[(True, 1)]['tok_s']:.2f}x, "
+          f"taking turns {rows[(False, 8)]['tok_s'] / rows[(False, 1)]['tok_s']:.2f}x")
+    for batching in (True, False):
+        j = rows[(batching, "join")]
+        rounds = f"{j['rounds']} batch rounds, " if batching else ""
+        print(f"{'batched' if batching else 'turns'}: a session joining 7 busy ones: first token after {rounds}"
+              f"{j['ttft_ms']:.0f} ms (its own prefill {j['prefill_ms']:.0f} ms)")
+
+
+if __name__ == "__main__":
+    main()

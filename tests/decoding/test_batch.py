@@ -1,0 +1,195 @@
+"""Continuous batching: requests that decode in one `Batch` get exactly what they get alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from conftest import make_tiny_llama
+from decoding import compiled
+from decoding.batch import Batch, Step
+from decoding.events import DoneEvent, TokenEvent
+from decoding.loop import generate, stream_generate
+from decoding.settings import GenerationSettings
+from test_loop import CHAT, bank_for, ids_of, recall_of, vl_inputs
+
+def settings_for(lm) -> list[GenerationSettings]:
+    """Four requests' settings, all different; the second and fourth are pushed to recall."""
+    recall = ((lm.tokens.recall,), 2.5)
+    return [GenerationSettings(max_new_tokens=16),
+            GenerationSettings(max_new_tokens=9, repetition_penalty=1.3, no_repeat_ngram_size=2, sequence_bias=(recall,)),
+            GenerationSettings(max_new_tokens=20, stop_strings=("zzz",)),
+            GenerationSettings(max_new_tokens=14, min_new_tokens=6, sequence_bias=(recall, ((5,), -1.0)))]
+
+
+def drive(starts: dict[int, list], batch: Batch, stops: dict[int, int] | None = None):
+    """Run generators the way the chat worker does: each round, every running one is advanced to its next
+    `Step` (or its end), then the batch runs. `starts[r]` are the generators that join before round r;
+    `stops[i] = r` sets generator i's interrupt before round r. Returns every generator's events, in
+    start order, and the most rows a forward carried."""
+    running, events, widest, order = [], {}, 0, []
+    stops = stops or {}
+    for r in range(10_000):
+        for gen, interrupt in starts.get(r, []):
+            running.append((gen, interrupt))
+            events[id(gen)] = []
+            order.append((gen, interrupt))
+        for i, (gen, interrupt) in enumerate(order):
+            if stops.get(i) == r:
+                interrupt.set()
+        for gen, interrupt in list(running):
+            for event in gen:
+                if isinstance(event, Step):
+                    break
+                events[id(gen)].append(event)
+            else:
+                running.remove((gen, interrupt))
+        widest = max(widest, len(batch.pending))
+        batch.run()
+        if not running and r >= max(starts):
+            return [events[id(g)] for g, _ in order], widest
+    raise AssertionError("the generators did not end")
+
+
+def result_of(events):
+    return next(e.result for e in events if isinstance(e, DoneEvent))
+
+
+def prompt(lm, text):
+    return {"input_ids": torch.tensor([lm.tokenizer(CHAT.format(text))["input_ids"]])}
+
+
+QUESTIONS = ["Tell me a story", "What do you remember about the ferry?", "Hi", "Explain the tides in detail please"]
+
+
+def alone_and_batched(lm, recall_for, starts_at, stops=None, **kwargs):
+    """Each request alone (no batch), then all of them in one batch, joining at rounds `starts_at`."""
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm), **kwargs)
+    settings = settings_for(lm)
+    alone = [list(stream_generate(lm.model, prompt(lm, q), settings[i], recall=recall_for(i), **kw))
+             for i, q in enumerate(QUESTIONS)]
+    batch = Batch()
+    starts: dict[int, list] = {}
+    for i, q in enumerate(QUESTIONS):
+        interrupt = threading.Event()
+        gen = stream_generate(lm.model, prompt(lm, q), settings[i], recall=recall_for(i), interrupt=interrupt,
+                              batch=batch, **kw)
+        starts.setdefault(starts_at[i], []).append((gen, interrupt))
+    together, widest = drive(starts, batch, stops)
+    return alone, together, widest, batch
+
+
+def test_requests_joining_and_leaving_a_batch_get_what_they_get_alone(tiny_llama):
+    """Four requests of different settings, two with recall on banks of their own, join at different
+    rounds and finish at different lengths: each gets the tokens, logits and recalls it gets alone."""
+    lm = tiny_llama
+    banks = {1: bank_for(lm, seed=1), 3: bank_for(lm, n=5, seed=2)}
+    recall_for = lambda i: recall_of(lm, banks[i]) if i in banks else None  # noqa: E731
+    alone, together, widest, batch = alone_and_batched(lm, recall_for, starts_at=[0, 0, 3, 7], output_logits=True)
+    assert widest == 4 and batch.seats == [] and batch.cache is None  # all four ran together, all left
+    for i, (one, many) in enumerate(zip(alone, together)):
+        a, b = result_of(one), result_of(many)
+        assert b.sequences.tolist() == a.sequences.tolist(), f"request {i}"
+        assert [(r.position, r.memory_index) for r in b.injections] == \
+               [(r.position, r.memory_index) for r in a.injections]
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=1e-4)
+        assert [e.text for e in many if isinstance(e, TokenEvent)] == [e.text for e in one if isinstance(e, TokenEvent)]
+    assert any(result_of(e).injections for e in alone)  # the recall path was exercised
+    assert torch.is_grad_enabled()  # interleaved generators never leave the caller's grad mode off
+
+
+def test_a_stop_ends_its_row_within_one_step_and_leaves_the_others_alone(tiny_llama):
+    lm = tiny_llama
+    alone, together, widest, _ = alone_and_batched(lm, lambda i: None, starts_at=[0, 0, 0, 0], stops={1: 4})
+    stopped = result_of(together[1])
+    # rounds 0-3 gave four tokens; the stop came before round 4, which ends the row after its step in flight
+    assert stopped.finish_reasons == ["interrupted"] and len(stopped.new_tokens[0]) == 5
+    assert stopped.sequences.tolist()[0] == result_of(alone[1]).sequences.tolist()[0][:stopped.sequences.shape[1]]
+    for i in (0, 2, 3):
+        assert result_of(together[i]).sequences.tolist() == result_of(alone[i]).sequences.tolist()
+
+
+def test_the_cache_a_request_takes_back_continues_its_conversation(tiny_llama):
+    """After leaving, a request's cache holds exactly its own keys and values: a next turn on it equals
+    a next turn on the cache of the same answer decoded alone."""
+    lm = tiny_llama
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    s = GenerationSettings(max_new_tokens=12)
+    alone = generate(lm.model, prompt(lm, QUESTIONS[0]), s, cache=DynamicCache(config=lm.model.config), **kw)
+    batch = Batch()
+    gens = [(stream_generate(lm.model, prompt(lm, q), s, batch=batch, cache=DynamicCache(config=lm.model.config),
+                             **kw), threading.Event()) for q in QUESTIONS]
+    together, _ = drive({0: gens}, batch)
+    mine = result_of(together[0])
+    assert mine.sequences.tolist() == alone.sequences.tolist()
+    assert isinstance(mine.cache, DynamicCache) and mine.cache.get_seq_length() == alone.cache.get_seq_length()
+    for a, b in zip(alone.cache.layers, mine.cache.layers):
+        torch.testing.assert_close(b.keys, a.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.values, a.values, atol=1e-5, rtol=1e-5)
+    follow = lm.tokenizer("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    nxt = lambda r: {"input_ids": torch.cat([r.sequences, torch.tensor([follow])], 1)}  # noqa: E731
+    again_alone = generate(lm.model, nxt(alone), s, cache=alone.cache, **kw)
+    again_batched = generate(lm.model, nxt(mine), s, cache=mine.cache, **kw)
+    assert again_batched.sequences.tolist() == again_alone.sequences.tolist()
+
+
+def test_mrope_rows_batch_too(tiny_qwen3vl, small_image):
+    """Qwen3-VL's [4, B, 1] positions: a request with an image and a text one decode together exactly."""
+    lm = tiny_qwen3vl
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    s = GenerationSettings(max_new_tokens=10)
+    inputs = [vl_inputs(lm, small_image), prompt(lm, "Hello there")]
+    alone = [generate(lm.model, x, s, **kw) for x in inputs]
+    batch = Batch()
+    together, widest = drive({0: [(stream_generate(lm.model, x, s, batch=batch, **kw), threading.Event())
+                                  for x in inputs]}, batch)
+    assert widest == 2
+    for one, many in zip(alone, together):
+        assert result_of(many).sequences.tolist() == one.sequences.tolist()
+
+
+def test_a_long_answer_grows_the_batch_cache_into_the_next_bucket(tiny_llama):
+    lm = tiny_llama
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    s = GenerationSettings(max_new_tokens=150, min_new_tokens=150)
+    alone = [generate(lm.model, prompt(lm, q), s, **kw) for q in QUESTIONS[:2]]
+    batch = Batch()
+    together, _ = drive({0: [(stream_generate(lm.model, prompt(lm, q), s, batch=batch, **kw), threading.Event())
+                             for q in QUESTIONS[:2]]}, batch)
+    assert batch.forwards >= 149 and batch.rows_run >= 298
+    for one, many in zip(alone, together):
+        assert result_of(many).sequences.tolist() == one.sequences.tolist()  # through buckets 128 -> 256
+
+
+@pytest.fixture(scope="module")
+def fast_llama(smollm2_dir):
+    lm = make_tiny_llama(smollm2_dir, seed=3)
+    compiled.enable(lm.model).warm_up()
+    return lm
+
+
+def test_a_lone_request_keeps_the_compiled_step(fast_llama):
+    """Alone in the batch, a request decodes on its own static cache, compiled; with others, in the
+    batch's rows, and it takes back a static cache: its next turn is compiled again."""
+    lm = fast_llama
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    s = GenerationSettings(max_new_tokens=12)
+    alone = generate(lm.model, prompt(lm, QUESTIONS[0]), s, **kw)
+    batch = Batch()
+    together, _ = drive({0: [(stream_generate(lm.model, prompt(lm, QUESTIONS[0]), s, batch=batch, **kw),
+                              threading.Event())]}, batch)
+    lone = result_of(together[0])
+    assert isinstance(lone.cache, StaticCache) and batch.forwards == 0  # never seated: its own compiled cache
+    assert lone.sequences.tolist() == alone.sequences.tolist()
+    together, _ = drive({0: [(stream_generate(lm.model, prompt(lm, q), s, batch=batch, **kw), threading.Event())
+                             for q in QUESTIONS[:2]]}, batch)
+    first = result_of(together[0])
+    assert batch.forwards > 0 and isinstance(first.cache, StaticCache)
+    assert first.sequences.tolist() == alone.sequences.tolist()
+    follow = {"input_ids": torch.cat([first.sequences, torch.tensor([[5, 6, 7]])], 1)}
+    nxt = generate(lm.model, follow, s, cache=first.cache, **kw)
+    ref = generate(lm.model, follow, s, cache=DynamicCache(config=lm.model.config), **kw)
+    assert nxt.sequences.tolist() == ref.sequences.tolist()
