@@ -41,12 +41,14 @@ class ModelConfig:
     device: str = "auto"
     dtype: str = "float32"
     compile: bool = True  # compile the decode step in the background at start (text models; decoding/compiled.py)
+    quantize: str = "none"  # none | int8: int8 weights and activations on the CPU (models/quantize.py; changes outputs)
 
     def __post_init__(self):
         _check(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(self.device)) is not None, "device", self.device,
                "auto, cpu, mps, cuda or cuda:N")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype, "float32, bfloat16, float16")
         _check(isinstance(self.compile, bool), "compile", self.compile, "true, false")
+        _check(self.quantize in ("none", "int8"), "quantize", self.quantize, "none, int8")
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,8 @@ class Service:
         self._lm = lm
         self._loader = loader or (lambda: load_model(cfg.model.path, adapter=cfg.model.adapter,
                                                      device=cfg.model.device, dtype=cfg.model.dtype,
-                                                     hidden_state=cfg.memory.hidden_state))
+                                                     hidden_state=cfg.memory.hidden_state,
+                                                     quantize=cfg.model.quantize))
         self.files = Path(tempfile.mkdtemp(prefix="recall-chat-"))
         self.limits = Limits(cfg.app.max_message_chars, cfg.app.max_input_tokens, cfg.app.max_new_tokens_cap,
                              cfg.memory.max_memories_per_session)

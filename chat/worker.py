@@ -226,9 +226,13 @@ class Worker:
             self.batch.run()
         except Exception as e:  # noqa: BLE001 - reported to each requester
             for req in parked:
-                req.context.run(generators[req.id].close)  # its cleanup runs: the batch lets go of its row
+                try:
+                    req.context.run(generators[req.id].close)  # its cleanup runs: the turn is not stored
+                except Exception:  # noqa: BLE001 - the worker goes on whatever a cleanup does
+                    log.exception("request %d: closing it after a failed batch failed", req.id)
                 self._drop(req, generators)
                 self._fail(req, e)
+            self.batch.clear()  # every seated request was in this round: all have failed
 
     def _fail(self, req: Request, e: Exception) -> None:
         if not isinstance(e, (ValueError, KeyError, FileNotFoundError)):

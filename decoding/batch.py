@@ -43,8 +43,15 @@ def _rows(cache, row: int, columns: torch.Tensor | slice) -> list[tuple[torch.Te
     return [(layer.keys[row:row + 1, :, columns], layer.values[row:row + 1, :, columns]) for layer in cache.layers]
 
 
+Rows = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per seat, per layer: (keys, values) [1, heads, n, d]
+
+
 class Batch:
-    """The requests decoding together, and the cache they share."""
+    """The requests decoding together, and the cache they share.
+
+    Every change of the shared cache (a join, a leave, growth) builds the new one first and only then
+    replaces the old, so a failure (out of memory) leaves the batch as it was.
+    """
 
     def __init__(self):
         self.pending: list[Step] = []  # steps yielded since the last run
@@ -65,6 +72,7 @@ class Batch:
             raise RuntimeError("a decode step was resumed before its batch ran (call Batch.run after each round)")
         return step.hidden, step.logits
 
+    @torch.no_grad()
     def run(self) -> None:
         """Run every pending step: alone on its own cache, or as rows of one forward."""
         steps, self.pending = self.pending, []
@@ -76,19 +84,22 @@ class Batch:
             hidden = fwd.step(s.embeds, s.position, s.req.cache, None)
         else:
             for s in steps:
-                if not any(r is s.req for r in self.seats):
+                if self._row(s.req) is None:
                     self._join(s.req)
             hidden = self._forward(fwd, steps)
         logits = fwd.logits(hidden)
         for i, s in enumerate(steps):
             s.hidden, s.logits = hidden[i:i + 1], logits[i:i + 1]
 
+    def _row(self, req) -> int | None:
+        return next((i for i, r in enumerate(self.seats) if r is req), None)
+
     def _forward(self, fwd, steps: list[Step]) -> torch.Tensor:
         """One forward of every seated row (a seat without a step this round gets a masked column); the
         hidden states of `steps`, in their order [len(steps), H]."""
         if self.width + 1 > self.cache.layers[0].max_cache_len:
-            self._rebuild(self._contents())  # a larger bucket
-        rows = [next(i for i, r in enumerate(self.seats) if r is s.req) for s in steps]
+            self.cache, self.mask, self.width = self._build(self._contents(), fwd.model)  # a larger bucket
+        rows = [self._row(s.req) for s in steps]
         embeds = steps[0].embeds.new_zeros((len(self.seats), *steps[0].embeds.shape[1:]))
         pos = steps[0].position
         positions = pos.new_zeros((*pos.shape[:-2], len(self.seats), 1))
@@ -102,55 +113,72 @@ class Batch:
         self.rows_run += len(steps)
         return hidden[rows]
 
+    @torch.no_grad()
     def leave(self, req) -> None:
         """`req` is done decoding: its row's keys and values go back to it (`req.cache`, a cache of the kind
-        it came with: static for the compiled step, else dynamic). Nothing happens for a request without a seat."""
-        row = next((i for i, r in enumerate(self.seats) if r is req), None)
+        it came with: static for the compiled step, else dynamic). A last seat left alone gets its own
+        cache back too (it then decodes alone, compiled). Nothing happens for a request without a seat."""
         self.pending = [s for s in self.pending if s.req is not req]
+        row = self._row(req)
         if row is None:
             return
-        contents = self._contents()
+        contents, seats = self._contents(), list(self.seats)
+        out = [(seats.pop(row), contents.pop(row))]
+        if len(seats) == 1:
+            out.append((seats.pop(), contents.pop()))
+        built = self._build(contents, req.fwd.model)
+        caches = [self._own_cache(r, rows) for r, rows in out]
+        self.seats, (self.cache, self.mask, self.width) = seats, built
+        for (r, _), cache in zip(out, caches):
+            r.cache = cache
+            del self._static[id(r)]
+
+    def clear(self) -> None:
+        """Forget every seat and step (after a round that failed: their requests have failed)."""
+        self.pending, self.seats, self._static = [], [], {}
+        self.cache, self.mask, self.width = None, None, 0
+
+    def _own_cache(self, req, rows):
+        """A request's keys and values as a cache of its own, of the kind it came with."""
         cache = DynamicCache(config=req.fwd.base.config.get_text_config(decoder=True))
-        for layer, (k, v) in enumerate(contents.pop(row)):
+        for layer, (k, v) in enumerate(rows):
             cache.update(k, v, layer)
-        req.cache = fit(cache, req.fwd.model, cache.get_seq_length() + 1) if self._static.pop(id(req)) else cache
-        del self.seats[row]
-        self._rebuild(contents)
+        return fit(cache, req.fwd.model, cache.get_seq_length() + 1) if self._static[id(req)] else cache
 
     def _join(self, req) -> None:
         """Give `req` a row, with the keys and values of its own cache."""
         held = int(req.cache.get_seq_length())
-        own = _rows(req.cache, 0, slice(0, held))
+        built = self._build([*self._contents(), _rows(req.cache, 0, slice(0, held))], req.fwd.model)
         self._static[id(req)] = isinstance(req.cache, StaticCache)
         self.seats.append(req)
         req.cache = None  # the batch holds its keys and values until it leaves
-        self._rebuild([*self._contents(), own])
+        self.cache, self.mask, self.width = built
 
-    def _contents(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _contents(self) -> Rows:
         """Every seated row's keys and values, compact (its own columns only)."""
         if self.cache is None:
             return []
         return [_rows(self.cache, row, self.mask[row, :self.width].nonzero()[:, 0]) for row in
                 range(self.mask.shape[0])]
 
-    def _rebuild(self, contents: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """A new cache holding `contents` (one entry per seat), right-aligned, with room to grow."""
+    @staticmethod
+    def _build(contents: Rows, model) -> tuple[StaticCache | None, torch.Tensor | None, int]:
+        """(cache, mask, width) holding `contents` (one entry per seat), right-aligned, with room to grow."""
         if not contents:
-            self.cache, self.mask, self.width = None, None, 0
-            return
+            return None, None, 0
         lengths = [row[0][0].shape[2] for row in contents]
-        self.width = max(lengths)
-        model = self.seats[0].fwd.model
-        self.cache = static_cache(model, self.width + 1)
-        capacity = self.cache.layers[0].max_cache_len
-        self.mask = torch.zeros((len(contents), capacity), dtype=torch.long, device=contents[0][0][0].device)
-        for layer, new in enumerate(self.cache.layers):
+        width = max(lengths)
+        cache = static_cache(model, width + 1)
+        mask = torch.zeros((len(contents), cache.layers[0].max_cache_len), dtype=torch.long,
+                           device=contents[0][0][0].device)
+        for layer, new in enumerate(cache.layers):
             k0, v0 = contents[0][layer]
             new.lazy_initialization(k0.expand(len(contents), -1, -1, -1), v0.expand(len(contents), -1, -1, -1))
             for row, n in enumerate(lengths):
                 k, v = contents[row][layer]
-                new.keys[row, :, self.width - n:self.width] = k[0]
-                new.values[row, :, self.width - n:self.width] = v[0]
-            new.cumulative_length.fill_(self.width)
+                new.keys[row, :, width - n:width] = k[0]
+                new.values[row, :, width - n:width] = v[0]
+            new.cumulative_length.fill_(width)
         for row, n in enumerate(lengths):
-            self.mask[row, self.width - n:self.width] = 1
+            mask[row, width - n:width] = 1
+        return cache, mask, width

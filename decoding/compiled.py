@@ -54,11 +54,12 @@ class CompiledStep:
         """Whether a step on `cache` runs compiled (a static cache of a length compiled for)."""
         return isinstance(cache, StaticCache) and cache.layers[0].max_cache_len in self.lengths
 
-    def warm_up(self, batch: int = 1) -> float:
+    def warm_up(self, batch: int = 1, up_to: int | None = None) -> float:
         """Compile on dummy inputs (a 2-token prompt, two steps) for every bucket up to the model's
-        context, shortest first; `ready` is set after the first. Returns the seconds the first took.
+        context (or the bucket that holds `up_to` positions), shortest first; `ready` is set after the
+        first. Returns the seconds the first took.
         A failure is logged and kept in `error`: the buckets not compiled decode eagerly."""
-        context = max_positions(self.model) or BUCKETS[-1]
+        context = min(max_positions(self.model) or BUCKETS[-1], up_to or BUCKETS[-1])
         for length in BUCKETS:
             t0 = time.perf_counter()
             try:

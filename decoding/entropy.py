@@ -100,10 +100,11 @@ class EntropyStep:
 class EntropyDecoder:
     """Entropy decoding for one request: each step's layer choice, the stream's LayerEvents, the trace."""
 
-    def __init__(self, model: nn.Module, mode: str, record_tokens: bool = False):
+    def __init__(self, model: nn.Module, mode: str, record_tokens: bool = False,
+                 generator: torch.Generator | None = None):
         if mode not in ENTROPY_MODES:
             raise ValueError(f"entropy_decoding is {mode!r}: must be one of {', '.join(map(repr, ENTROPY_MODES))}")
-        self.model, self.mode, self.record_tokens = model, mode, record_tokens
+        self.model, self.mode, self.record_tokens, self.generator = model, mode, record_tokens, generator
         self.head = backbone_and_head(model)[1]
         self.norm = final_norm(model)
         self.num_layers = len(decoder_layers(model))
@@ -128,7 +129,7 @@ class EntropyDecoder:
         tokens = logits.argmax(dim=-1) if self.record_tokens else None  # [B, L], before any processor
         scores = process_layers(processors, input_ids, logits)  # [B, L, V]
         entropies = masked_entropy(scores)  # [B, L]
-        layers = select_layers(entropies, self.mode)  # [B]
+        layers = select_layers(entropies, self.mode, self.generator)  # [B]
         rows = torch.arange(states.shape[0], device=layers.device)
         self._kept.append((layers, entropies, tokens))
         return EntropyStep(layers, entropies, tokens, logits[rows, layers], scores[rows, layers])

@@ -180,8 +180,9 @@ def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrup
     last = req.input_ids[:, -1].tolist()
     recall_rows = [r for r in range(req.batch) if req.recall_on and last[r] == recall.recall_id]
     unfinished = torch.ones(req.batch, dtype=torch.bool, device=fwd.device)
-    if req.batch > 1 or req.attention_mask is not None or entropy is not None:
-        batch = None  # a batch takes requests of one unpadded row decoding from the final layer
+    if (req.batch > 1 or req.attention_mask is not None or entropy is not None
+            or any(getattr(layer, "is_sliding", False) for layer in req.cache.layers)):
+        batch = None  # a batch takes requests of one unpadded row decoding from the final layer, full-attention caches
     logits, stopped = None, False
     try:
         while True:
@@ -189,7 +190,7 @@ def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrup
             logits, scores, hidden, layer_step = _next_scores(req, hidden, logits)
             if output_logits:
                 req.kept_logits.append(logits)
-            next_tokens = sample(scores, req.settings.do_sample)  # [B]
+            next_tokens = sample(scores, req.settings.do_sample, req.rng)  # [B]
 
             # 3. the recall step: rows whose newest input was <recall> get <|memory_pad|> and a memory
             recalled, events = _recall(rows, recall_rows, hidden, req.selector, recall) if recall_rows else ({}, [])

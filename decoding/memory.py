@@ -88,10 +88,11 @@ class MemorySelector:
     warping all N scores (top_k=0 fetches all of them, exactly).
     """
 
-    def __init__(self, memory_db, recall: RecallSettings):
+    def __init__(self, memory_db, recall: RecallSettings, generator: torch.Generator | None = None):
         self.db = memory_db
         self.recall = recall
         self.warper = make_memory_warper(recall)
+        self.generator = generator  # a seeded request's own random state (CPU: the scores are on the CPU)
 
     def scores(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores [k], memory ids [k]) best first, from the bank's search."""
@@ -100,7 +101,7 @@ class MemorySelector:
     def choose(self, query: torch.Tensor) -> MemoryChoice:
         scores, ids = self.scores(query)  # [k], [k]
         warped = self.warper(None, scores[None].clone()) if self.warper else scores[None]  # [1, k]
-        pick = int(sample(warped, self.recall.use_sampling)[0])
+        pick = int(sample(warped, self.recall.use_sampling, self.generator)[0])
         choice = MemoryChoice(index=int(ids[pick]), score=float(scores[pick]))
         if self.recall.debug:
             log.info("[memory head] query %s %s on %s: %d candidates, scores %s", tuple(query.shape), query.dtype,

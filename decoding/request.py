@@ -101,6 +101,7 @@ class Request:
     limit: int  # a stop at this length is "length"
     rows: Rows
     entropy: EntropyDecoder | None  # entropy-based layer choice (seed 002)
+    rng: torch.Generator | None = None  # a seeded request's own random state (None: the global one)
     t0: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -131,6 +132,19 @@ class Request:
             decode_seconds=self.decode_s, steps=self.steps,
             logits=torch.stack(self.kept_logits, dim=1) if self.kept_logits else None,
             entropy=self.entropy.trace(sequences, self.prompt_len) if self.entropy is not None else None)
+
+
+def generators(seed: int | None, device) -> tuple[torch.Generator | None, torch.Generator | None]:
+    """A seeded request's own random states, for its tokens (on the model's device) and its memories (the
+    memory head samples on the CPU): one generator on a CPU model, so the draws are those of
+    `torch.manual_seed(seed)` followed by the same draws (as `generate` makes them), whatever other
+    requests draw meanwhile. (None, None) without a seed: the global random state."""
+    if seed is None:
+        return None, None
+    cpu = torch.Generator().manual_seed(seed)
+    if torch.device(device).type == "cpu":
+        return cpu, cpu
+    return torch.Generator(device).manual_seed(seed), cpu
 
 
 def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, tokenizer, cache, memory_vectors,
@@ -172,11 +186,10 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
     recall_on = recall is not None and recall.active
     if recall_on:
         check_bank_dim(model, recall.bank.dim)
-    if settings.seed is not None:
-        torch.manual_seed(settings.seed)
+    rng, memory_rng = generators(settings.seed, device)
     entropy = None
     if settings.entropy_decoding is not None:
-        entropy = EntropyDecoder(model, settings.entropy_decoding, settings.entropy_record_tokens)
+        entropy = EntropyDecoder(model, settings.entropy_decoding, settings.entropy_record_tokens, rng)
     if logits_processor is None:
         logits_processor = _processors(fwd, settings, input_ids, prompt_mask, eos, tokenizer,
                                        entropy.num_layers if entropy is not None else 1)
@@ -198,8 +211,8 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
                  [Detokenizer(tokenizer) for _ in range(batch)] if tokenizer is not None else None,
                  [None] * batch, [True] * batch)
     return Request(fwd, settings, input_ids, attention_mask, cache, past_len, eos, pad, recall,
-                    MemorySelector(recall.bank, recall.settings) if recall_on else None, logits_processor, criteria,
-                    min(max_len, context) if context is not None else max_len, rows, entropy)
+                    MemorySelector(recall.bank, recall.settings, memory_rng) if recall_on else None, logits_processor,
+                    criteria, min(max_len, context) if context is not None else max_len, rows, entropy, rng)
 
 
 def _processors(fwd: Forward, settings: GenerationSettings, input_ids: torch.Tensor, prompt_mask, eos: list[int],

@@ -10,13 +10,14 @@ from __future__ import annotations
 import torch
 
 
-def sample(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """Choices [B] from processed scores [B, N]: a draw from softmax(scores), or the argmax (first on ties).
+def sample(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Choices [B] from processed scores [B, N]: a draw from softmax(scores) (from `generator`, else the global
+    random state), or the argmax (first on ties).
 
     The operations are `GenerationMixin._sample`'s, so a seeded draw matches `model.generate`.
     """
     if do_sample:
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator).squeeze(1)
     return torch.argmax(scores, dim=-1)
 
 

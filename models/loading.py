@@ -22,6 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.modeling import hidden_size, set_adapter_merged, unwrap_model
+from models.quantize import QUANTIZE, quantize_int8
 from memory.encoder import ENCODER_CONFIG, HiddenStateSpec, MemoryEncoder
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,17 @@ class LoadedModel:
     image_processor: Any = None  # set for vision-language models
     merge_adapter: bool = False  # decode with the PEFT adapter merged (fp32 only: merging back and forth
                                  # would round a half-precision base); see `merged`
+    quantized: str | None = None  # "int8" once models/quantize.py has quantized it
     _targets: dict = field(default_factory=dict, repr=False)  # mixture targets by folder, loaded once
 
     def mixture_target(self, path: str | None) -> PreTrainedModel | None:
         """π_t of the two-model mixture: None (this PEFT model's own base) or the model in `path`,
         loaded once without adapter and refused unless its tokenizer has exactly this vocabulary."""
         if path is None:
+            if self.quantized:
+                raise ValueError(f"model.quantize={self.quantized} merged the adapter into the {self.quantized} "
+                                 "weights, so there is no base model to mix with: set generation.mixture.target "
+                                 "to a model folder, or model.quantize to none")
             return None
         if path not in self._targets:
             other = load_model(path, adapter=None, device=str(self.device), dtype=str(self.dtype).split(".")[-1])
@@ -219,11 +225,13 @@ def load_model(
     device: str = "auto",
     dtype: str = "float32",
     hidden_state: HiddenStateSpec = HiddenStateSpec(),
+    quantize: str = "none",
 ) -> LoadedModel:
     """Load a model folder (or the embedded default when `path` is None) ready for generation.
 
     `adapter`: a PEFT folder, `auto` (the shipped recall adapter for the embedded model) or None.
     `hidden_state`: the memory encoding of a model whose adapter brings no memory encoder.
+    `quantize`: `none`, or `int8` (models/quantize.py; the adapter is merged into the int8 weights).
     """
     if path is None:
         folder, name = embedded_model_dir(), EMBEDDED_NAME
@@ -267,4 +275,8 @@ def load_model(
     loaded = LoadedModel(model=model, tokenizer=tokenizer, tokens=tokens, name=name, encoder=encoder,
                          image_processor=image_processor, merge_adapter=adapter is not None and dtype == "float32")
     loaded.merged()
+    if quantize not in QUANTIZE:
+        raise ValueError(f"model.quantize is {quantize!r}; expected one of {', '.join(QUANTIZE)}")
+    if quantize == "int8":
+        quantize_int8(loaded)
     return loaded

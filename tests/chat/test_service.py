@@ -223,6 +223,37 @@ def test_eight_sessions_decode_together_and_each_gets_what_it_gets_alone(tiny_ll
     assert sum(bool(r) for _, r, _ in alone) >= 3  # the recalling sessions did recall
 
 
+def test_a_failed_batch_round_fails_its_answers_and_the_worker_goes_on(service, monkeypatch):
+    """The batch's cache cannot be built (out of memory, simulated, when a third answer joins): the answers
+    of that round fail with the message, nothing is stored half, and the worker serves the next request."""
+    import decoding.batch
+
+    real, calls = decoding.batch.static_cache, []
+
+    def flaky(model, needed):
+        calls.append(needed)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (simulated)")
+        return real(model, needed)
+
+    monkeypatch.setattr(decoding.batch, "static_cache", flaky)
+    sessions = [service.new_session() for _ in range(3)]
+    turns = [service.chat(s, f"Question {i}?", [], GenerationSettings(max_new_tokens=30), NO_RECALL)
+             for i, s in enumerate(sessions)]
+    for t in turns:
+        assert t.request.done.wait(60)
+    failed = [t for t in turns if t.request.error]
+    assert failed and all("out of memory (simulated)" in t.request.error for t in failed)
+    for t, s in zip(turns, sessions):
+        assert [m.role for m in s.conv.messages] == ([] if t.request.error else ["user", "assistant"])
+    monkeypatch.setattr(decoding.batch, "static_cache", real)
+    again = [service.chat(s, "Once more?", [], GREEDY, NO_RECALL) for s in sessions]
+    for t in again:
+        result(t.request)
+        assert t.request.error is None and t.request.steps > 0
+    assert service.worker.batch.seats == []
+
+
 def test_a_sessions_second_message_waits_and_a_stop_while_queued_keeps_it(service, tiny_llama):
     s = service.new_session()
     with Slow(tiny_llama, seconds=0.002):

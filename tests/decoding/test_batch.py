@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import DynamicCache, StaticCache
 
 from conftest import make_tiny_llama
@@ -13,7 +14,8 @@ from decoding import compiled
 from decoding.batch import Batch, Step
 from decoding.events import DoneEvent, TokenEvent
 from decoding.loop import generate, stream_generate
-from decoding.settings import GenerationSettings
+from decoding.settings import GenerationSettings, RecallSettings
+from test_families import tiny
 from test_loop import CHAT, bank_for, ids_of, recall_of, vl_inputs
 
 def settings_for(lm) -> list[GenerationSettings]:
@@ -48,7 +50,9 @@ def drive(starts: dict[int, list], batch: Batch, stops: dict[int, int] | None = 
             else:
                 running.remove((gen, interrupt))
         widest = max(widest, len(batch.pending))
+        steps = list(batch.pending)
         batch.run()
+        assert not any(s.hidden.requires_grad for s in steps)  # the batch runs without autograd
         if not running and r >= max(starts):
             return [events[id(g)] for g, _ in order], widest
     raise AssertionError("the generators did not end")
@@ -164,6 +168,56 @@ def test_a_long_answer_grows_the_batch_cache_into_the_next_bucket(tiny_llama):
         assert result_of(many).sequences.tolist() == one.sequences.tolist()  # through buckets 128 -> 256
 
 
+def test_seeded_sampling_draws_are_each_requests_own(tiny_llama):
+    """Sampled answers with seeds (and one without, drawing from the global state in between) get in a batch
+    the tokens and recalls their seed gives them alone: each seeded request draws from its own generator."""
+    lm = tiny_llama
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    db = bank_for(lm)
+    recall = ((lm.tokens.recall,), 2.5)
+    plan = [GenerationSettings(do_sample=True, top_k=50, seed=1, max_new_tokens=16, sequence_bias=(recall,)),
+            GenerationSettings(do_sample=True, temperature=1.5, max_new_tokens=16),
+            GenerationSettings(do_sample=True, top_p=0.9, seed=2, max_new_tokens=12)]
+    memory = RecallSettings(use_sampling=True, top_k=5, temperature=2.0)
+    alone = [generate(lm.model, prompt(lm, q), st, recall=recall_of(lm, db, memory), **kw)
+             for q, st in zip(QUESTIONS, plan)]
+    batch = Batch()
+    gens = [(stream_generate(lm.model, prompt(lm, q), st, recall=recall_of(lm, db, memory), batch=batch, **kw),
+             threading.Event()) for q, st in zip(QUESTIONS, plan)]
+    together, widest = drive({0: gens}, batch)
+    assert widest == 3
+    for i in (0, 2):
+        a, b = alone[i], result_of(together[i])
+        assert b.sequences.tolist() == a.sequences.tolist(), i
+        assert [(r.position, r.memory_index) for r in b.injections] == [(r.position, r.memory_index)
+                                                                         for r in a.injections]
+    assert alone[0].injections  # a sampled memory choice was part of it
+
+
+def test_sliding_window_models_decode_alone_in_a_batch(tokenizer):
+    """Gemma-2's sliding-window cache keeps only its window: its requests never take a seat, and still
+    get what they get alone."""
+    model, tok, _ = tiny("gemma2", tokenizer)
+    kw = dict(tokenizer=tok, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    s = GenerationSettings(max_new_tokens=12)
+    inputs = [{"input_ids": torch.tensor([tok(CHAT.format(q))["input_ids"]])} for q in QUESTIONS[:2]]
+    alone = [generate(model, x, s, **kw) for x in inputs]
+    batch = Batch()
+    together, _ = drive({0: [(stream_generate(model, x, s, batch=batch, **kw), threading.Event()) for x in inputs]},
+                        batch)
+    assert batch.forwards == 0
+    for one, many in zip(alone, together):
+        assert result_of(many).sequences.tolist() == one.sequences.tolist()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from models import embedded_model_dir
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
 @pytest.fixture(scope="module")
 def fast_llama(smollm2_dir):
     lm = make_tiny_llama(smollm2_dir, seed=3)
@@ -178,6 +232,7 @@ def test_a_lone_request_keeps_the_compiled_step(fast_llama):
     kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
     s = GenerationSettings(max_new_tokens=12)
     alone = generate(lm.model, prompt(lm, QUESTIONS[0]), s, **kw)
+    graphs = counters["stats"]["unique_graphs"]
     batch = Batch()
     together, _ = drive({0: [(stream_generate(lm.model, prompt(lm, QUESTIONS[0]), s, batch=batch, **kw),
                               threading.Event())]}, batch)
@@ -193,3 +248,4 @@ def test_a_lone_request_keeps_the_compiled_step(fast_llama):
     nxt = generate(lm.model, follow, s, cache=first.cache, **kw)
     ref = generate(lm.model, follow, s, cache=DynamicCache(config=lm.model.config), **kw)
     assert nxt.sequences.tolist() == ref.sequences.tolist()
+    assert counters["stats"]["unique_graphs"] == graphs  # the batch's lone steps recompiled nothing

@@ -1,0 +1,45 @@
+"""`model.quantize: int8`: every linear layer of the real SmolLM2 (+ its merged adapter) runs in int8, and the
+distributions stay close to fp32 (the exactness tests run on fp32; bench/generate.py measures the rest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchao.quantization import Int8Tensor
+
+from chat.config import ConfigError, load_config
+from decoding import GenerationSettings, generate
+from models import load_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def int8():
+    return load_model(None, device="cpu", quantize="int8")
+
+
+def test_every_linear_layer_is_int8_and_the_answer_stays_close_to_fp32(int8, smollm2):
+    linears = [m for m in int8.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) > 200 and all(isinstance(m.weight, Int8Tensor) for m in linears)  # lm_head included
+    assert int8.quantized == "int8" and int8.name.endswith("· int8")
+    tok = smollm2.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    answer = generate(int8.model, prompt, GenerationSettings(max_new_tokens=12), tokenizer=tok, **ids)
+    assert "Paris" in tok.decode(answer.new_tokens[0])
+    seq = generate(smollm2.merged(), prompt, GenerationSettings(max_new_tokens=48, min_new_tokens=48), **ids).sequences
+    with torch.no_grad():
+        ref = smollm2.merged()(seq).logits.log_softmax(-1)[0, prompt["input_ids"].shape[1] - 1:-1]
+        got = int8.model(seq).logits.float().log_softmax(-1)[0, prompt["input_ids"].shape[1] - 1:-1]
+    kl = (ref.exp() * (ref - got)).sum(-1).mean()
+    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean()
+    assert 0 < kl < 0.15 and agree >= 0.8, (float(kl), float(agree))  # measured: KL 0.04, 91 % (64 tokens)
+
+
+def test_the_quantized_model_has_no_base_to_mix_with_and_the_config_names_the_choices(int8):
+    with pytest.raises(ValueError, match="no base model to mix with"):
+        int8.mixture_target(None)
+    with pytest.raises(ConfigError, match="none, int8"):
+        load_config(overrides=["model.quantize=int4"], environ={})
