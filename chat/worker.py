@@ -91,7 +91,7 @@ def describe(exc: BaseException) -> str:
 
 
 class Worker:
-    """One thread owns the model and runs every request; generations take turns.
+    """One thread owns the model and runs every request; answers decode together, a round at a time.
 
     A request whose `run` returns a value (a bank edit, loading the model) runs whole. One that
     returns an event generator (an answer) joins the running ones, up to `max_running`, and each
