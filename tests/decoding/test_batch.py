@@ -116,6 +116,32 @@ def test_a_stop_ends_its_row_within_one_step_and_leaves_the_others_alone(tiny_ll
         assert result_of(together[i]).sequences.tolist() == result_of(alone[i]).sequences.tolist()
 
 
+@pytest.mark.parametrize("stop_round", [1, 2, 3, 4])
+def test_a_stop_next_to_a_recall_in_a_batch_leaves_nothing_half_done(tiny_llama, stop_round):
+    """A request that recalls at every chance is stopped at different rounds while it shares the batch:
+    no <recall> is left without its memory, the memories kept are those of its <|memory_pad|> positions,
+    its cache covers all but its last token, and the other request gets what it gets alone."""
+    lm = tiny_llama
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    recall_id, pad_id = lm.tokens.recall, lm.tokens.memory_pad
+    always = GenerationSettings(max_new_tokens=40, sequence_bias=(((recall_id,), 100.0),))
+    plain = GenerationSettings(max_new_tokens=30)
+    alone = generate(lm.model, prompt(lm, QUESTIONS[0]), plain, **kw)
+    batch, stop = Batch(), threading.Event()
+    gens = [(stream_generate(lm.model, prompt(lm, "hi"), always, recall=recall_of(lm, bank_for(lm)), batch=batch,
+                             interrupt=stop, **kw), stop),
+            (stream_generate(lm.model, prompt(lm, QUESTIONS[0]), plain, batch=batch, **kw), threading.Event())]
+    together, widest = drive({0: gens}, batch, stops={0: stop_round})
+    stopped = result_of(together[0])
+    new = stopped.new_tokens[0].tolist()
+    assert widest == 2 and stopped.finish_reasons == ["interrupted"] and new
+    assert new[-1] != recall_id and all(new[i + 1] == pad_id for i, t in enumerate(new) if t == recall_id)
+    pads = [stopped.prompt_length + i for i, t in enumerate(new) if t == pad_id]
+    assert sorted(stopped.memory_vectors[0]) == pads == [r.position for r in stopped.injections]
+    assert int(stopped.cache.get_seq_length()) == stopped.sequences.shape[1] - 1
+    assert result_of(together[1]).sequences.tolist() == alone.sequences.tolist()
+
+
 def test_the_cache_a_request_takes_back_continues_its_conversation(tiny_llama):
     """After leaving, a request's cache holds exactly its own keys and values: a next turn on it equals
     a next turn on the cache of the same answer decoded alone."""
