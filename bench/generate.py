@@ -49,6 +49,22 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
+def measure_int8(model, inputs, settings, ids: dict, n: int, per_token, seq: torch.Tensor) -> dict:
+    """int8 weights and activations (model.quantize: int8), compiled the same way: ms/token, and how far
+    its distributions are from fp32's on `seq`, the fp32 model's own greedy continuation."""
+    q = load_model(None, device="cpu", quantize="int8")
+    step = fast_path.enable(q.model)
+    compile_s = timed(lambda: step.warm_up(up_to=inputs["input_ids"].shape[1] + n + 1))
+    assert step.error is None, step.error
+    run = lambda k: generate(q.model, inputs, settings(k), **ids)  # noqa: E731
+    start = inputs["input_ids"].shape[1] - 1
+    ref = model(seq).logits.float().log_softmax(-1)[0, start:-1]
+    got = q.model(seq).logits.float().log_softmax(-1)[0, start:-1]
+    return {"compile": compile_s, "per_token": per_token(run), "kl": float((ref.exp() * (ref - got)).sum(-1).mean()),
+            "agree": float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
+            "same": run(n).sequences.tolist() == seq.tolist()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
@@ -148,22 +164,7 @@ def main() -> None:
     ttft_fast = statistics.median(timed(lambda: ours(1)) for _ in range(args.repeats))
     recompiles = counters["stats"]["unique_graphs"] - graphs
 
-    # int8 weights and activations (model.quantize: int8), compiled the same way; how far its
-    # distributions are from fp32 on the fp32 model's own greedy continuation
-    q = load_model(None, device="cpu", quantize="int8")
-    q_step = fast_path.enable(q.model)
-    q_compile = timed(lambda: q_step.warm_up(up_to=inputs["input_ids"].shape[1] + n + 1))
-    assert q_step.error is None, q_step.error
-    q_ours = lambda k: generate(q.model, inputs, settings(k), **ids)  # noqa: E731
-    q_ours(n)
-    int8 = per_token(q_ours)
-    seq = ours(n).sequences
-    start = inputs["input_ids"].shape[1] - 1
-    ref = model(seq).logits.float().log_softmax(-1)[0, start:-1]
-    got = q.model(seq).logits.float().log_softmax(-1)[0, start:-1]
-    int8_kl = float((ref.exp() * (ref - got)).sum(-1).mean())
-    int8_agree = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
-    int8_same = q_ours(n).sequences.tolist() == seq.tolist()
+    int8 = measure_int8(model, inputs, settings, ids, n, per_token, ours(n).sequences)
 
     bandwidth = read_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -185,11 +186,11 @@ def main() -> None:
     print(f"| ratio compiled custom / generate | {fast / med['generate']:.3f} |")
     print(f"| ratio compiled custom / compiled static generate | {fast / compiled:.3f} |")
     print(f"| recompiles of the compiled step over {2 * args.repeats} generations | {recompiles} |")
-    print(f"| decode ms/token, int8 (model.quantize: int8), compiled step (compiling took {q_compile:.0f} s for "
-          f"the first bucket) | {int8 * 1e3:.1f} |")
-    print(f"| tokens/s int8 / compiled fp32 loop | {fast / int8:.2f}x |")
-    print(f"| int8 vs fp32 on fp32's greedy continuation: KL nats/token, same argmax | {int8_kl:.3f}, "
-          f"{int8_agree:.0%} (greedy answer identical: {int8_same}) |")
+    print(f"| decode ms/token, int8 (model.quantize: int8), compiled step (compiling took {int8['compile']:.0f} s "
+          f"for the first bucket) | {int8['per_token'] * 1e3:.1f} |")
+    print(f"| tokens/s int8 / compiled fp32 loop | {fast / int8['per_token']:.2f}x |")
+    print(f"| int8 vs fp32 on fp32's greedy continuation: KL nats/token, same argmax | {int8['kl']:.3f}, "
+          f"{int8['agree']:.0%} (greedy answer identical: {int8['same']}) |")
     print(f"| decode ms/token, custom loop, adapter left unmerged (PEFT's default) | {unmerged * 1e3:.1f} |")
     print(f"| time to first token, model.generate | {med['ttft_generate'] * 1e3:.0f} ms |")
     print(f"| time to first token, custom loop | {med['ttft_custom'] * 1e3:.0f} ms |")
