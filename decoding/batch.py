@@ -13,7 +13,8 @@ row is 0 there). Positions are explicit (a row's own), so where its keys sit cha
 rotary embedding was applied before they were cached. A request joins when it first steps with
 others (its keys copied into a new row) and leaves when it finishes (`leave`: its keys copied out
 into a cache of its own, for the next turn of its conversation); a join, a leave or a full cache
-rebuilds the batch's cache, right-aligned and compact again.
+rebuilds the batch's cache, right-aligned and compact again. The last seat left gets its own cache
+back too, and decodes alone again.
 """
 
 from __future__ import annotations
