@@ -84,9 +84,9 @@ class Batch:
             s = steps[0]
             hidden = fwd.step(s.embeds, s.position, s.req.cache, None)
         else:
-            for s in steps:
-                if self._row(s.req) is None:
-                    self._join(s.req)
+            joining = [s.req for s in steps if self._row(s.req) is None]
+            if joining:
+                self._join(joining)
             hidden = self._forward(fwd, steps)
         logits = fwd.logits(hidden)
         for i, s in enumerate(steps):
@@ -146,13 +146,14 @@ class Batch:
             cache.update(k, v, layer)
         return fit(cache, req.fwd.model, cache.get_seq_length() + 1) if self._static[id(req)] else cache
 
-    def _join(self, req) -> None:
-        """Give `req` a row, with the keys and values of its own cache."""
-        held = int(req.cache.get_seq_length())
-        built = self._build([*self._contents(), _rows(req.cache, 0, slice(0, held))], req.fwd.model)
-        self._static[id(req)] = isinstance(req.cache, StaticCache)
-        self.seats.append(req)
-        req.cache = None  # the batch holds its keys and values until it leaves
+    def _join(self, reqs: list) -> None:
+        """Give each of `reqs` a row, with the keys and values of its own cache (one rebuild for all)."""
+        own = [_rows(r.cache, 0, slice(0, int(r.cache.get_seq_length()))) for r in reqs]
+        built = self._build([*self._contents(), *own], reqs[0].fwd.model)
+        for r in reqs:
+            self._static[id(r)] = isinstance(r.cache, StaticCache)
+            self.seats.append(r)
+            r.cache = None  # the batch holds its keys and values until it leaves
         self.cache, self.mask, self.width = built
 
     def _contents(self) -> Rows:
