@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from decoding.settings import GenerationSettings, RecallSettings
+from models.quantize import QUANTIZE
 from memory.encoder import HiddenStateSpec
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "config_qwen3vl.yaml"
@@ -48,7 +49,7 @@ class ModelConfig:
                "auto, cpu, mps, cuda or cuda:N")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype, "float32, bfloat16, float16")
         _check(isinstance(self.compile, bool), "compile", self.compile, "true, false")
-        _check(self.quantize in ("none", "int8"), "quantize", self.quantize, "none, int8")
+        _check(self.quantize in QUANTIZE, "quantize", self.quantize, ", ".join(QUANTIZE))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from decoding.batch import Batch, Step
 from decoding.events import DoneEvent, TokenEvent
 from decoding.loop import generate, stream_generate
 from decoding.settings import GenerationSettings, RecallSettings
-from test_families import tiny
+from test_families import tiny, tokenizer  # noqa: F401 - tokenizer is a fixture
 from test_loop import CHAT, bank_for, ids_of, recall_of, vl_inputs
 
 def settings_for(lm) -> list[GenerationSettings]:
@@ -234,14 +234,6 @@ def test_sliding_window_models_decode_alone_in_a_batch(tokenizer):
     assert batch.forwards == 0
     for one, many in zip(alone, together):
         assert result_of(many).sequences.tolist() == one.sequences.tolist()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from models import embedded_model_dir
-    return AutoTokenizer.from_pretrained(embedded_model_dir())
 
 
 @pytest.fixture(scope="module")
