@@ -220,7 +220,7 @@ def test_seeded_sampling_draws_are_each_requests_own(tiny_llama):
     assert alone[0].injections  # a sampled memory choice was part of it
 
 
-def test_sliding_window_models_decode_alone_in_a_batch(tokenizer):
+def test_sliding_window_models_decode_alone_in_a_batch(tokenizer):  # noqa: F811 - the imported fixture
     """Gemma-2's sliding-window cache keeps only its window: its requests never take a seat, and still
     get what they get alone."""
     model, tok, _ = tiny("gemma2", tokenizer)
