@@ -10,16 +10,43 @@ as slowly as fp32 here, and is not offered.
 
 from __future__ import annotations
 
+import copy
+
+import torch
+
 from decoding.modeling import is_peft
 
 QUANTIZE = ("none", "int8")
 
 
-def quantize_int8(lm) -> None:
-    """Quantize a `LoadedModel` in place (its adapter merged into the weights for good)."""
+class Int8Linear(torch.nn.Linear):
+    """A linear layer with torchao int8 weights that feeds them a 2-D input. torch 2.13's inductor
+    miscompiles torchao's int8 linear on a [1, 1, K] input (one row, one position: every decode
+    step of one answer) into wrong numbers, while [1, K], [2, 1, K] and [1, 2, K] come out right
+    and eager is right: tests/models/test_quantize.py checks the compiled step against eager."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+
+def int8(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` quantized in place, its PEFT adapter merged into the weights for good: the plain model."""
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
-    model = lm.model.merge_and_unload() if is_peft(lm.model) else lm.model
+    model = model.merge_and_unload() if is_peft(model) else model
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
-    lm.model, lm.merge_adapter, lm.quantized = model, False, "int8"
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = Int8Linear
+    return model
+
+
+def quantize_int8(lm) -> None:
+    """Quantize a `LoadedModel` in place (its adapter merged into the weights for good)."""
+    lm.model, lm.merge_adapter, lm.quantized = int8(lm.model), False, "int8"
     lm.name = f"{lm.name} · int8"
+
+
+def int8_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """An int8 copy of `model` (adapter merged), e.g. the mixture's speculative draft; `model` is untouched."""
+    return int8(copy.deepcopy(model)).eval()
