@@ -31,12 +31,13 @@ from models import RECALL_ADAPTER, load_model  # noqa: E402
 
 PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain how photosynthesis works, step by step.",
            "What should I pack for a week of hiking in the mountains?"]
-MODES = {  # name -> (MixtureSettings changes, batched PEFT forward)
-    "direct, 1 batched forward": (dict(speculative=False), True),
-    "direct, 2 forwards": (dict(speculative=False), False),
-    "speculative, n-gram draft": (dict(speculative=True, draft="ngram"), True),
-    "speculative, θ draft (own cache)": (dict(speculative=True, draft="theta"), True),
-    "speculative, θ draft reused (2 forwards)": (dict(speculative=True, draft="theta"), False),
+MODES = {  # name -> (MixtureSettings changes, pair: "copy" = θ merged + a base copy, two forwards (the app's);
+           #                                        "peft" = PEFT's mixed adapter batch, one forward)
+    "direct, base copy (2 forwards)": (dict(speculative=False), "copy"),
+    "direct, PEFT batch (1 forward)": (dict(speculative=False), "peft"),
+    "speculative, θ draft reused": (dict(speculative=True, draft="theta"), "copy"),
+    "speculative, n-gram draft": (dict(speculative=True, draft="ngram"), "copy"),
+    "speculative, θ draft, PEFT batch": (dict(speculative=True, draft="theta"), "peft"),
 }
 
 
@@ -71,24 +72,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--lora-std", type=float, default=0.02)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids oversubscription on a busy CPU)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     transformers.logging.set_verbosity_error()
     lm, source = pair_model(args.lora_std)
     tok = lm.tokenizer
+    base = lm.mixture_target(None)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                        return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
     n = args.tokens
     stats = {m: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "rounds": 0, "alphas": []} for m in MODES}
 
     def run(mode: str, ids, seed: int, tokens: int):
-        changes, batched = MODES[mode]
+        changes, pair = MODES[mode]
         settings = GenerationSettings(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=tokens,
                                       min_new_tokens=tokens, seed=seed)
         mixture = MixtureSettings(enabled=True, gamma=args.gamma, **changes)
-        return generate_mixture(lm.model, None, {"input_ids": ids}, settings, mixture, batched=batched,
+        return generate_mixture(lm.merged(), base if pair == "copy" else None, {"input_ids": ids}, settings, mixture,
                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
     for mode in MODES:  # warm-up
@@ -106,12 +108,12 @@ def main() -> None:
                 s["alphas"] += [a for a in r.alphas if a == a]
             print(f"repeat {repeat + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
 
-    base = stats["direct, 1 batched forward"]
-    base_tps = base["tokens"] / base["seconds"]
+    direct = stats["direct, base copy (2 forwards)"]
+    base_tps = direct["tokens"] / direct["seconds"]
     print(f"pair: {lm.name}, {source}")
     print(f"device cpu, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}; "
           f"{len(PROMPTS)} prompts x {args.repeats} repeats x {n} tokens a mode; temperature 1, top_k 0; γ = {args.gamma}\n")
-    print("| mode | tokens/s | vs direct (batched) | acceptance | accepted / verify | tokens / verify | α* mean (Q1 / median / Q3) |")
+    print("| mode | tokens/s | vs direct (base copy) | acceptance | accepted / verify | tokens / verify | α* mean (Q1 / median / Q3) |")
     print("|---|---|---|---|---|---|---|")
     for mode, s in stats.items():
         tps = s["tokens"] / s["seconds"]
@@ -119,7 +121,8 @@ def main() -> None:
         print(f"| {mode} | {tps:.2f} | {tps / base_tps:.2f}x | {acc} | {s['accepted'] / s['rounds']:.2f} | "
               f"{s['tokens'] / s['rounds']:.2f} | {quartiles(s['alphas'])} |")
     print("\nacceptance = kept drafts / drafted tokens (the n-gram draft drafts only where a lookup matches); "
-          "a verify is one forward of each model (one batched forward for the PEFT pair).")
+          "a verify is one forward of each model (one batched forward for the PEFT pair; the θ draft reused "
+          "runs θ over the block while drafting, and the verify only the base).")
 
 
 if __name__ == "__main__":

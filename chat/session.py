@@ -224,8 +224,8 @@ class Conversation:
             common = dict(recall=self.recall(memory_db, recall), tokenizer=self.lm.tokenizer,
                           interrupt=interrupt_event, memory_vectors=self.memory)
             if settings.mixture.enabled:  # seed 003: q* of this model and its target (its own base by default)
-                target = self.lm.mixture_target(settings.mixture.target)
-                events = stream_mixture(self.lm.model, target, inputs, settings, settings.mixture,
+                target = self.lm.mixture_target(settings.mixture.target)  # (made once)
+                events = stream_mixture(self.lm.merged(), target, inputs, settings, settings.mixture,
                                         prefill_chunk=self.prefill_chunk, **common)
             else:
                 events = stream_generate(self.lm.merged(), inputs, settings, cache=past,

@@ -50,6 +50,9 @@ class CompiledStep:
     def __call__(self, embeds: torch.Tensor, position: torch.Tensor, cache: StaticCache) -> torch.Tensor:
         return self._fn(embeds, position, cache)
 
+    def __deepcopy__(self, memo) -> None:
+        return None  # a copy of the model (the mixture's base copy) starts uncompiled
+
     def covers(self, cache) -> bool:
         """Whether a step on `cache` runs compiled (a static cache of a length compiled for)."""
         return isinstance(cache, StaticCache) and cache.layers[0].max_cache_len in self.lengths

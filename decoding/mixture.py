@@ -38,7 +38,7 @@ from decoding.processors import build_logits_processor, build_stopping_criteria
 from decoding.settings import GenerationSettings, MixtureSettings
 from decoding.speculative import ModelDraft, ModelPair, PairDraft, make_draft, process_block, speculative_round
 
-from decoding.request import Detokenizer
+from decoding.request import Detokenizer, generators
 
 MASKED = -1e30  # scores at or below this count as masked (transformers masks with -inf or finfo.min)
 ATOL = 1e-12  # |δ| below this is a root (float64)
@@ -157,13 +157,15 @@ class MixtureResult(GenerationResult):
 class _Run:
     """One request: the sequence, the pair's caches (all but the last token), memories, events."""
 
-    def __init__(self, pair, seq, settings, mixture, recall, tokenizer, processors, criteria, eos, limit, memory):
+    def __init__(self, pair, seq, settings, mixture, recall, tokenizer, processors, criteria, eos, limit, memory,
+                 generators):
         self.pair, self.seq, self.settings, self.mixture = pair, seq, settings, mixture
         self.recall, self.processors, self.criteria, self.eos, self.limit = recall, processors, criteria, eos, limit
         self.memory = memory  # position -> memory vector (raw, as the bank stores it)
         self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
         self.active = recall is not None and recall.active  # recall on; else recall only places memories
-        self.selector = MemorySelector(recall.bank, recall.settings) if self.active else None
+        self.generator, memory_generator = generators  # a seeded request's own random states (tokens, memories)
+        self.selector = MemorySelector(recall.bank, recall.settings, memory_generator) if self.active else None
         self.alphas, self.injections, self.reason = [], [], None
         self.drafted = self.accepted = self.rounds = 0
         self.t0 = time.perf_counter()
@@ -216,7 +218,7 @@ class _Run:
         memory = {p: self.embedded(p) for p in self.memory} if isinstance(draft, (ModelDraft, PairDraft)) else {}
         inject = {0: self.embedded(last)} if last in self.memory else {}
         rnd = speculative_round(list(seq), self.pair, draft, gamma, self.target, self.settings.do_sample,
-                                processors=self.processors, memory=memory, inject=inject)
+                                processors=self.processors, memory=memory, inject=inject, generator=self.generator)
         start = len(seq)
         for token, alpha in zip(rnd.tokens, rnd.alphas):
             if self.emit(token, alpha, events) or self.active and token == self.recall.recall_id:
@@ -261,7 +263,8 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
     the next position (`<|memory_pad|>`) of both models. `memory_vectors` places earlier turns'
     memories; the whole prompt is prefilled, `prefill_chunk` tokens at a time (no cache reuse;
     `result.cache` is None). `batched`: one forward for a PEFT pair, whose adapter is unmerged for
-    it (a merged adapter cannot be switched off per row). `pad_token_id` is unused (one row).
+    it (a merged adapter cannot be switched off per row). A seed gives the request its own random
+    state (the global one is not touched). `pad_token_id` is unused (one row).
     """
     input_ids = _check_request(inputs, settings)
     pair = ModelPair(model_theta, model_t, batched=batched)
@@ -278,8 +281,6 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
                          "<|memory_pad|> id and the model's memory embedding")
     if recall_on:
         check_bank_dim(model_theta, recall.bank.dim)
-    if settings.seed is not None:
-        torch.manual_seed(settings.seed)
     if logits_processor is None:
         logits_processor = build_logits_processor(settings, eos_token_id=eos or None, prompt_ids=input_ids.to(pair.device),
                                                   device=pair.device, vocab_size=pair.vocab)
@@ -288,7 +289,7 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
     criteria.extend(stopping_criteria or [])
     limit = min(prompt_len + settings.max_new_tokens, context or math.inf)
     run = _Run(pair, seq, settings, mixture, recall, tokenizer, logits_processor, criteria, eos, limit,
-               dict(memory_vectors or {}))
+               dict(memory_vectors or {}), generators(settings.seed, pair.device))
     draft = make_draft(mixture.draft, pair, model_theta, mixture.ngram) if mixture.speculative else None
     yield from _drive(run, draft, interrupt, prompt_len, prefill_chunk)
 

@@ -109,7 +109,8 @@ class ModelDraft:
         return self.model.disable_adapter()
 
     def propose(self, seq: list[int], gamma: int, *, processors: LogitsProcessorList | None, do_sample: bool,
-                memory: Mapping[int, torch.Tensor] = {}) -> tuple[list[int], torch.Tensor | None]:
+                memory: Mapping[int, torch.Tensor] = {}, generator: torch.Generator | None = None
+                ) -> tuple[list[int], torch.Tensor | None]:
         keep = 0
         while keep < min(len(self.fed), len(seq) - 1) and self.fed[keep] == seq[keep] and keep not in memory:
             keep += 1  # (a memory position is re-fed: the draft may have fed a plain <|memory_pad|> there)
@@ -127,7 +128,7 @@ class ModelDraft:
                 ids = torch.tensor([seq + tokens], device=logits.device)
                 scores = processors(ids, logits) if processors else logits
                 dist = torch.softmax(scores, -1)[0]  # [V]
-                token = int(torch.multinomial(dist, 1)) if do_sample else int(scores[0].argmax())
+                token = int(torch.multinomial(dist, 1, generator=generator)) if do_sample else int(scores[0].argmax())
                 tokens.append(token)
                 dists.append(dist)
                 feed = [token]
@@ -145,7 +146,8 @@ class PairDraft:
         self.pair, self.row, self.logits = pair, row, None
 
     def propose(self, seq: list[int], gamma: int, *, processors: LogitsProcessorList | None, do_sample: bool,
-                memory: Mapping[int, torch.Tensor] = {}) -> tuple[list[int], torch.Tensor | None]:
+                memory: Mapping[int, torch.Tensor] = {}, generator: torch.Generator | None = None
+                ) -> tuple[list[int], torch.Tensor | None]:
         tokens, dists, rows, feed = [], [], [], seq[-1]
         for i in range(gamma + 1):  # the last step feeds x_γ: the logits at the bonus position
             inject = {0: memory[len(seq) - 1]} if i == 0 and len(seq) - 1 in memory else {}
@@ -156,7 +158,7 @@ class PairDraft:
             ids = torch.tensor([seq + tokens], device=logits.device)
             scores = processors(ids, logits.clone()) if processors else logits
             dist = torch.softmax(scores, -1)[0]  # [V]
-            feed = int(torch.multinomial(dist, 1)) if do_sample else int(scores[0].argmax())
+            feed = int(torch.multinomial(dist, 1, generator=generator)) if do_sample else int(scores[0].argmax())
             tokens.append(feed)
             dists.append(dist)
         self.logits = torch.stack(rows)  # [γ+1, V] raw logits of the drafting model
@@ -298,15 +300,16 @@ class Round:
 
 def speculative_round(seq: list[int], pair: ModelPair, draft, gamma: int, target: Target, do_sample: bool, *,
                       processors: LogitsProcessorList | None = None, memory: Mapping[int, torch.Tensor] = {},
-                      inject: Mapping[int, torch.Tensor] = {}) -> Round:
+                      inject: Mapping[int, torch.Tensor] = {}, generator: torch.Generator | None = None) -> Round:
     """Draft up to γ tokens after `seq` (whose last token is not in the caches yet), verify them with one
     `pair.run`, keep per the rule, and crop the caches to everything but the new last token.
 
     `target(seq, drafts, logits [2, γ+1, V])` -> (log q [γ+1, V], side values [γ+1]). No draft or
     γ = 0 is a direct draw from q. `memory` (sequence positions) feeds a model draft; `inject`
-    (block offsets) the verify forward.
+    (block offsets) the verify forward. `generator`: a seeded request's own random state.
     """
-    tokens, d = (draft.propose(seq, gamma, processors=processors, do_sample=do_sample, memory=memory)
+    tokens, d = (draft.propose(seq, gamma, processors=processors, do_sample=do_sample, memory=memory,
+                               generator=generator)
                  if draft is not None and gamma > 0 else ([], None))
     reuse = getattr(draft, "row", None) if tokens else None
     if reuse is None:
@@ -318,7 +321,7 @@ def speculative_round(seq: list[int], pair: ModelPair, draft, gamma: int, target
     x = torch.tensor([tokens], dtype=torch.long, device=log_q.device)  # [1, γ]
     if do_sample:
         d = d.to(log_q.device) if d is not None else log_q.new_zeros(0, log_q.shape[-1])
-        n, y = accept_draft(log_q.exp()[None], d[None], x)
+        n, y = accept_draft(log_q.exp()[None], d[None], x, generator)
     else:
         n, y = accept_greedy(log_q[None], x)
     n = int(n)

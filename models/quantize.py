@@ -10,11 +10,9 @@ as slowly as fp32 here, and is not offered.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
-from decoding.modeling import is_peft
+from decoding.modeling import adapter_merged, is_peft
 
 QUANTIZE = ("none", "int8")
 
@@ -33,7 +31,8 @@ def int8(model: torch.nn.Module) -> torch.nn.Module:
     """`model` quantized in place, its PEFT adapter merged into the weights for good: the plain model."""
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
-    model = model.merge_and_unload() if is_peft(model) else model
+    if is_peft(model):  # (a merged adapter is in the base weights already: unloading keeps them)
+        model = model.unload() if adapter_merged(model) else model.merge_and_unload()
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
     for module in model.modules():
         if type(module) is torch.nn.Linear:
@@ -45,8 +44,3 @@ def quantize_int8(lm) -> None:
     """Quantize a `LoadedModel` in place (its adapter merged into the weights for good)."""
     lm.model, lm.merge_adapter, lm.quantized = int8(lm.model), False, "int8"
     lm.name = f"{lm.name} · int8"
-
-
-def int8_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """An int8 copy of `model` (adapter merged), e.g. the mixture's speculative draft; `model` is untouched."""
-    return int8(copy.deepcopy(model)).eval()

@@ -283,4 +283,4 @@ def test_mixture_answers_from_q_star_and_draws_alpha(client, server):
     assert "mixture.enabled with entropy_decoding" in clash[STATUS]
     plain = client.predict(message=message("hi"), seed=None, max_new_tokens=2, api_name="/chat")
     assert "done" in plain[STATUS] and "q*" not in plain[STATUS] and plain[4]["visible"] is False
-    assert adapter_merged(server.service.lm.model)  # the plain loop has its merged (fast) model back
+    assert adapter_merged(server.service.lm.model)  # the mixture mixed with a base copy: θ stayed merged

@@ -15,6 +15,7 @@ from transformers.generation.logits_process import TopKLogitsWarper
 
 from conftest import make_tiny_llama
 from decoding import GenerationSettings, Recall, RecallEvent, RecallSettings
+from decoding.modeling import adapter_merged, is_peft, set_adapter_merged
 from decoding.mixture import (
     MixtureEvent, MixtureResult, OptimalSpeculativeDecoder, generate_mixture, mixture_log_probs, stream_mixture,
 )
@@ -348,7 +349,7 @@ def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, case,
     exact = two_token_distribution(model_theta, model_t, prompt, allowed, processors)
     index = {a: i for i, a in enumerate(allowed)}
     for mode in modes:
-        mixture = MixtureSettings(enabled=True, speculative=mode != "direct", draft="theta" if mode == "theta" else "ngram",
+        mixture = MixtureSettings(enabled=True, speculative=mode != "direct", draft=mode if mode != "direct" else "ngram",
                                   gamma=3)
         draws, accepted = [], 0
         for seed in range(500):
@@ -377,6 +378,46 @@ def test_greedy_speculative_equals_direct_equals_reference(pair2, peft_lm, case,
     assert runs[0].sequences[0].tolist() == expected == runs[1].sequences[0].tolist()
     assert runs[1].drafted > 0 and len(runs[1].alphas) == 10
     assert np.allclose(runs[0].alphas, runs[1].alphas, atol=1e-5)
+
+
+def test_a_seeded_mixture_draws_from_its_own_random_state(pair2):
+    """A seed gives the answer its own generator: the global random state is not touched, and another
+    answer's draws in between change nothing."""
+    model_theta, model_t = pair2[0].model, pair2[1].model
+    prompt = torch.tensor([[504, 1813, 314, 253]])
+    settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=8, seed=11)
+    mixture = MixtureSettings(enabled=True, speculative=True, draft="theta", gamma=3)
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    first = generate_mixture(model_theta, model_t, {"input_ids": prompt}, settings, mixture, eos_token_id=[])
+    assert torch.equal(torch.random.get_rng_state(), state)
+    torch.rand(100)
+    again = generate_mixture(model_theta, model_t, {"input_ids": prompt}, settings, mixture, eos_token_id=[])
+    assert first.sequences.tolist() == again.sequences.tolist() and first.drafted > 0
+
+
+def test_the_base_copy_is_the_adapter_switched_off_and_theta_stays_as_it_was(peft_lm, pair2):
+    """The app's π_t for a PEFT model: a copy of its base, so the pair runs as two plain forwards and θ
+    keeps its adapter merged."""
+    lm, was_merged = peft_lm, adapter_merged(peft_lm.model)
+    ids = torch.tensor([lm.tokenizer("the sea at night").input_ids + [lm.tokens.recall, lm.tokens.memory_pad]])
+    try:
+        with torch.no_grad():
+            set_adapter_merged(lm.model, False)
+            with lm.model.disable_adapter():
+                off = lm.model(ids).logits
+            set_adapter_merged(lm.model, True)
+            theta = lm.model(ids).logits
+            base = lm.mixture_target(None)
+            assert base is lm.mixture_target(None) and not is_peft(base)  # made once, a plain model
+            torch.testing.assert_close(base(ids).logits, off, atol=1e-5, rtol=0)
+            assert adapter_merged(lm.model)
+            torch.testing.assert_close(lm.model(ids).logits, theta, atol=0, rtol=0)
+            assert (theta - off).abs().max() > 0.1  # the adapter matters here, so the test can tell them apart
+    finally:
+        set_adapter_merged(lm.model, was_merged)
+    with pytest.raises(ValueError, match="has no adapter"):
+        pair2[0].mixture_target(None)
 
 
 class _FixedDraft:
