@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from decoding import GenerationSettings  # noqa: E402
 from decoding.mixture import generate_mixture  # noqa: E402
@@ -61,6 +63,21 @@ def pair_model(lora_std: float):
                 f"(r=16, alpha=32, q/k/v/o, trainable recall tokens) with random B ~ N(0, {lora_std}^2)")
 
 
+def forward_ms(model, prompt: torch.Tensor, positions: int, repeats: int = 10) -> float:
+    """Median ms of one plain forward over `positions` new positions after the prompt (a cached prefix):
+    what a direct step (1) and a verify (γ + 1) cost each model."""
+    cache = DynamicCache(config=model.config)
+    model(prompt, past_key_values=cache, use_cache=True)
+    block = prompt[:, -positions:]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model(block, past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+        cache.crop(-positions)  # (transformers 5: a negative count of positions to drop)
+    return statistics.median(times) * 1e3
+
+
 def quartiles(values: list[float]) -> str:
     q = statistics.quantiles(values, n=4)
     return f"{statistics.fmean(values):.3f} ({q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f})"
@@ -95,6 +112,7 @@ def main() -> None:
 
     for mode in MODES:  # warm-up
         run(mode, prompts[0], 0, 4)
+    step_ms, verify_ms = (forward_ms(lm.merged(), prompts[0], k) for k in (1, args.gamma + 1))
     for repeat in range(args.repeats):
         for i, ids in enumerate(prompts):
             for mode in MODES:
@@ -120,6 +138,8 @@ def main() -> None:
         acc = f"{s['accepted'] / s['drafted']:.3f}" if s["drafted"] else "-"
         print(f"| {mode} | {tps:.2f} | {tps / base_tps:.2f}x | {acc} | {s['accepted'] / s['rounds']:.2f} | "
               f"{s['tokens'] / s['rounds']:.2f} | {quartiles(s['alphas'])} |")
+    print(f"\none forward of θ (merged, eager, cached prefix): {step_ms:.1f} ms for 1 position, {verify_ms:.1f} ms for "
+          f"γ + 1 = {args.gamma + 1} ({verify_ms / step_ms:.2f}x)")
     print("\nacceptance = kept drafts / drafted tokens (the n-gram draft drafts only where a lookup matches); "
           "a verify is one forward of each model (one batched forward for the PEFT pair; the θ draft reused "
           "runs θ over the block while drafting, and the verify only the base).")

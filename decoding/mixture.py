@@ -158,13 +158,13 @@ class _Run:
     """One request: the sequence, the pair's caches (all but the last token), memories, events."""
 
     def __init__(self, pair, seq, settings, mixture, recall, tokenizer, processors, criteria, eos, limit, memory,
-                 generators):
+                 rngs):
         self.pair, self.seq, self.settings, self.mixture = pair, seq, settings, mixture
         self.recall, self.processors, self.criteria, self.eos, self.limit = recall, processors, criteria, eos, limit
         self.memory = memory  # position -> memory vector (raw, as the bank stores it)
         self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
         self.active = recall is not None and recall.active  # recall on; else recall only places memories
-        self.generator, memory_generator = generators  # a seeded request's own random states (tokens, memories)
+        self.generator, memory_generator = rngs  # a seeded request's own random states (tokens, memories)
         self.selector = MemorySelector(recall.bank, recall.settings, memory_generator) if self.active else None
         self.alphas, self.injections, self.reason = [], [], None
         self.drafted = self.accepted = self.rounds = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from decoding.modeling import adapter_merged, is_peft
+from decoding.modeling import is_peft
 
 QUANTIZE = ("none", "int8")
 
@@ -31,8 +31,7 @@ def int8(model: torch.nn.Module) -> torch.nn.Module:
     """`model` quantized in place, its PEFT adapter merged into the weights for good: the plain model."""
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
-    if is_peft(model):  # (a merged adapter is in the base weights already: unloading keeps them)
-        model = model.unload() if adapter_merged(model) else model.merge_and_unload()
+    model = model.merge_and_unload() if is_peft(model) else model  # (PEFT skips the layers merged already)
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
     for module in model.modules():
         if type(module) is torch.nn.Linear:

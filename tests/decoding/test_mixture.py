@@ -380,10 +380,11 @@ def test_greedy_speculative_equals_direct_equals_reference(pair2, peft_lm, case,
     assert np.allclose(runs[0].alphas, runs[1].alphas, atol=1e-5)
 
 
-def test_a_seeded_mixture_draws_from_its_own_random_state(pair2):
+@pytest.mark.parametrize("case", ["two", "peft"])  # θ drafting in the pair, or on its own cache (batched PEFT pair)
+def test_a_seeded_mixture_draws_from_its_own_random_state(pair2, peft_lm, case):
     """A seed gives the answer its own generator: the global random state is not touched, and another
     answer's draws in between change nothing."""
-    model_theta, model_t = pair2[0].model, pair2[1].model
+    model_theta, model_t = models_of(case, pair2, peft_lm)
     prompt = torch.tensor([[504, 1813, 314, 253]])
     settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=8, seed=11)
     mixture = MixtureSettings(enabled=True, speculative=True, draft="theta", gamma=3)
@@ -418,6 +419,31 @@ def test_the_base_copy_is_the_adapter_switched_off_and_theta_stays_as_it_was(pef
         set_adapter_merged(lm.model, was_merged)
     with pytest.raises(ValueError, match="has no adapter"):
         pair2[0].mixture_target(None)
+
+
+def test_the_base_copy_drops_modules_to_save_and_shares_what_no_adapter_touches(smollm2_dir):
+    """An adapter that saves a whole trained `lm_head` (common when tokens are added): PEFT's `unload()`
+    would keep the trained copy, so π_t would be half θ. The MLPs, which no adapter wraps, are shared."""
+    from peft import LoraConfig, get_peft_model
+
+    lm = make_tiny_llama(smollm2_dir, seed=9)
+    model = get_peft_model(lm.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
+    torch.manual_seed(4)
+    for name, p in model.named_parameters():
+        if "lora_B" in name or "modules_to_save" in name:
+            p.data.normal_(0, 0.5)
+    lm.model = model.eval()
+    ids = torch.tensor([lm.tokenizer("the sea at night").input_ids])
+    with torch.no_grad():
+        with lm.model.disable_adapter():
+            off = lm.model(ids).logits
+        theta = lm.model(ids).logits
+        base = lm.mixture_target(None)
+        torch.testing.assert_close(base(ids).logits, off, atol=1e-5, rtol=0)
+        torch.testing.assert_close(lm.model(ids).logits, theta, atol=0, rtol=0)
+    mlp = lm.model.get_base_model().model.layers[0].mlp.down_proj.weight
+    assert base.model.layers[0].mlp.down_proj.weight is mlp  # shared, not copied
+    assert base.model.layers[0].self_attn.q_proj.weight is not lm.model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
 
 
 class _FixedDraft:
