@@ -24,6 +24,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
+from decoding.compiled import crop
 from decoding.forward import Forward
 from decoding.modeling import is_peft, set_adapter_merged, unwrap_model
 
@@ -114,8 +115,7 @@ class ModelDraft:
         keep = 0
         while keep < min(len(self.fed), len(seq) - 1) and self.fed[keep] == seq[keep] and keep not in memory:
             keep += 1  # (a memory position is re-fed: the draft may have fed a plain <|memory_pad|> there)
-        if len(self.fed) > keep:
-            self.cache.crop(keep - len(self.fed))
+        crop(self.cache, len(self.fed) - keep)
         self.fed = self.fed[:keep]
         feed, tokens, dists = list(seq[keep:]), [], []
         with self._context(), torch.no_grad():
@@ -229,9 +229,7 @@ class ModelPair:
     def crop(self, length: int) -> None:
         """Roll both caches back to their first `length` positions."""
         for cache in self.caches:
-            extra = cache.get_seq_length() - length
-            if extra > 0:
-                cache.crop(-extra)  # transformers 5: a negative count of positions to drop
+            crop(cache, cache.get_seq_length() - length)
 
     def _contexts(self):
         if self.batched:
