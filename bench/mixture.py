@@ -1,10 +1,13 @@
 """Speed of q* sampling on the embedded SmolLM2 with its recall adapter as the pair (adapter on = π_θ,
 off = π_t): direct draws vs exact speculative sampling, in one run, same prompts and settings.
 
-    .venv/bin/python bench/mixture.py [--tokens 48] [--repeats 2] [--gamma 4]
+    .venv/bin/python bench/mixture.py [--tokens 48] [--repeats 2] [--gamma 4] [--dtype float32|bfloat16]
+                                      [--temperature 1.0] [--modes direct,head]
 
-Sampling at temperature 1 (top_k=0, min_new_tokens = max_new_tokens so every run draws the same
-number of tokens). Modes are interleaved per prompt and repeat so machine noise hits all alike.
+Sampling at `--temperature` (0 = greedy; top_k=0, min_new_tokens = max_new_tokens so every run draws
+the same number of tokens). `--dtype bfloat16` runs both models (and the head) in bfloat16, merged
+from the float32 adapter; the PEFT-batch modes then do not run. The prompts are held out from the
+draft head's training (training/draft.py never uses their subjects). Modes are interleaved per prompt and repeat so machine noise hits all alike.
 tokens/s counts decode time only (prefill excluded). Without a trained adapter in
 assets/recall-smollm2 it falls back to a fresh LoRA adapter (the training recipe's shape) with
 random B weights, and says so.
@@ -13,6 +16,7 @@ random B weights, and says so.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import time
@@ -29,6 +33,7 @@ from transformers import DynamicCache  # noqa: E402
 from decoding import GenerationSettings  # noqa: E402
 from decoding.mixture import generate_mixture  # noqa: E402
 from decoding.settings import MixtureSettings  # noqa: E402
+from decoding.draft_head import DraftHead  # noqa: E402
 from models import RECALL_ADAPTER, load_model  # noqa: E402
 
 PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain how photosynthesis works, step by step.",
@@ -39,6 +44,7 @@ MODES = {  # name -> (MixtureSettings changes, pair: "copy" = θ merged + a base
     "direct, PEFT batch (1 forward)": (dict(speculative=False), "peft"),
     "speculative, θ draft reused": (dict(speculative=True, draft="theta"), "copy"),
     "speculative, n-gram draft": (dict(speculative=True, draft="ngram"), "copy"),
+    "speculative, EAGLE head draft": (dict(speculative=True, draft="head"), "copy"),
     "speculative, θ draft, PEFT batch": (dict(speculative=True, draft="theta"), "peft"),
 }
 
@@ -90,32 +96,45 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--lora-std", type=float, default=0.02)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: all)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    ap.add_argument("--head", default=None, help="an EAGLE draft head folder (python -m training.draft): adds its mode")
+    ap.add_argument("--modes", default="", help="comma-separated words; run the modes whose name has one (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     transformers.logging.set_verbosity_error()
     lm, source = pair_model(args.lora_std)
     tok = lm.tokenizer
-    base = lm.mixture_target(None)
+    base, theta = lm.mixture_target(None), lm.merged()
+    dtype = getattr(torch, args.dtype)
+    if dtype != torch.float32:  # both models in bfloat16 (θ merged in float32 first), as plain modules
+        theta, base = copy.deepcopy(theta).to(dtype), copy.deepcopy(base).to(dtype)
+    head = DraftHead.load(args.head, dtype=dtype) if args.head else None
+    modes = {m: v for m, v in MODES.items() if (not args.modes or m.startswith("direct, base copy")
+                                                or any(w in m for w in args.modes.split(",")))
+             and (v[1] == "copy" or dtype == torch.float32) and ("head" not in m or head is not None)}
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                        return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
     n = args.tokens
-    stats = {m: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "rounds": 0, "alphas": []} for m in MODES}
+    stats = {m: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "rounds": 0, "alphas": []} for m in modes}
+    sample = args.temperature > 0
 
     def run(mode: str, ids, seed: int, tokens: int):
-        changes, pair = MODES[mode]
-        settings = GenerationSettings(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=tokens,
-                                      min_new_tokens=tokens, seed=seed)
+        changes, pair = modes[mode]
+        settings = GenerationSettings(do_sample=sample, temperature=args.temperature if sample else 1.0, top_k=0,
+                                      max_new_tokens=tokens, min_new_tokens=tokens, seed=seed, repetition_penalty=1.0)
         mixture = MixtureSettings(enabled=True, gamma=args.gamma, **changes)
-        return generate_mixture(lm.merged(), base if pair == "copy" else None, {"input_ids": ids}, settings, mixture,
-                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        return generate_mixture(theta if pair == "copy" else lm.merged(), base if pair == "copy" else None,
+                                {"input_ids": ids}, settings, mixture, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.pad_token_id, draft_head=head)
 
-    for mode in MODES:  # warm-up
+    for mode in modes:  # warm-up
         run(mode, prompts[0], 0, 4)
-    step_ms, verify_ms = (forward_ms(lm.merged(), prompts[0], k) for k in (1, args.gamma + 1))
+    step_ms, verify_ms = (forward_ms(theta, prompts[0], k) for k in (1, args.gamma + 1))
     for repeat in range(args.repeats):
         for i, ids in enumerate(prompts):
-            for mode in MODES:
+            for mode in modes:
                 r = run(mode, ids, 1000 * repeat + i, n)
                 s = stats[mode]
                 s["tokens"] += r.new_tokens.shape[1]
@@ -126,11 +145,12 @@ def main() -> None:
                 s["alphas"] += [a for a in r.alphas if a == a]
             print(f"repeat {repeat + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
 
-    direct = stats["direct, base copy (2 forwards)"]
+    direct = stats[next(m for m in stats if m.startswith("direct, base copy"))]
     base_tps = direct["tokens"] / direct["seconds"]
     print(f"pair: {lm.name}, {source}")
     print(f"device cpu, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}; "
-          f"{len(PROMPTS)} prompts x {args.repeats} repeats x {n} tokens a mode; temperature 1, top_k 0; γ = {args.gamma}\n")
+          f"{len(PROMPTS)} prompts x {args.repeats} repeats x {n} tokens a mode; {args.dtype}; "
+          f"{f'temperature {args.temperature:g}, top_k 0' if sample else 'greedy'}; γ = {args.gamma}\n")
     print("| mode | tokens/s | vs direct (base copy) | acceptance | accepted / verify | tokens / verify | α* mean (Q1 / median / Q3) |")
     print("|---|---|---|---|---|---|---|")
     for mode, s in stats.items():
@@ -138,7 +158,7 @@ def main() -> None:
         acc = f"{s['accepted'] / s['drafted']:.3f}" if s["drafted"] else "-"
         print(f"| {mode} | {tps:.2f} | {tps / base_tps:.2f}x | {acc} | {s['accepted'] / s['rounds']:.2f} | "
               f"{s['tokens'] / s['rounds']:.2f} | {quartiles(s['alphas'])} |")
-    print(f"\none forward of θ (merged, eager, cached prefix): {step_ms:.1f} ms for 1 position, {verify_ms:.1f} ms for "
+    print(f"\none forward of θ ({args.dtype}, merged, eager, cached prefix): {step_ms:.1f} ms for 1 position, {verify_ms:.1f} ms for "
           f"γ + 1 = {args.gamma + 1} ({verify_ms / step_ms:.2f}x)")
     print("\nacceptance = kept drafts / drafted tokens (the n-gram draft drafts only where a lookup matches); "
           "a verify is one forward of each model (one batched forward for the PEFT pair; the θ draft reused "

@@ -225,8 +225,10 @@ class Conversation:
                           interrupt=interrupt_event, memory_vectors=self.memory)
             if settings.mixture.enabled:  # seed 003: q* of this model and its target (its own base by default)
                 target = self.lm.mixture_target(settings.mixture.target)  # (made once)
-                events = stream_mixture(self.lm.merged(), target, inputs, settings, settings.mixture,
-                                        prefill_chunk=self.prefill_chunk, **common)
+                mix = settings.mixture
+                head = self.lm.draft_head(mix.head) if mix.speculative and mix.draft == "head" else None
+                events = stream_mixture(self.lm.merged(), target, inputs, settings, mix,
+                                        prefill_chunk=self.prefill_chunk, draft_head=head, **common)
             else:
                 events = stream_generate(self.lm.merged(), inputs, settings, cache=past,
                                          prefill_chunk=self.prefill_chunk, batch=self.batch, **common)

@@ -36,7 +36,7 @@ from decoding.memory import MemorySelector, Recall
 from decoding.modeling import check_bank_dim, max_positions, unwrap_model
 from decoding.processors import build_logits_processor, build_stopping_criteria
 from decoding.settings import GenerationSettings, MixtureSettings
-from decoding.speculative import ModelDraft, ModelPair, PairDraft, make_draft, process_block, speculative_round
+from decoding.speculative import HeadDraft, ModelDraft, ModelPair, PairDraft, make_draft, process_block, speculative_round
 
 from decoding.request import Detokenizer, generators
 
@@ -215,7 +215,7 @@ class _Run:
     def round(self, draft, events: list) -> None:
         seq, last = self.seq, len(self.seq) - 1
         gamma = min(self.mixture.gamma, self.limit - len(seq) - 1)
-        memory = {p: self.embedded(p) for p in self.memory} if isinstance(draft, (ModelDraft, PairDraft)) else {}
+        memory = {p: self.embedded(p) for p in self.memory} if isinstance(draft, (ModelDraft, PairDraft, HeadDraft)) else {}
         inject = {0: self.embedded(last)} if last in self.memory else {}
         rnd = speculative_round(list(seq), self.pair, draft, gamma, self.target, self.settings.do_sample,
                                 processors=self.processors, memory=memory, inject=inject, generator=self.generator)
@@ -254,7 +254,7 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
                    memory_vectors: Mapping[int, torch.Tensor] | None = None,
                    logits_processor: LogitsProcessorList | None = None,
                    stopping_criteria: StoppingCriteriaList | None = None, batched: bool = True,
-                   prefill_chunk: int = 512) -> Iterator:
+                   prefill_chunk: int = 512, draft_head: torch.nn.Module | None = None) -> Iterator:
     """Generate one row from q*(π_θ = model_theta, π_t = model_t, or its PEFT base when None), yielding
     the main loop's PrefillEvent / TokenEvent / RecallEvent / FinishEvent, a `MixtureEvent` per verify
     round, and a `DoneEvent` whose result is a `MixtureResult` (α* per token, acceptance counts) last.
@@ -263,7 +263,8 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
     the next position (`<|memory_pad|>`) of both models. `memory_vectors` places earlier turns'
     memories; the whole prompt is prefilled, `prefill_chunk` tokens at a time (no cache reuse;
     `result.cache` is None). `batched`: one forward for a PEFT pair, whose adapter is unmerged for
-    it (a merged adapter cannot be switched off per row). A seed gives the request its own random
+    it (a merged adapter cannot be switched off per row). `draft_head`: the trained DraftHead that
+    `mixture.draft="head"` drafts with. A seed gives the request its own random
     state (the global one is not touched). `pad_token_id` is unused (one row).
     """
     input_ids = _check_request(inputs, settings)
@@ -290,7 +291,7 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
     limit = min(prompt_len + settings.max_new_tokens, context or math.inf)
     run = _Run(pair, seq, settings, mixture, recall, tokenizer, logits_processor, criteria, eos, limit,
                dict(memory_vectors or {}), generators(settings.seed, pair.device))
-    draft = make_draft(mixture.draft, pair, model_theta, mixture.ngram) if mixture.speculative else None
+    draft = make_draft(mixture.draft, pair, model_theta, mixture.ngram, draft_head) if mixture.speculative else None
     yield from _drive(run, draft, interrupt, prompt_len, prefill_chunk)
 
 

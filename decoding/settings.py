@@ -132,7 +132,7 @@ _GENERATION_SEQUENCES = {
 # ---- settings ---------------------------------------------------------------------------------
 
 
-DRAFTS = ("ngram", "theta", "target")
+DRAFTS = ("ngram", "theta", "target", "head")
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,8 @@ class MixtureSettings:
     (its adapter off). `alpha`: "auto" (α* per step) or a fixed weight of π_θ in [0, 1].
     `speculative`: exact speculative sampling with `gamma` drafts per verify from `draft` ("ngram":
     prompt lookup over `ngram`-grams, free; "theta" / "target": one of the two models, whose logits
-    the verify reuses when the pair runs as two forwards). `tol`: α*'s solver tolerance."""
+    the verify reuses when the pair runs as two forwards; "head": an EAGLE draft head over θ's features
+    from the folder `head`, written by `python -m training.draft`). `tol`: α*'s solver tolerance."""
 
     enabled: bool = False
     target: str | None = None
@@ -150,6 +151,7 @@ class MixtureSettings:
     gamma: int = 4
     draft: str = "theta"
     ngram: int = 3
+    head: str | None = None
     tol: float = 1e-6
 
     def __post_init__(self):
@@ -163,6 +165,8 @@ class MixtureSettings:
                    "must be an int >= 1"),
                   ("ngram", isinstance(self.ngram, int) and not isinstance(self.ngram, bool) and self.ngram >= 1,
                    "must be an int >= 1"),
+                  ("head", self.head is None or isinstance(self.head, str) and self.head != "",
+                   "must be a draft head folder (written by python -m training.draft), or None"),
                   ("draft", self.draft in DRAFTS, f"must be one of {', '.join(DRAFTS)}"),
                   ("tol", number(self.tol) and 0 < self.tol <= 0.01, "must be a number in (0, 0.01]")]
         for name, ok, requirement in checks:

@@ -12,7 +12,8 @@ models' KV caches are cropped back to the kept prefix (`DynamicCache.crop`).
 Drafts: `NgramDraft` (prompt lookup, Saxena 2023: the continuation of the latest earlier
 occurrence of the newest n-gram; a point mass, free), `PairDraft` (one of the two models on its own
 cache in an unbatched pair, its logits reused by the verify) and `ModelDraft` (one of the two
-models on a separate cache, for a batched pair; Chen et al.'s draft model).
+models on a separate cache, for a batched pair; Chen et al.'s draft model) and `HeadDraft` (EAGLE:
+a trained one-layer head over θ's features, decoding/draft_head.py).
 """
 
 from __future__ import annotations
@@ -165,6 +166,51 @@ class PairDraft:
         return tokens, torch.stack(dists) if dists else None
 
 
+class HeadDraft:
+    """EAGLE's draft (decoding/draft_head.py): a one-layer head over θ's features, which the pair keeps
+    from its forwards, read by θ's own lm_head. A round first catches the head's cache up on the
+    positions the last verify settled (true features), then drafts γ tokens feeding back its own
+    predicted features; a draft step costs one small layer and one lm_head, not a forward of θ."""
+
+    def __init__(self, head: torch.nn.Module, pair: "ModelPair"):
+        self.head, self.pair, self.fwd = head, pair, pair.fwds[0]
+        pair.keep_features = True
+        self.cache = DynamicCache(config=head.config)
+        self.settled = 0  # the head's cache holds positions 1..settled read from true features
+
+    def propose(self, seq: list[int], gamma: int, *, processors: LogitsProcessorList | None, do_sample: bool,
+                memory: Mapping[int, torch.Tensor] = {}, generator: torch.Generator | None = None
+                ) -> tuple[list[int], torch.Tensor | None]:
+        last = len(seq) - 1  # position of the newest token; the pair holds features for 0..last-1
+        if last < 1 or self.pair.kept < last:
+            return [], None
+        self.settled = min(self.settled, last - 1)  # at least the newest token is fed
+        crop(self.cache, self.cache.get_seq_length() - self.settled)
+        start = self.settled + 1  # position t reads (x_t, f_{t-1})
+        device = self.fwd.device
+        with torch.no_grad():
+            embeds = self.fwd.embed(torch.tensor([seq[start:]], device=device))  # [1, S, H]
+            for p, vector in memory.items():
+                if start <= p <= last:
+                    embeds[0, p - start] = vector.to(device=device, dtype=embeds.dtype)
+            positions = torch.arange(start, last + 1, device=device)[None]
+            feature = self.head(embeds, self.pair.features[start - 1:last][None], positions, self.cache)[:, -1:]
+            self.settled = last
+            tokens, dists = [], []
+            for i in range(gamma):
+                logits = self.fwd.logits(feature[:, 0])  # [1, V]
+                ids = torch.tensor([seq + tokens], device=device)
+                scores = processors(ids, logits) if processors else logits
+                dist = torch.softmax(scores, -1)[0]  # [V]
+                token = int(torch.multinomial(dist, 1, generator=generator)) if do_sample else int(scores[0].argmax())
+                tokens.append(token)
+                dists.append(dist)
+                if i + 1 < gamma:
+                    embeds = self.fwd.embed(torch.tensor([[token]], device=device))
+                    feature = self.head(embeds, feature, torch.tensor([[last + 1 + i]], device=device), self.cache)
+        return tokens, torch.stack(dists)
+
+
 # ---- the two models and their caches -----------------------------------------------------------
 
 
@@ -208,13 +254,31 @@ class ModelPair:
         self.batched = batched and self.self_pair
         self.fwds = [Forward(m) for m in models] * (2 if self.self_pair and not self.batched else 1)
         self.device, self.dtype = self.fwds[0].device, self.fwds[0].dtype
+        self.keep_features = False  # keep θ's final hidden state at every cached position (a HeadDraft reads them)
         self.reset()
 
     def reset(self) -> None:
         config = self.fwds[0].base.config.get_text_config(decoder=True)
         self.caches = [DynamicCache(config=config) for _ in range(1 if self.batched else 2)]
+        self._features, self.kept = None, 0
         for fwd in self.fwds:
             fwd.reset_request_state()
+
+    @property
+    def features(self) -> torch.Tensor:
+        """θ's final hidden states [kept, H] at cache positions 0.. (with `keep_features`)."""
+        return self._features[:self.kept]
+
+    def _keep(self, start: int, hidden: torch.Tensor) -> None:
+        end = start + hidden.shape[0]
+        if self._features is None or end > self._features.shape[0]:
+            grown = hidden.new_empty(max(end, 2 * (0 if self._features is None else self._features.shape[0])),
+                                     hidden.shape[1])
+            if self._features is not None:
+                grown[:self.kept] = self.features
+            self._features = grown
+        self._features[start:end] = hidden
+        self.kept = end
 
     @property
     def can_roll_back(self) -> bool:
@@ -230,6 +294,7 @@ class ModelPair:
         """Roll both caches back to their first `length` positions."""
         for cache in self.caches:
             crop(cache, cache.get_seq_length() - length)
+        self.kept = min(self.kept, length)
 
     def _contexts(self):
         if self.batched:
@@ -245,6 +310,7 @@ class ModelPair:
         if self.self_pair:  # a merged adapter cannot be switched off per forward (nor per row of a batch)
             set_adapter_merged(self.model, False)
         ids = torch.tensor([list(tokens)], device=self.device)  # [1, S]
+        start = self.caches[0].get_seq_length()
         parts = [0] if self.batched else list(rows)
         contexts = self._contexts()
         outs, hidden = [], []
@@ -255,16 +321,23 @@ class ModelPair:
                     h = run_model(fwd, self.caches[part], ids.expand(2 if self.batched else 1, -1), inject)  # [R, S, H]
                     outs.append(fwd.logits(h) if logits else None)
                 hidden.append(h)
+        if self.keep_features and parts[0] == 0:
+            self._keep(start, hidden[0][0])
         return (torch.cat(outs) if logits else None), hidden[0][0]
 
 
-def make_draft(kind: str, pair: ModelPair, model_theta, ngram: int = 3):
-    """The draft for `kind` ("ngram", "theta", "target") on `pair`."""
+def make_draft(kind: str, pair: ModelPair, model_theta, ngram: int = 3, head: torch.nn.Module | None = None):
+    """The draft for `kind` ("ngram", "theta", "target", "head": `head`, a trained DraftHead) on `pair`."""
     if not pair.can_roll_back:
         raise ValueError("the model has sliding-window attention layers, whose cache cannot be rolled back after a "
                          "rejected draft: set mixture speculative=False")
     if kind == "ngram":
         return NgramDraft(pair.vocab, ngram)
+    if kind == "head":
+        if head is None:
+            raise ValueError("draft='head' needs a trained draft head (decoding/draft_head.py; "
+                             "python -m training.draft makes one)")
+        return HeadDraft(head, pair)
     row = 0 if kind == "theta" else 1
     if not pair.batched:  # the drafting model's own cache in the pair; the verify reuses its logits
         return PairDraft(pair, row)

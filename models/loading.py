@@ -83,6 +83,23 @@ class LoadedModel:
             self._targets[path] = base_copy(self.model) if path is None else self._load_target(path)
         return self._targets[path]
 
+    def draft_head(self, path: str | None) -> torch.nn.Module:
+        """The mixture's EAGLE draft head (decoding/draft_head.py) in folder `path`, loaded once, on the
+        model's device and dtype; refused unless it is as wide as this model."""
+        from decoding.draft_head import DraftHead
+
+        if path is None:
+            raise ValueError("generation.mixture.draft is 'head' but generation.mixture.head names no folder: "
+                             "train one with python -m training.draft, or use draft theta, target or ngram")
+        key = ("head", path)
+        if key not in self._targets:
+            head = DraftHead.load(path, device=self.device, dtype=self.dtype)
+            if head.config.hidden_size != self.hidden_size:
+                raise ValueError(f"draft head {path!r} is {head.config.hidden_size} wide but {self.name}'s features "
+                                 f"are {self.hidden_size}: a head is trained for one model")
+            self._targets[key] = head
+        return self._targets[key]
+
     def _load_target(self, path: str) -> PreTrainedModel:
         other = load_model(path, adapter=None, device=str(self.device), dtype=str(self.dtype).split(".")[-1])
         if other.tokenizer.get_vocab() != self.tokenizer.get_vocab():

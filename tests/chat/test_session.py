@@ -141,3 +141,26 @@ def test_vision_conversation_with_an_image_each_turn(tiny_qwen3vl, small_image):
     run(conv, "And this?", [small_image], settings=GREEDY)
     assert conv.cache is cache and len(conv.pixels) == 2
     assert conv.inputs()["image_grid_thw"].shape == (2, 3)
+
+
+def test_a_mixture_answer_drafts_with_the_configured_head(smollm2_dir, tmp_path):
+    """mixture.draft = head: the session loads the head from mixture.head and drafts with it (exact
+    whatever the head: greedy equals direct); no folder named is a clear error."""
+    from peft import LoraConfig, get_peft_model
+
+    from conftest import make_tiny_llama
+    from decoding.draft_head import DraftHead, head_config
+    from decoding.settings import MixtureSettings
+    lm = make_tiny_llama(smollm2_dir, seed=4)
+    lm.model = get_peft_model(lm.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    DraftHead(head_config(lm.model.config)).save(tmp_path / "head")
+    answers = {}
+    for draft, speculative in (("theta", False), ("head", True)):
+        mixture = MixtureSettings(enabled=True, speculative=speculative, draft=draft, head=str(tmp_path / "head"))
+        events = run(Conversation(lm), "Hello there", settings=GenerationSettings(max_new_tokens=6, mixture=mixture))
+        answers[draft] = events[-1].result
+    assert answers["head"].sequences.tolist() == answers["theta"].sequences.tolist() and answers["head"].drafted > 0
+    assert ("head", str(tmp_path / "head")) in lm._targets
+    with pytest.raises(ValueError, match="names no folder"):
+        run(Conversation(lm), "Hello", settings=GenerationSettings(
+            max_new_tokens=2, mixture=MixtureSettings(enabled=True, speculative=True, draft="head")))

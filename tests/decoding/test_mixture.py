@@ -15,12 +15,13 @@ from transformers.generation.logits_process import TopKLogitsWarper
 
 from conftest import make_tiny_llama
 from decoding import GenerationSettings, Recall, RecallEvent, RecallSettings
-from decoding.modeling import adapter_merged, is_peft, set_adapter_merged
+from decoding.modeling import adapter_merged, backbone_and_head, is_peft, set_adapter_merged
 from decoding.mixture import (
     MixtureEvent, MixtureResult, OptimalSpeculativeDecoder, generate_mixture, mixture_log_probs, stream_mixture,
 )
+from decoding.draft_head import DraftHead, head_config
 from decoding.settings import MixtureSettings
-from decoding.speculative import ModelPair, accept_draft, point_masses, speculative_round
+from decoding.speculative import HeadDraft, ModelPair, accept_draft, point_masses, speculative_round
 from memory import MemoryVectorDB
 
 P_MIN = 1e-3  # chi-square p-value below which a distribution test fails
@@ -94,6 +95,13 @@ def peft_lm(smollm2_dir):
             p.data.normal_(0, 0.5)
     lm.model = model
     return lm
+
+
+@pytest.fixture(scope="module")
+def head(pair2):
+    """An untrained EAGLE head of the tiny models' width: its drafts are poor, and exactness must not care."""
+    torch.manual_seed(5)
+    return DraftHead(head_config(pair2[0].model.config)).eval()
 
 
 def models_of(case, pair2, peft_lm):
@@ -340,10 +348,10 @@ def two_token_distribution(model_theta, model_t, prompt, allowed, processors):
     return np.asarray(table).ravel()
 
 
-@pytest.mark.parametrize("case, modes", [("two", ["direct", "ngram", "theta"]), ("peft", ["ngram", "theta"])])
-def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, case, modes):
+@pytest.mark.parametrize("case, modes", [("two", ["direct", "ngram", "theta", "head"]), ("peft", ["ngram", "theta", "head"])])
+def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, head, case, modes):
     """Against the exact P(x1, x2) of q*: direct; the n-gram draft; θ drafting on its own cache in the pair
-    with its logits reused (two models) or on a separate cache (the batched PEFT pair)."""
+    with its logits reused (two models) or on a separate cache (the batched PEFT pair); an EAGLE head."""
     model_theta, model_t = models_of(case, pair2, peft_lm)
     allowed, prompt, processors = allowed_setup(model_theta, model_t)
     exact = two_token_distribution(model_theta, model_t, prompt, allowed, processors)
@@ -355,7 +363,7 @@ def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, case,
         for seed in range(500):
             settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=2, seed=seed)
             r = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, settings, mixture,
-                                 logits_processor=processors)
+                                 logits_processor=processors, draft_head=head if mode == "head" else None)
             a, b = r.new_tokens[0].tolist()
             draws.append(index[a] * ALLOWED_WORDS + index[b])
             accepted += r.accepted
@@ -365,15 +373,15 @@ def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, case,
 
 
 @pytest.mark.parametrize("case", ["two", "peft", "peft-two-forwards"])
-@pytest.mark.parametrize("draft", ["ngram", "theta", "target"])
-def test_greedy_speculative_equals_direct_equals_reference(pair2, peft_lm, case, draft):
+@pytest.mark.parametrize("draft", ["ngram", "theta", "target", "head"])
+def test_greedy_speculative_equals_direct_equals_reference(pair2, peft_lm, head, case, draft):
     model_theta, model_t = models_of(case.split("-")[0], pair2, peft_lm)
     prompt = peft_lm.tokenizer("the sea the sea the sea the").input_ids
     settings = GenerationSettings(max_new_tokens=10)
     batched = case != "peft-two-forwards"
     runs = [generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, settings,
                              MixtureSettings(enabled=True, speculative=spec, draft=draft, gamma=3), eos_token_id=[],
-                             batched=batched) for spec in (False, True)]
+                             batched=batched, draft_head=head) for spec in (False, True)]
     expected = reference_greedy(model_theta, model_t, prompt, 10)
     assert runs[0].sequences[0].tolist() == expected == runs[1].sequences[0].tolist()
     assert runs[1].drafted > 0 and len(runs[1].alphas) == 10
@@ -584,3 +592,63 @@ def test_eos_inside_a_kept_block_stops_there_and_interrupt_stops_before_start(pa
     events = list(stream_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, mixture=mixture,
                                  interrupt=stop))
     assert events[-1].result.finish_reasons == ["interrupted"] and events[-1].result.new_tokens.shape[1] == 0
+
+
+# ------------------------------------------------------------------ the EAGLE head draft
+
+
+@pytest.mark.parametrize("case", ["two", "peft"])
+def test_the_head_drafts_from_true_features_each_round(pair2, peft_lm, head, case):
+    """Each round's first draft distribution equals the head run afresh (no cache) over the whole
+    sequence with θ's true final hidden states one position back: the kept features, the head's cache
+    rollback and the positions all line up, round after round (also across a memory position)."""
+    model_theta, model_t = models_of(case, pair2, peft_lm)
+    theta = side(model_theta, model_t, 0)[0]
+    lm = peft_lm
+    prompt = lm.tokenizer("the sea the sea the sea the").input_ids + [lm.tokens.memory_pad, 504]
+    memory_at, vector = len(prompt) - 2, torch.randn(64)
+    recall = Recall(lm.tokens.recall, lm.tokens.memory_pad, _bank(64), RecallSettings())
+    seen = []
+    propose = HeadDraft.propose
+
+    def spy(self, seq, gamma, **kw):
+        tokens, d = propose(self, seq, gamma, **kw)
+        seen.append((list(seq), d[0]))
+        return tokens, d
+
+    HeadDraft.propose = spy
+    try:
+        r = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])},
+                             GenerationSettings(do_sample=True, top_k=0, max_new_tokens=12, seed=3),
+                             MixtureSettings(enabled=True, speculative=True, draft="head", gamma=3), recall=recall,
+                             eos_token_id=[], memory_vectors={memory_at: vector}, draft_head=head)
+    finally:
+        HeadDraft.propose = propose
+    assert r.rounds >= 3 and len(seen) >= r.rounds - 1  # (a last round with room for no draft draws directly)
+    embed, (backbone, lm_head) = theta.get_input_embeddings(), backbone_and_head(theta)
+    for seq, d in seen:
+        with torch.no_grad():
+            embeds = embed(torch.tensor([seq]))
+            embeds[0, memory_at] = vector  # (Recall without a trained embedding feeds the raw vector)
+            features = backbone(inputs_embeds=embeds).last_hidden_state  # [1, L, H]
+            fresh = head(embeds[:, 1:], features[:, :-1], torch.arange(1, len(seq))[None])[:, -1]
+            expected = torch.log_softmax(lm_head(fresh).float(), -1)[0]
+        assert torch.allclose(d.log(), expected, atol=1e-4), len(seq)  # (log: the tiny models are near uniform)
+
+
+def test_a_head_round_trips_through_its_folder(head, tmp_path):
+    head.save(tmp_path / "h", note="test")
+    again = DraftHead.load(tmp_path / "h")
+    x, f, pos = torch.randn(1, 5, 64), torch.randn(1, 5, 64), torch.arange(1, 6)[None]
+    with torch.no_grad():  # stored in bfloat16: equal up to its rounding
+        assert torch.allclose(head(x, f, pos), again(x, f, pos), atol=0.05)
+    with pytest.raises(FileNotFoundError, match="draft_head.json"):
+        DraftHead.load(tmp_path / "nothing")
+
+
+def test_the_head_draft_needs_a_head(pair2):
+    with pytest.raises(ValueError, match="mixture head is '': must be a draft head folder"):
+        MixtureSettings(enabled=True, speculative=True, draft="head", head="")
+    with pytest.raises(ValueError, match="trained draft head"):
+        generate_mixture(pair2[0].model, pair2[1].model, {"input_ids": torch.tensor([[504, 1813]])},
+                         GenerationSettings(max_new_tokens=2), MixtureSettings(enabled=True, speculative=True, draft="head"))
