@@ -9,7 +9,10 @@ forward); later steps read the head's own f̂.
 
 For the mixture the head is trained to predict the feature of q* itself: log q* of a pair that shares
 its `lm_head` (an adapter that leaves the head alone) is, up to a constant, `lm_head(α h_θ + (1-α) h_t)`
-(the head is linear and has no bias), so the target is f*_t = α*_t h_θ,t + (1-α*_t) h_t,t.
+(the head is linear and has no bias), so the target is f*_t = α*_t h_θ,t + (1-α*_t) h_t,t. (The
+shipped recall adapter trains the three recall tokens' rows of the tied head, so for it f* is q*
+except on those three tokens. Draft steps after the first feed f̂ back where training fed h_θ: a
+known mismatch, see the README.)
 `training/draft.py` trains it; `decoding.speculative.HeadDraft` drafts with it.
 """
 
@@ -76,4 +79,7 @@ class DraftHead(torch.nn.Module):
         config = LlamaConfig.from_dict(json.loads((folder / CONFIG).read_text())["config"])
         head = cls(config)
         head.load_state_dict(load_file(str(folder / WEIGHTS)))
-        return head.to(device=device, dtype=dtype).eval()
+        head.to(device=device)
+        for p in head.parameters():  # parameters only: RoPE's inv_freq buffer stays float32
+            p.data = p.data.to(dtype)
+        return head.eval()

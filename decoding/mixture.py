@@ -346,6 +346,9 @@ class OptimalSpeculativeDecoder:
     as two forwards), α* per step to `tol`. `model_t=None`: a PEFT model against its own base."""
 
     def __init__(self, model_theta, model_t=None, k: int = 5, tol: float = 1e-6, draft: str = "theta"):
+        if draft == "head":
+            raise ValueError("OptimalSpeculativeDecoder drafts with theta, target or ngram; an EAGLE head goes "
+                             "through stream_mixture(..., draft_head=...)")
         self.model_theta, self.model_t, self.k, self.tol = model_theta, model_t, k, tol
         self.mixture = MixtureSettings(enabled=True, speculative=True, gamma=k, tol=tol, draft=draft)
 

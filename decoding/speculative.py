@@ -173,6 +173,12 @@ class HeadDraft:
     predicted features; a draft step costs one small layer and one lm_head, not a forward of θ."""
 
     def __init__(self, head: torch.nn.Module, pair: "ModelPair"):
+        dtype = next(head.parameters()).dtype
+        if dtype != pair.dtype:
+            raise ValueError(f"the draft head is {dtype} but the models are {pair.dtype}: load it in the models' dtype "
+                             "(DraftHead.load(folder, dtype=...))")
+        if pair.length:
+            raise ValueError("a HeadDraft must be made before the pair's prefill (it reads θ's features from it)")
         self.head, self.pair, self.fwd = head, pair, pair.fwds[0]
         pair.keep_features = True
         self.cache = DynamicCache(config=head.config)
@@ -270,6 +276,8 @@ class ModelPair:
         return self._features[:self.kept]
 
     def _keep(self, start: int, hidden: torch.Tensor) -> None:
+        if start > self.kept:
+            raise RuntimeError(f"θ's features stop at position {self.kept} but a forward started at {start}")
         end = start + hidden.shape[0]
         if self._features is None or end > self._features.shape[0]:
             grown = hidden.new_empty(max(end, 2 * (0 if self._features is None else self._features.shape[0])),

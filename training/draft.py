@@ -225,7 +225,7 @@ def main() -> None:
     held_out = chat_prompts(args.eval_prompts, "eval", args.seed)
     datasets, fast = {}, None
     for name, prompts in (("train", draft_prompts(args.prompts, args.seed)), ("eval", held_out)):
-        path = work / f"{name}-{key if name == 'train' else f'e{args.eval_prompts}-s{args.seed}'}.pt"
+        path = work / f"{name}-{key if name == 'train' else f'e{args.eval_prompts}-a{args.answer_tokens}-s{args.seed}'}.pt"
         if path.is_file():
             datasets[name] = torch.load(path)
         else:

@@ -509,8 +509,8 @@ def _bank(dim, n=6):
 
 
 @pytest.mark.parametrize("case", ["two", "peft"])
-@pytest.mark.parametrize("speculative", [False, True])
-def test_recall_injects_the_memory_into_both_models(pair2, peft_lm, case, speculative):
+@pytest.mark.parametrize("speculative", [False, True, "head"])  # True: the θ draft; "head": an EAGLE head
+def test_recall_injects_the_memory_into_both_models(pair2, peft_lm, head, case, speculative):
     model_theta, model_t = models_of(case, pair2, peft_lm)
     lm = peft_lm
     db = _bank(64)
@@ -519,8 +519,11 @@ def test_recall_injects_the_memory_into_both_models(pair2, peft_lm, case, specul
     L = len(prompt)
     processors = LogitsProcessorList([Sharpen(), BiasAt(L, lm.tokens.recall, 1e4)])
     events = list(stream_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])},
-                                 GenerationSettings(max_new_tokens=3), MixtureSettings(enabled=True, speculative=speculative),
-                                 recall=recall, tokenizer=lm.tokenizer, eos_token_id=[], logits_processor=processors))
+                                 GenerationSettings(max_new_tokens=3),
+                                 MixtureSettings(enabled=True, speculative=bool(speculative),
+                                                 draft="head" if speculative == "head" else "theta"),
+                                 recall=recall, tokenizer=lm.tokenizer, eos_token_id=[], logits_processor=processors,
+                                 draft_head=head))
     result = events[-1].result
     assert isinstance(result, MixtureResult) and any(isinstance(e, MixtureEvent) for e in events)
     recalls = [e for e in events if isinstance(e, RecallEvent)]
@@ -646,7 +649,10 @@ def test_a_head_round_trips_through_its_folder(head, tmp_path):
         DraftHead.load(tmp_path / "nothing")
 
 
-def test_the_head_draft_needs_a_head(pair2):
+def test_the_head_draft_needs_a_head(pair2, head):
+    import copy
+    with pytest.raises(ValueError, match="the draft head is torch.bfloat16 but the models are torch.float32"):
+        HeadDraft(copy.deepcopy(head).to(torch.bfloat16), ModelPair(pair2[0].model, pair2[1].model))
     with pytest.raises(ValueError, match="mixture head is '': must be a draft head folder"):
         MixtureSettings(enabled=True, speculative=True, draft="head", head="")
     with pytest.raises(ValueError, match="trained draft head"):
