@@ -227,7 +227,7 @@ def main() -> None:
     for name, prompts in (("train", draft_prompts(args.prompts, args.seed)), ("eval", held_out)):
         path = work / f"{name}-{key if name == 'train' else f'e{args.eval_prompts}-a{args.answer_tokens}-s{args.seed}'}.pt"
         if path.is_file():
-            datasets[name] = torch.load(path)
+            datasets[name] = torch.load(path, weights_only=True)
         else:
             torch.manual_seed(args.seed)
             if fast is None:  # bfloat16 copies (AMX): 1.6x faster answers; f* moves 1.6 % (a draft's target)
