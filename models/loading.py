@@ -64,7 +64,7 @@ class LoadedModel:
     merge_adapter: bool = False  # decode with the PEFT adapter merged (fp32 only: merging back and forth
                                  # would round a half-precision base); see `merged`
     quantized: str | None = None  # "int8" once models/quantize.py has quantized it
-    _targets: dict = field(default_factory=dict, repr=False)  # mixture targets by folder, made once
+    _targets: dict = field(default_factory=dict, repr=False)  # mixture targets (by folder) and draft heads, made once
 
     def mixture_target(self, path: str | None) -> PreTrainedModel:
         """π_t of the two-model mixture: this PEFT model's own base (None), as a copy with the adapter

@@ -39,6 +39,8 @@ from decoding.forward import Forward
 from decoding.mixture import solve_alpha
 from decoding.modeling import backbone_and_head
 from models.loading import cache_root, load_model
+from training.data import prompt_ids
+from training.train import replies
 
 
 _TEMPLATES = [
@@ -76,27 +78,14 @@ def draft_prompts(n: int, seed: int = 0) -> list[str]:
     return pool[:n]
 
 
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=True)["input_ids"]
-
-
-@torch.no_grad()
 def answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 24) -> list[list[int]]:
-    """prompt + θ's sampled answer, as token ids (half at temperature 1, half at 0.7)."""
+    """prompt + θ's sampled answer, as token ids (batches alternate temperature 1 and 0.7)."""
     out = []
-    for s in tqdm(range(0, len(prompts), batch_size), desc="answers", unit="batch"):
-        seqs = [chat_ids(tokenizer, p) for p in prompts[s:s + batch_size]]
-        width = max(map(len, seqs))
-        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(q)) + q for q in seqs])
-        mask = (torch.arange(width)[None] >= torch.tensor([width - len(q) for q in seqs])[:, None]).long()
-        temperature = 1.0 if (s // batch_size) % 2 == 0 else 0.7
-        gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0,
-                             top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
-        for q, row in zip(seqs, gen[:, width:].tolist()):
-            if tokenizer.eos_token_id in row:
-                row = row[:row.index(tokenizer.eos_token_id) + 1]
-            out.append(q + row)
+    for i, s in enumerate(tqdm(range(0, len(prompts), batch_size), desc="answers", unit="batch")):
+        chunk = prompts[s:s + batch_size]
+        rows = replies(model, tokenizer, chunk, max_new_tokens, batch_size, None, do_sample=True,
+                       temperature=1.0 if i % 2 == 0 else 0.7, top_k=0, top_p=1.0)
+        out += [prompt_ids(tokenizer, p) + row for p, row in zip(chunk, rows)]
     return out
 
 
@@ -236,7 +225,7 @@ def main() -> None:
             datasets[name] = features(fast[0], fast[1], seqs)
             torch.save(datasets[name], path)
         for row, prompt in zip(datasets[name], prompts):
-            row["start"] = len(chat_ids(tok, prompt))  # where the answer begins
+            row["start"] = len(prompt_ids(tok, prompt))  # where the answer begins
     if args.stage == "data":
         return
     fwd = Forward(theta)

@@ -96,24 +96,28 @@ def lr_at(step: int, recipe: Recipe) -> float:
 
 
 @torch.no_grad()
-def base_replies(lm, prompts: list[str], max_new_tokens: int, batch_size: int = 16) -> dict[str, list[int]]:
-    """The base model's own greedy replies (self-distillation targets for the negatives)."""
-    tok, out = lm.tokenizer, {}
-    banned = [[t] for t in (lm.tokens.recall, lm.tokens.recall_end, lm.tokens.memory_pad)]
-    for s in tqdm(range(0, len(prompts), batch_size), desc="base replies", unit="batch"):
-        chunk = prompts[s:s + batch_size]
-        seqs = [prompt_ids(tok, p) for p in chunk]
+def replies(model, tok, prompts: list[str], max_new_tokens: int, batch_size: int = 16, desc: str | None = "replies",
+            **generate) -> list[list[int]]:
+    """`model`'s replies to chat prompts (ids, up to and with EOS), `batch_size` left-padded prompts a
+    `generate` call with the `generate` keywords (no progress bar when `desc` is None)."""
+    out, device = [], next(model.parameters()).device
+    for s in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", disable=desc is None):
+        seqs = [prompt_ids(tok, p) for p in prompts[s:s + batch_size]]
         width = max(map(len, seqs))
         ids = torch.tensor([[tok.pad_token_id] * (width - len(q)) + q for q in seqs])
         mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in seqs])
-        gen = lm.model.generate(input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device), do_sample=False,
-                                max_new_tokens=max_new_tokens, bad_words_ids=banned,
-                                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        for p, row in zip(chunk, gen[:, width:].tolist()):
-            if tok.eos_token_id in row:
-                row = row[:row.index(tok.eos_token_id) + 1]
-            out[p] = row
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **generate)
+        for row in gen[:, width:].tolist():
+            out.append(row[:row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
     return out
+
+
+def base_replies(lm, prompts: list[str], max_new_tokens: int, batch_size: int = 16) -> dict[str, list[int]]:
+    """The base model's own greedy replies (self-distillation targets for the negatives)."""
+    banned = [[t] for t in (lm.tokens.recall, lm.tokens.recall_end, lm.tokens.memory_pad)]
+    return dict(zip(prompts, replies(lm.model, lm.tokenizer, prompts, max_new_tokens, batch_size, "base replies",
+                                     do_sample=False, bad_words_ids=banned)))
 
 
 def step_losses(model, encoder: MemoryEncoder, batch: Batch, memory_pad: int, recipe: Recipe,
