@@ -125,13 +125,15 @@ def main() -> None:
         settings = GenerationSettings(do_sample=sample, temperature=args.temperature if sample else 1.0, top_k=0,
                                       max_new_tokens=tokens, min_new_tokens=tokens, seed=seed, repetition_penalty=1.0)
         mixture = MixtureSettings(enabled=True, gamma=args.gamma, **changes)
-        return generate_mixture(theta if pair == "copy" else lm.merged(), base if pair == "copy" else None,
+        theta_now = lm.merged() if dtype == torch.float32 else theta  # (re-merged: a PEFT-batch mode unmerges it)
+        return generate_mixture(theta_now if pair == "copy" else lm.merged(), base if pair == "copy" else None,
                                 {"input_ids": ids}, settings, mixture, eos_token_id=tok.eos_token_id,
                                 pad_token_id=tok.pad_token_id, draft_head=head)
 
     for mode in modes:  # warm-up
         run(mode, prompts[0], 0, 4)
-    step_ms, verify_ms = (forward_ms(theta, prompts[0], k) for k in (1, args.gamma + 1))
+    step_ms, verify_ms = (forward_ms(lm.merged() if dtype == torch.float32 else theta, prompts[0], k)
+                          for k in (1, args.gamma + 1))
     for repeat in range(args.repeats):
         for i, ids in enumerate(prompts):
             for mode in modes:
