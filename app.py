@@ -26,6 +26,7 @@ from chat.view import (
     RECALL_COLUMNS, bank_sample, answer_figure, bank_summary, chat_messages, found_table, inline_text, recall_table,
 )
 from chat.worker import ServiceError
+from decoding.settings import DRAFTS
 
 THEME = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],  # system fonts: nothing fetched
                           font_mono=["ui-monospace", "Consolas", "monospace"])
@@ -69,7 +70,11 @@ CONTROLS: dict[str, tuple] = {
                                                 "every step)"),
                       lambda a: "auto" if a is not None and a < 0 else a),
     "mixture_speculative": ("mixture.speculative", "Mixture",
-                            lambda v: gr.Checkbox(v, label="exact speculative sampling (θ drafts, both verify)")),
+                            lambda v: gr.Checkbox(v, label="exact speculative sampling (a draft proposes, both verify)")),
+    "mixture_draft": ("mixture.draft", "Mixture",
+                      lambda v: gr.Radio(list(DRAFTS), value=v, label="draft: gguf = llama.cpp on a quantized copy, "
+                                                                     "theta / target = one of the two models, ngram = "
+                                                                     "prompt lookup, head = a trained EAGLE head")),
     "mixture_gamma": ("mixture.gamma", "Mixture",
                       lambda v: gr.Slider(1, 8, v, step=1, precision=0, label="γ: drafted tokens per verify")),
     "recall_enabled": ("recall.enabled", "Recall", lambda v: gr.Checkbox(v, label="recall enabled")),

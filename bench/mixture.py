@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import os
 import statistics
 import time
@@ -35,6 +36,7 @@ from decoding.mixture import generate_mixture  # noqa: E402
 from decoding.settings import MixtureSettings  # noqa: E402
 from decoding.draft_head import DraftHead  # noqa: E402
 from models import RECALL_ADAPTER, load_model  # noqa: E402
+from models.gguf import load_gguf_draft  # noqa: E402
 
 PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain how photosynthesis works, step by step.",
            "What should I pack for a week of hiking in the mountains?"]
@@ -45,6 +47,7 @@ MODES = {  # name -> (MixtureSettings changes, pair: "copy" = θ merged + a base
     "speculative, θ draft reused": (dict(speculative=True, draft="theta"), "copy"),
     "speculative, n-gram draft": (dict(speculative=True, draft="ngram"), "copy"),
     "speculative, EAGLE head draft": (dict(speculative=True, draft="head"), "copy"),
+    "speculative, GGUF draft (llama.cpp)": (dict(speculative=True, draft="gguf"), "copy"),
     "speculative, θ draft, PEFT batch": (dict(speculative=True, draft="theta"), "peft"),
 }
 
@@ -84,6 +87,20 @@ def forward_ms(model, prompt: torch.Tensor, positions: int, repeats: int = 10) -
     return statistics.median(times) * 1e3
 
 
+def gguf_step_ms(llm, prompt: torch.Tensor, repeats: int = 20) -> float:
+    """Median ms of one llama.cpp draft step (one new token on a cached prefix), logits read included."""
+    from decoding.gguf_draft import GGUFDraft
+
+    draft, ids = GGUFDraft(llm, llm.n_vocab()), prompt[0].tolist()
+    draft.propose(ids, 1, processors=None, do_sample=False)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        draft.propose(ids, 1, processors=None, do_sample=False)  # re-feeds the last token: one eval
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def quartiles(values: list[float]) -> str:
     q = statistics.quantiles(values, n=4)
     return f"{statistics.fmean(values):.3f} ({q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f})"
@@ -111,9 +128,10 @@ def main() -> None:
     if dtype != torch.float32:  # both models in bfloat16 (θ merged in float32 first), as plain modules
         theta, base = copy.deepcopy(theta).to(dtype), copy.deepcopy(base).to(dtype)
     head = DraftHead.load(args.head, dtype=dtype) if args.head else None
+    gguf = load_gguf_draft(None, lm.tokenizer) if importlib.util.find_spec("llama_cpp") else None
     modes = {m: v for m, v in MODES.items() if (not args.modes or m.startswith("direct, base copy")
                                                 or any(w in m for w in args.modes.split(",")))
-             and (v[1] == "copy" or dtype == torch.float32) and ("head" not in m or head is not None)}
+             and (v[1] == "copy" or dtype == torch.float32) and ("head" not in m or head is not None) and ("GGUF" not in m or gguf is not None)}
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                        return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
     n = args.tokens
@@ -128,7 +146,7 @@ def main() -> None:
         theta_now = lm.merged() if dtype == torch.float32 else theta  # (re-merged: a PEFT-batch mode unmerges it)
         return generate_mixture(theta_now if pair == "copy" else lm.merged(), base if pair == "copy" else None,
                                 {"input_ids": ids}, settings, mixture, eos_token_id=tok.eos_token_id,
-                                pad_token_id=tok.pad_token_id, draft_head=head)
+                                pad_token_id=tok.pad_token_id, draft_head=head, draft_gguf=gguf)
 
     for mode in modes:  # warm-up
         run(mode, prompts[0], 0, 4)
@@ -162,6 +180,9 @@ def main() -> None:
               f"{s['tokens'] / s['rounds']:.2f} | {quartiles(s['alphas'])} |")
     print(f"\none forward of θ ({args.dtype}, merged, eager, cached prefix): {step_ms:.1f} ms for 1 position, {verify_ms:.1f} ms for "
           f"γ + 1 = {args.gamma + 1} ({verify_ms / step_ms:.2f}x)")
+    if gguf is not None:
+        print(f"one llama.cpp draft step (Q4_1 GGUF, {torch.get_num_threads()} threads, logits, processors and draw "
+              f"included): {gguf_step_ms(gguf, prompts[0]):.1f} ms")
     print("\nacceptance = kept drafts / drafted tokens (the n-gram draft drafts only where a lookup matches); "
           "a verify is one forward of each model (one batched forward for the PEFT pair; the θ draft reused "
           "runs θ over the block while drafting, and the verify only the base).")

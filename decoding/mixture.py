@@ -254,7 +254,8 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
                    memory_vectors: Mapping[int, torch.Tensor] | None = None,
                    logits_processor: LogitsProcessorList | None = None,
                    stopping_criteria: StoppingCriteriaList | None = None, batched: bool = True,
-                   prefill_chunk: int = 512, draft_head: torch.nn.Module | None = None) -> Iterator:
+                   prefill_chunk: int = 512, draft_head: torch.nn.Module | None = None,
+                   draft_gguf=None) -> Iterator:
     """Generate one row from q*(π_θ = model_theta, π_t = model_t, or its PEFT base when None), yielding
     the main loop's PrefillEvent / TokenEvent / RecallEvent / FinishEvent, a `MixtureEvent` per verify
     round, and a `DoneEvent` whose result is a `MixtureResult` (α* per token, acceptance counts) last.
@@ -264,7 +265,8 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
     memories; the whole prompt is prefilled, `prefill_chunk` tokens at a time (no cache reuse;
     `result.cache` is None). `batched`: one forward for a PEFT pair, whose adapter is unmerged for
     it (a merged adapter cannot be switched off per row). `draft_head`: the trained DraftHead that
-    `mixture.draft="head"` drafts with. A seed gives the request its own random
+    `mixture.draft="head"` drafts with; `draft_gguf`: the llama_cpp.Llama of `mixture.draft="gguf"`
+    (models.gguf.load_gguf_draft). A seed gives the request its own random
     state (the global one is not touched). `pad_token_id` is unused (one row).
     """
     input_ids = _check_request(inputs, settings)
@@ -291,7 +293,8 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
     limit = min(prompt_len + settings.max_new_tokens, context or math.inf)
     run = _Run(pair, seq, settings, mixture, recall, tokenizer, logits_processor, criteria, eos, limit,
                dict(memory_vectors or {}), generators(settings.seed, pair.device))
-    draft = make_draft(mixture.draft, pair, model_theta, mixture.ngram, draft_head) if mixture.speculative else None
+    draft = (make_draft(mixture.draft, pair, model_theta, mixture.ngram, draft_head, draft_gguf)
+             if mixture.speculative else None)
     yield from _drive(run, draft, interrupt, prompt_len, prefill_chunk)
 
 

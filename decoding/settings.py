@@ -132,7 +132,7 @@ _GENERATION_SEQUENCES = {
 # ---- settings ---------------------------------------------------------------------------------
 
 
-DRAFTS = ("ngram", "theta", "target", "head")
+DRAFTS = ("ngram", "theta", "target", "head", "gguf")
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,9 @@ class MixtureSettings:
     `speculative`: exact speculative sampling with `gamma` drafts per verify from `draft` ("ngram":
     prompt lookup over `ngram`-grams, free; "theta" / "target": one of the two models, whose logits
     the verify reuses when the pair runs as two forwards; "head": an EAGLE draft head over θ's features
-    from the folder `head`, written by `python -m training.draft`). `tol`: α*'s solver tolerance."""
+    from the folder `head`, written by `python -m training.draft`; "gguf": a quantized model with the
+    same tokenizer run by llama.cpp, the file `gguf` or, when None, the embedded SmolLM2's own Q4_1
+    GGUF). `tol`: α*'s solver tolerance."""
 
     enabled: bool = False
     target: str | None = None
@@ -152,6 +154,7 @@ class MixtureSettings:
     draft: str = "theta"
     ngram: int = 3
     head: str | None = None
+    gguf: str | None = None
     tol: float = 1e-6
 
     def __post_init__(self):
@@ -167,6 +170,8 @@ class MixtureSettings:
                    "must be an int >= 1"),
                   ("head", self.head is None or isinstance(self.head, str) and self.head != "",
                    "must be a draft head folder (written by python -m training.draft), or None"),
+                  ("gguf", self.gguf is None or isinstance(self.gguf, str) and self.gguf != "",
+                   "must be a .gguf file with the models' tokenizer, or None for the embedded SmolLM2's own"),
                   ("draft", self.draft in DRAFTS, f"must be one of {', '.join(DRAFTS)}"),
                   ("tol", number(self.tol) and 0 < self.tol <= 0.01, "must be a number in (0, 0.01]")]
         for name, ok, requirement in checks:

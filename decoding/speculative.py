@@ -12,8 +12,9 @@ models' KV caches are cropped back to the kept prefix (`DynamicCache.crop`).
 Drafts: `NgramDraft` (prompt lookup, Saxena 2023: the continuation of the latest earlier
 occurrence of the newest n-gram; a point mass, free), `PairDraft` (one of the two models on its own
 cache in an unbatched pair, its logits reused by the verify) and `ModelDraft` (one of the two
-models on a separate cache, for a batched pair; Chen et al.'s draft model) and `HeadDraft` (EAGLE:
-a trained one-layer head over θ's features, decoding/draft_head.py).
+models on a separate cache, for a batched pair; Chen et al.'s draft model), `HeadDraft` (EAGLE:
+a trained one-layer head over θ's features, decoding/draft_head.py) and `GGUFDraft` (a quantized
+model run by llama.cpp, decoding/gguf_draft.py).
 """
 
 from __future__ import annotations
@@ -334,8 +335,10 @@ class ModelPair:
         return (torch.cat(outs) if logits else None), hidden[0][0]
 
 
-def make_draft(kind: str, pair: ModelPair, model_theta, ngram: int = 3, head: torch.nn.Module | None = None):
-    """The draft for `kind` ("ngram", "theta", "target", "head": `head`, a trained DraftHead) on `pair`."""
+def make_draft(kind: str, pair: ModelPair, model_theta, ngram: int = 3, head: torch.nn.Module | None = None,
+               gguf=None):
+    """The draft for `kind` ("ngram", "theta", "target", "head": `head`, a trained DraftHead; "gguf":
+    `gguf`, a llama_cpp.Llama) on `pair`."""
     if not pair.can_roll_back:
         raise ValueError("the model has sliding-window attention layers, whose cache cannot be rolled back after a "
                          "rejected draft: set mixture speculative=False")
@@ -346,6 +349,12 @@ def make_draft(kind: str, pair: ModelPair, model_theta, ngram: int = 3, head: to
             raise ValueError("draft='head' needs a trained draft head (decoding/draft_head.py; "
                              "python -m training.draft makes one)")
         return HeadDraft(head, pair)
+    if kind == "gguf":
+        if gguf is None:
+            raise ValueError("draft='gguf' needs a llama.cpp model (models.gguf.load_gguf_draft)")
+        from decoding.gguf_draft import GGUFDraft
+
+        return GGUFDraft(gguf, pair.vocab, device=pair.device)
     row = 0 if kind == "theta" else 1
     if not pair.batched:  # the drafting model's own cache in the pair; the verify reuses its logits
         return PairDraft(pair, row)

@@ -64,7 +64,7 @@ class LoadedModel:
     merge_adapter: bool = False  # decode with the PEFT adapter merged (fp32 only: merging back and forth
                                  # would round a half-precision base); see `merged`
     quantized: str | None = None  # "int8" once models/quantize.py has quantized it
-    _targets: dict = field(default_factory=dict, repr=False)  # mixture targets (by folder) and draft heads, made once
+    _targets: dict = field(default_factory=dict, repr=False)  # mixture targets (by folder) and drafts, made once
 
     def mixture_target(self, path: str | None) -> PreTrainedModel:
         """π_t of the two-model mixture: this PEFT model's own base (None), as a copy with the adapter
@@ -98,6 +98,16 @@ class LoadedModel:
                 raise ValueError(f"draft head {path!r} is {head.config.hidden_size} wide but {self.name}'s features "
                                  f"are {self.hidden_size}: a head is trained for one model")
             self._targets[key] = head
+        return self._targets[key]
+
+    def gguf_draft(self, path: str | None):
+        """The mixture's llama.cpp draft (models/gguf.py) on the GGUF file `path` (None: the embedded
+        SmolLM2's own), loaded once, refused unless it tokenizes like this model."""
+        from models.gguf import load_gguf_draft
+
+        key = ("gguf", path)
+        if key not in self._targets:
+            self._targets[key] = load_gguf_draft(path, self.tokenizer)
         return self._targets[key]
 
     def _load_target(self, path: str) -> PreTrainedModel:

@@ -264,16 +264,18 @@ def test_entropy_decoding_draws_its_picture_when_the_answer_ends(client, server)
 
 
 def test_mixture_answers_from_q_star_and_draws_alpha(client, server):
-    """The Mixture tab: q* of the model with its recall adapter (θ) and its base (t), drawn speculatively."""
+    """The Mixture tab: q* of the model with its recall adapter (θ) and its base (t), drawn speculatively
+    (the configured draft: llama.cpp on the embedded GGUF)."""
     assert server.service.lm.model.peft_config  # the embedded model comes with its adapter
     outputs = list(chat(client, "Name a colour.", max_new_tokens=8, mixture=True, mixture_speculative=True,
                         mixture_gamma=3))
     final = outputs[-1]
     assert "done" in final[STATUS] and "q*: acceptance" in final[STATUS]
+    assert ("gguf", None) in server.service.lm._targets  # drafted by llama.cpp
     assert final[4]["visible"] is True and final[4]["value"]["plot"].startswith("data:image/")
     assert last_text(final)
     fixed = client.predict(message=message("And another?"), seed=None, max_new_tokens=4, mixture=True,
-                           mixture_alpha=1.0, api_name="/chat")
+                           mixture_alpha=1.0, mixture_speculative=False, api_name="/chat")
     assert "q*: direct" in fixed[STATUS]
     fixed_sessions = [x for x in server.service.sessions.values() if x.last_note == "q*: direct"]
     alphas = [a for a in fixed_sessions[0].last_plot[1] if a == a]  # (nan at a memory position)

@@ -28,14 +28,16 @@ P_MIN = 1e-3  # chi-square p-value below which a distribution test fails
 
 
 class AllowOnly(LogitsProcessor):
-    """Masks every token but `ids` and sharpens the rest (tiny random models are nearly uniform)."""
+    """Masks every token but `ids` and puts the rest on one scale (standardised, times `scale`): tiny random
+    models are nearly uniform, the real GGUF draft is sharp, and both then give spread distributions."""
 
-    def __init__(self, ids, scale=25.0):
+    def __init__(self, ids, scale=2.0):
         self.ids, self.scale = torch.tensor(ids), scale
 
     def __call__(self, input_ids, scores):
+        kept = scores[:, self.ids]
         out = torch.full_like(scores, -float("inf"))
-        out[:, self.ids] = scores[:, self.ids] * self.scale
+        out[:, self.ids] = (kept - kept.mean(-1, keepdim=True)) / kept.std(-1, keepdim=True) * self.scale
         return out
 
 
@@ -95,6 +97,14 @@ def peft_lm(smollm2_dir):
             p.data.normal_(0, 0.5)
     lm.model = model
     return lm
+
+
+@pytest.fixture(scope="module")
+def gguf(smollm2_dir, pair2):
+    """The real llama.cpp draft: the Q4_1 SmolLM2 GGUF, which shares the tiny models' tokenizer (its drafts
+    are nothing like the tiny models' q*, so rounds keep and reject drafts)."""
+    from models.gguf import load_gguf_draft
+    return load_gguf_draft(None, pair2[0].tokenizer, n_ctx=512)
 
 
 @pytest.fixture(scope="module")
@@ -348,10 +358,12 @@ def two_token_distribution(model_theta, model_t, prompt, allowed, processors):
     return np.asarray(table).ravel()
 
 
-@pytest.mark.parametrize("case, modes", [("two", ["direct", "ngram", "theta", "head"]), ("peft", ["ngram", "theta", "head"])])
-def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, head, case, modes):
+@pytest.mark.parametrize("case, modes", [("two", ["direct", "ngram", "theta", "head", "gguf"]),
+                                         ("peft", ["ngram", "theta", "head", "gguf"])])
+def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, head, gguf, case, modes):
     """Against the exact P(x1, x2) of q*: direct; the n-gram draft; θ drafting on its own cache in the pair
-    with its logits reused (two models) or on a separate cache (the batched PEFT pair); an EAGLE head."""
+    with its logits reused (two models) or on a separate cache (the batched PEFT pair); an EAGLE head;
+    llama.cpp on a GGUF."""
     model_theta, model_t = models_of(case, pair2, peft_lm)
     allowed, prompt, processors = allowed_setup(model_theta, model_t)
     exact = two_token_distribution(model_theta, model_t, prompt, allowed, processors)
@@ -363,7 +375,8 @@ def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, head,
         for seed in range(500):
             settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=2, seed=seed)
             r = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, settings, mixture,
-                                 logits_processor=processors, draft_head=head if mode == "head" else None)
+                                 logits_processor=processors, draft_head=head if mode == "head" else None,
+                                 draft_gguf=gguf)
             a, b = r.new_tokens[0].tolist()
             draws.append(index[a] * ALLOWED_WORDS + index[b])
             accepted += r.accepted
@@ -373,15 +386,15 @@ def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, head,
 
 
 @pytest.mark.parametrize("case", ["two", "peft", "peft-two-forwards"])
-@pytest.mark.parametrize("draft", ["ngram", "theta", "target", "head"])
-def test_greedy_speculative_equals_direct_equals_reference(pair2, peft_lm, head, case, draft):
+@pytest.mark.parametrize("draft", ["ngram", "theta", "target", "head", "gguf"])
+def test_greedy_speculative_equals_direct_equals_reference(pair2, peft_lm, head, gguf, case, draft):
     model_theta, model_t = models_of(case.split("-")[0], pair2, peft_lm)
     prompt = peft_lm.tokenizer("the sea the sea the sea the").input_ids
     settings = GenerationSettings(max_new_tokens=10)
     batched = case != "peft-two-forwards"
     runs = [generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, settings,
                              MixtureSettings(enabled=True, speculative=spec, draft=draft, gamma=3), eos_token_id=[],
-                             batched=batched, draft_head=head) for spec in (False, True)]
+                             batched=batched, draft_head=head, draft_gguf=gguf) for spec in (False, True)]
     expected = reference_greedy(model_theta, model_t, prompt, 10)
     assert runs[0].sequences[0].tolist() == expected == runs[1].sequences[0].tolist()
     assert runs[1].drafted > 0 and len(runs[1].alphas) == 10
@@ -509,8 +522,8 @@ def _bank(dim, n=6):
 
 
 @pytest.mark.parametrize("case", ["two", "peft"])
-@pytest.mark.parametrize("speculative", [False, True, "head"])  # True: the θ draft; "head": an EAGLE head
-def test_recall_injects_the_memory_into_both_models(pair2, peft_lm, head, case, speculative):
+@pytest.mark.parametrize("speculative", [False, True, "head", "gguf"])  # True: the θ draft
+def test_recall_injects_the_memory_into_both_models(pair2, peft_lm, head, gguf, case, speculative):
     model_theta, model_t = models_of(case, pair2, peft_lm)
     lm = peft_lm
     db = _bank(64)
@@ -521,9 +534,9 @@ def test_recall_injects_the_memory_into_both_models(pair2, peft_lm, head, case, 
     events = list(stream_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])},
                                  GenerationSettings(max_new_tokens=3),
                                  MixtureSettings(enabled=True, speculative=bool(speculative),
-                                                 draft="head" if speculative == "head" else "theta"),
+                                                 draft=speculative if isinstance(speculative, str) else "theta"),
                                  recall=recall, tokenizer=lm.tokenizer, eos_token_id=[], logits_processor=processors,
-                                 draft_head=head))
+                                 draft_head=head, draft_gguf=gguf))
     result = events[-1].result
     assert isinstance(result, MixtureResult) and any(isinstance(e, MixtureEvent) for e in events)
     recalls = [e for e in events if isinstance(e, RecallEvent)]
@@ -561,6 +574,21 @@ def test_a_drafted_recall_cuts_the_round(pair2, peft_lm):
     assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
     assert runs[1].sequences[0, len(prompt) + 1] == lm.tokens.recall and runs[1].accepted >= 2
     assert [e.memory_index for e in runs[0].injections] == [e.memory_index for e in runs[1].injections]
+
+
+@pytest.mark.slow
+def test_the_real_pair_drafted_by_its_own_gguf_answers_as_direct(smollm2):
+    """The embedded SmolLM2 with its recall adapter (θ) against its base copy (t), drafted by llama.cpp on the
+    Q4_1 GGUF both come from: greedy equals direct, and most drafts are kept (the draft is close to q*)."""
+    tok = smollm2.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the sea."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    runs = [generate_mixture(smollm2.merged(), smollm2.mixture_target(None), {"input_ids": ids},
+                             GenerationSettings(max_new_tokens=16, repetition_penalty=1.0),
+                             MixtureSettings(enabled=True, speculative=spec, draft="gguf", gamma=4), eos_token_id=[],
+                             draft_gguf=smollm2.gguf_draft(None)) for spec in (False, True)]
+    assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
+    assert runs[1].accepted / runs[1].drafted > 0.5 and runs[1].rounds < 10
 
 
 # ------------------------------------------------------------------ seed 003's class

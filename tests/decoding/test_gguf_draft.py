@@ -1,0 +1,75 @@
+"""The llama.cpp draft (decoding/gguf_draft.py) on the real Q4_1 SmolLM2 GGUF: its cache follows the
+sequence it is asked about, ids it lacks are fed as a stand-in, and its distributions are llama.cpp's own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper
+
+from decoding.gguf_draft import GGUFDraft
+from models.gguf import load_gguf_draft
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir):
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def llm(tok):
+    return load_gguf_draft(None, tok, n_ctx=256)
+
+
+def fresh_probs(llm, ids, temperature=1.0):
+    """llama.cpp's next-token distribution after `ids`, from an emptied cache: [n_vocab]."""
+    import llama_cpp
+
+    llm.reset()
+    llm.eval(ids)
+    raw = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+    return torch.softmax(torch.from_numpy(raw.copy()) / temperature, -1)
+
+
+def test_a_proposal_after_another_sequence_equals_a_fresh_evaluation(llm, tok):
+    """The draft keeps only the common prefix of its cache: after drafting on one sequence (and its own
+    drafts), a diverging sequence's first distribution is what an empty cache gives."""
+    vocab = len(tok) + 3
+    draft = GGUFDraft(llm, vocab)
+    a = tok("The sea, the sea, the sea is").input_ids
+    b = a[:3] + tok(" mountains are tall and").input_ids
+    tokens, d = draft.propose(a, 3, processors=None, do_sample=False)
+    assert len(tokens) == 3 and d.shape == (3, vocab) and (d[:, llm.n_vocab():] == 0).all()
+    warp = LogitsProcessorList([TemperatureLogitsWarper(0.7)])
+    _, d_b = draft.propose(b, 2, processors=warp, do_sample=True, generator=torch.Generator().manual_seed(0))
+    _, d_a = draft.propose(a + tokens[:1], 1, processors=None, do_sample=False)  # back on a, one draft kept
+    assert torch.allclose(d_b[0, :llm.n_vocab()], fresh_probs(llm, b, 0.7), atol=2e-3)
+    assert torch.allclose(d_a[0, :llm.n_vocab()], fresh_probs(llm, a + tokens[:1]), atol=2e-3)
+    assert torch.allclose(d_a[0], d[1], atol=2e-3)  # the same position drafted twice
+    assert not torch.allclose(d_b[0, :llm.n_vocab()], fresh_probs(llm, a), atol=0.05)  # (the check can fail)
+
+
+def test_ids_the_gguf_lacks_are_fed_as_the_stand_in(llm, tok):
+    """A <|memory_pad|> added past the GGUF's vocabulary reads as the stand-in token; greedy drafts are
+    llama.cpp's argmax."""
+    draft = GGUFDraft(llm, len(tok) + 3, stand_in=tok.eos_token_id)
+    ids = tok("I remember").input_ids
+    memory_pad = llm.n_vocab() + 2
+    tokens, d = draft.propose(ids + [memory_pad], 2, processors=None, do_sample=False)
+    stood_in = fresh_probs(llm, ids + [tok.eos_token_id])
+    assert tokens[0] == int(stood_in.argmax()) and torch.allclose(d[0, :llm.n_vocab()], stood_in, atol=2e-3)
+    assert tokens[1] == int(fresh_probs(llm, ids + [tok.eos_token_id, tokens[0]]).argmax())
+
+
+def test_no_drafts_past_the_draft_context(llm, tok):
+    draft = GGUFDraft(llm, len(tok))
+    assert draft.propose([1] * 255, 4, processors=None, do_sample=False) == ([], None)
+
+
+def test_a_draft_wider_than_the_models_or_a_bad_stand_in_is_refused(llm):
+    with pytest.raises(ValueError, match="49152 tokens but the models have 100"):
+        GGUFDraft(llm, 100)
+    with pytest.raises(ValueError, match="stand-in token 49152 is outside"):
+        GGUFDraft(llm, 49155, stand_in=49152)

