@@ -8,9 +8,10 @@ about a third of an fp32 forward of the same model (bench/mixture.py).
 
 The draft keeps its own llama.cpp KV cache and re-syncs it with the sequence at every proposal
 (the longest common prefix stays, the rest is removed), so a rejection, a recall or another request
-in between need no bookkeeping. Token ids the GGUF vocabulary lacks (tokens added for recall) and
-the `<|memory_pad|>` positions, whose memory vector llama.cpp cannot read, are fed as a stand-in
-token: the draft is then a little worse there, never wrong.
+in between need no bookkeeping. Token ids the GGUF vocabulary lacks (the recall tokens added to
+the embedded model, `<|memory_pad|>` among them: llama.cpp cannot read the memory vector there
+anyway) are fed as a stand-in token, and get probability 0 in the draft: it is then a little worse
+there, never wrong.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class GGUFDraft:
     """Proposes γ tokens from a `llama_cpp.Llama` (made with `models.gguf.load_gguf_draft`).
 
     `vocab`: the pair's vocabulary (its logits are padded to it with -inf); `stand_in`: the id fed
-    where the sequence has a token the GGUF lacks or a memory; `device`: the pair's."""
+    where the sequence has a token the GGUF lacks; `device`: the pair's."""
 
     def __init__(self, llm, vocab: int, stand_in: int = 0, device: torch.device | str = "cpu"):
         n_vocab = llm.n_vocab()
@@ -50,10 +51,11 @@ class GGUFDraft:
     def propose(self, seq: list[int], gamma: int, *, processors: LogitsProcessorList | None, do_sample: bool,
                 memory: Mapping[int, torch.Tensor] = {}, generator: torch.Generator | None = None
                 ) -> tuple[list[int], torch.Tensor | None]:
+        """(γ drafted tokens after `seq`, their distributions [γ, V]); `memory` is not read (see above)."""
         llm = self.llm
         if len(seq) + gamma > llm.n_ctx():
             return [], None  # past the draft's context: the round draws directly from q*
-        feed = [t if t < self.n_vocab and p not in memory else self.stand_in for p, t in enumerate(seq)]
+        feed = [t if t < self.n_vocab else self.stand_in for t in seq]
         fed = llm.input_ids[:llm.n_tokens]
         same = np.flatnonzero(fed[:len(feed)] != np.asarray(feed[:len(fed)]))
         keep = min(int(same[0]) if same.size else min(len(fed), len(feed)), len(feed) - 1)
