@@ -346,13 +346,14 @@ def generate_mixture(*args, **kwargs) -> MixtureResult:
 class OptimalSpeculativeDecoder:
     """Seed 003's class, now exact: `generate` draws from q* with Leviathan et al.'s rule, k = γ drafts
     per verify from π_θ (as the seed meant, with θ's logits reused by the verify when the two models run
-    as two forwards), α* per step to `tol`. `model_t=None`: a PEFT model against its own base."""
+    as two forwards), α* per step to `tol`. `model_t=None`: a PEFT model against its own base.
+    `draft="gguf"` with `gguf=` a llama_cpp.Llama (models.gguf.load_gguf_draft) drafts with llama.cpp."""
 
-    def __init__(self, model_theta, model_t=None, k: int = 5, tol: float = 1e-6, draft: str = "theta"):
+    def __init__(self, model_theta, model_t=None, k: int = 5, tol: float = 1e-6, draft: str = "theta", gguf=None):
         if draft == "head":
-            raise ValueError("OptimalSpeculativeDecoder drafts with theta, target or ngram; an EAGLE head goes "
+            raise ValueError("OptimalSpeculativeDecoder drafts with theta, target, ngram or gguf; an EAGLE head goes "
                              "through stream_mixture(..., draft_head=...)")
-        self.model_theta, self.model_t, self.k, self.tol = model_theta, model_t, k, tol
+        self.model_theta, self.model_t, self.k, self.tol, self.gguf = model_theta, model_t, k, tol, gguf
         self.mixture = MixtureSettings(enabled=True, speculative=True, gamma=k, tol=tol, draft=draft)
 
     def generate(self, input_ids: torch.LongTensor, max_length: int = 100, temperature: float = 1.0, *,
@@ -368,6 +369,6 @@ class OptimalSpeculativeDecoder:
                                       max_new_tokens=max_length, seed=seed)
         for row in range(input_ids.shape[0]):
             result = generate_mixture(self.model_theta, self.model_t, {"input_ids": input_ids[row:row + 1]}, settings,
-                                      self.mixture, eos_token_id=[])
+                                      self.mixture, eos_token_id=[], draft_gguf=self.gguf)
             out[row, :result.sequences.shape[1]] = result.sequences[0]
         return out

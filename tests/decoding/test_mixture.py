@@ -594,10 +594,11 @@ def test_the_real_pair_drafted_by_its_own_gguf_answers_as_direct(smollm2):
 # ------------------------------------------------------------------ seed 003's class
 
 
-def test_seed_class_shapes_and_greedy_tokens(pair2):
+@pytest.mark.parametrize("draft", ["theta", "gguf"])
+def test_seed_class_shapes_and_greedy_tokens(pair2, gguf, draft):
     model_theta, model_t = pair2[0].model, pair2[1].model
     ids = torch.tensor([[504, 1813, 314, 253], [253, 2593, 3719, 504]])
-    decoder = OptimalSpeculativeDecoder(model_theta, model_t, k=3)
+    decoder = OptimalSpeculativeDecoder(model_theta, model_t, k=3, draft=draft, gguf=gguf)
     greedy = decoder.generate(ids, max_length=6, temperature=0.0)
     assert greedy.shape == (2, ids.shape[1] + 6)
     for row in range(2):
