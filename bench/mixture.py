@@ -88,7 +88,8 @@ def forward_ms(model, prompt: torch.Tensor, positions: int, repeats: int = 10) -
 
 
 def gguf_step_ms(llm, prompt: torch.Tensor, repeats: int = 20) -> float:
-    """Median ms of one llama.cpp draft step (one new token on a cached prefix), logits read included."""
+    """Median ms of one llama.cpp draft step (one new token on a cached prefix), with reading its logits,
+    padding them, the softmax and an argmax (the processors of the bench's settings do nothing)."""
     from decoding.gguf_draft import GGUFDraft
 
     draft, ids = GGUFDraft(llm, llm.n_vocab()), prompt[0].tolist()
@@ -181,7 +182,7 @@ def main() -> None:
     print(f"\none forward of θ ({args.dtype}, merged, eager, cached prefix): {step_ms:.1f} ms for 1 position, {verify_ms:.1f} ms for "
           f"γ + 1 = {args.gamma + 1} ({verify_ms / step_ms:.2f}x)")
     if gguf is not None:
-        print(f"one llama.cpp draft step (Q4_1 GGUF, {torch.get_num_threads()} threads, logits, processors and draw "
+        print(f"one llama.cpp draft step (Q4_1 GGUF, {torch.get_num_threads()} threads, logits, softmax and argmax "
               f"included): {gguf_step_ms(gguf, prompts[0]):.1f} ms")
     print("\nacceptance = kept drafts / drafted tokens (the n-gram draft drafts only where a lookup matches); "
           "a verify is one forward of each model (one batched forward for the PEFT pair; the θ draft reused "

@@ -37,18 +37,23 @@ def load_gguf_draft(path: str | Path | None, tokenizer: PreTrainedTokenizerBase,
     import torch
 
     file = embedded_gguf() if path is None else Path(path).expanduser()
+    fix = ("set generation.mixture.gguf to a GGUF of this model (same tokenizer), or draft theta, target or ngram, "
+           "or speculative false")
     if not file.is_file():
-        raise FileNotFoundError(f"mixture gguf {str(file)!r} is not a file: give a .gguf model file with the "
-                                "models' tokenizer, or null for the embedded SmolLM2's own")
+        raise FileNotFoundError(f"mixture gguf {str(file)!r} is not a file: {fix}")
     try:
         llm = llama_cpp.Llama(str(file), n_ctx=n_ctx, n_threads=threads or torch.get_num_threads(),
                               n_threads_batch=threads or torch.get_num_threads(), verbose=False)
     except ValueError as err:  # llama-cpp-python's word for a file it cannot load
-        raise ValueError(f"llama.cpp could not load {str(file)!r} as a GGUF model: {err}") from err
+        raise ValueError(f"llama.cpp could not load {str(file)!r} as a GGUF model ({err}): {fix}") from err
+    if llm.n_vocab() > len(tokenizer):
+        raise ValueError(f"the draft GGUF {file.name} has {llm.n_vocab()} tokens but the model's tokenizer has "
+                         f"{len(tokenizer)}: {fix}")
     got = llm.tokenize(PROBE.encode(), add_bos=False, special=False)
     expected = tokenizer(PROBE, add_special_tokens=False).input_ids
-    if got != expected or llm.n_vocab() > len(tokenizer):
-        raise ValueError(f"the draft GGUF {file.name} ({llm.n_vocab()} tokens) tokenizes {PROBE!r} as {got[:12]}..., "
-                         f"the model's tokenizer ({len(tokenizer)} tokens) as {expected[:12]}...: "
-                         "a draft must share the models' tokenizer")
+    if got != expected:
+        at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        raise ValueError(f"the draft GGUF {file.name} tokenizes {PROBE!r} differently from the model's tokenizer: "
+                         f"from token {at} on, {got[at:at + 6]} where the model has {expected[at:at + 6]} "
+                         f"({len(got)} and {len(expected)} tokens in all): {fix}")
     return llm

@@ -63,9 +63,24 @@ def test_ids_the_gguf_lacks_are_fed_as_the_stand_in(llm, tok):
     assert tokens[1] == int(fresh_probs(llm, ids + [tok.eos_token_id, tokens[0]]).argmax())
 
 
-def test_no_drafts_past_the_draft_context(llm, tok):
+def test_a_sequence_the_cache_already_holds_is_evaluated_again_at_its_last_token(llm, tok):
+    """Asked about a prefix of what llama.cpp holds (a rejected round, a regenerate), the draft still
+    evaluates the last token, so its distribution is never a stale one."""
     draft = GGUFDraft(llm, len(tok))
-    assert draft.propose([1] * 255, 4, processors=None, do_sample=False) == ([], None)
+    a = tok("The sea, the sea").input_ids
+    draft.propose(a, 3, processors=None, do_sample=False)  # the cache: a and two drafts
+    _, d = draft.propose(a, 1, processors=None, do_sample=False)
+    assert torch.allclose(d[0, :llm.n_vocab()], fresh_probs(llm, a), atol=2e-3)
+
+
+@pytest.mark.parametrize("n_ctx", [256, 300])  # llama.cpp rounds 300 up to 512 but keeps 300 token slots
+def test_drafts_stop_exactly_at_the_draft_context(tok, n_ctx):
+    """The sequence and γ - 1 drafts must fit: one token more and the round draws from q* directly."""
+    llm_ctx = load_gguf_draft(None, tok, n_ctx=n_ctx)
+    draft = GGUFDraft(llm_ctx, len(tok))
+    fits = [1] * (n_ctx - 3)  # the sequence and the first 3 of 4 drafts (the last is not fed): n_ctx positions
+    assert len(draft.propose(fits, 4, processors=None, do_sample=False)[0]) == 4
+    assert draft.propose(fits + [1], 4, processors=None, do_sample=False) == ([], None)
 
 
 def test_a_draft_wider_than_the_models_or_a_bad_stand_in_is_refused(llm):
@@ -73,3 +88,15 @@ def test_a_draft_wider_than_the_models_or_a_bad_stand_in_is_refused(llm):
         GGUFDraft(llm, 100)
     with pytest.raises(ValueError, match="stand-in token 49152 is outside"):
         GGUFDraft(llm, 49155, stand_in=49152)
+
+
+def test_each_answer_starts_from_an_empty_cache(llm, tok):
+    """llama.cpp's numbers for a position differ a little between a batch and one-token evaluations (the
+    drafts): a new draft (one per answer) evaluates its whole sequence afresh, so an answer that builds on
+    an earlier one's drafted tokens gets what llama.cpp gives from nothing (a seeded answer repeats)."""
+    a = tok("The sea, the sea, the sea is very deep and the lighthouse").input_ids
+    drafted, _ = GGUFDraft(llm, len(tok)).propose(a, 5, processors=None, do_sample=False)  # an earlier answer
+    draft = GGUFDraft(llm, len(tok))
+    assert llm.n_tokens == 0
+    _, d = draft.propose(a + drafted[:4], 1, processors=None, do_sample=False)
+    assert torch.equal(d[0, :llm.n_vocab()], fresh_probs(llm, a + drafted[:4]))

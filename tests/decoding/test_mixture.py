@@ -385,6 +385,28 @@ def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, head,
             assert 0 < accepted < len(draws)  # drafts were kept in some runs and rejected in others
 
 
+def test_the_gguf_draft_keeps_q_star_over_three_tokens(pair2, gguf):
+    """γ = 2: the second draft's distribution comes after llama.cpp evaluated the first draft alone, and
+    the round keeps both drafts, one, or none; P(x1, x2, x3) is still q*'s (chi-square)."""
+    model_theta, model_t = pair2[0].model, pair2[1].model
+    allowed, prompt, processors = allowed_setup(model_theta, model_t)
+    q = lambda ids: reference_q(model_theta, model_t, ids, processors)[0].exp()  # noqa: E731
+    exact = np.asarray([float(q(prompt)[a]) * float(q(prompt + [a])[b]) * float(q(prompt + [a, b])[c])
+                        for a in allowed for b in allowed for c in allowed])
+    index = {a: i for i, a in enumerate(allowed)}
+    draws, kept = [], []
+    for seed in range(600):
+        settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=3, seed=seed)
+        r = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, settings,
+                             MixtureSettings(enabled=True, speculative=True, draft="gguf", gamma=2),
+                             logits_processor=processors, draft_gguf=gguf)
+        a, b, c = r.new_tokens[0].tolist()
+        draws.append((index[a] * ALLOWED_WORDS + index[b]) * ALLOWED_WORDS + index[c])
+        kept.append(r.accepted)
+    assert chi2_p(draws, exact) > P_MIN
+    assert {0, 1, 2} <= set(kept)  # answers kept no draft, one, and two
+
+
 @pytest.mark.parametrize("case", ["two", "peft", "peft-two-forwards"])
 @pytest.mark.parametrize("draft", ["ngram", "theta", "target", "head", "gguf"])
 def test_greedy_speculative_equals_direct_equals_reference(pair2, peft_lm, head, gguf, case, draft):
@@ -589,6 +611,27 @@ def test_the_real_pair_drafted_by_its_own_gguf_answers_as_direct(smollm2):
                              draft_gguf=smollm2.gguf_draft(None)) for spec in (False, True)]
     assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
     assert runs[1].accepted / runs[1].drafted > 0.5 and runs[1].rounds < 10
+
+
+@pytest.mark.slow
+def test_a_seeded_answer_drafted_by_the_gguf_repeats(smollm2):
+    """llama.cpp's numbers depend a little on how a position was evaluated (alone or in a batch), so each
+    answer's draft starts from an empty cache: the same seed gives the same answer again, right after
+    itself (when the draft's cache holds its whole prompt) and after another answer."""
+    tok = smollm2.tokenizer
+
+    def answer(text, seed):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=16, seed=seed, repetition_penalty=1.0)
+        return generate_mixture(smollm2.merged(), smollm2.mixture_target(None), {"input_ids": ids}, settings,
+                                MixtureSettings(enabled=True, speculative=True, draft="gguf"), eos_token_id=[],
+                                draft_gguf=smollm2.gguf_draft(None)).sequences[0].tolist()
+
+    first = answer("Tell me about the sea.", 3)
+    assert answer("Tell me about the sea.", 3) == first
+    answer("Tell me about the mountains.", 5)
+    assert answer("Tell me about the sea.", 3) == first
 
 
 # ------------------------------------------------------------------ seed 003's class

