@@ -70,7 +70,8 @@ CONTROLS: dict[str, tuple] = {
                                                 "every step)"),
                       lambda a: "auto" if a is not None and a < 0 else a),
     "mixture_speculative": ("mixture.speculative", "Mixture",
-                            lambda v: gr.Checkbox(v, label="exact speculative sampling (a draft proposes, both verify)")),
+                            lambda v: gr.Checkbox(v, label="exact speculative sampling (a draft proposes, both "
+                                                           "verify)")),
     "mixture_draft": ("mixture.draft", "Mixture",
                       lambda v: gr.Radio(list(DRAFTS), value=v, label="draft: gguf = llama.cpp on a quantized copy, "
                                                                      "theta / target = one of the two models, ngram = "

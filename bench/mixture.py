@@ -132,7 +132,8 @@ def main() -> None:
     gguf = load_gguf_draft(None, lm.tokenizer) if importlib.util.find_spec("llama_cpp") else None
     modes = {m: v for m, v in MODES.items() if (not args.modes or m.startswith("direct, base copy")
                                                 or any(w in m for w in args.modes.split(",")))
-             and (v[1] == "copy" or dtype == torch.float32) and ("head" not in m or head is not None) and ("GGUF" not in m or gguf is not None)}
+             and (v[1] == "copy" or dtype == torch.float32) and ("head" not in m or head is not None)
+             and ("GGUF" not in m or gguf is not None)}
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                        return_tensors="pt", return_dict=True)["input_ids"] for p in PROMPTS]
     n = args.tokens

@@ -228,8 +228,8 @@ class Conversation:
                 mix = settings.mixture
                 head = self.lm.draft_head(mix.head) if mix.speculative and mix.draft == "head" else None
                 gguf = self.lm.gguf_draft(mix.gguf) if mix.speculative and mix.draft == "gguf" else None
-                events = stream_mixture(self.lm.merged(), target, inputs, settings, mix, prefill_chunk=self.prefill_chunk,
-                                        draft_head=head, draft_gguf=gguf, **common)
+                events = stream_mixture(self.lm.merged(), target, inputs, settings, mix,
+                                        prefill_chunk=self.prefill_chunk, draft_head=head, draft_gguf=gguf, **common)
             else:
                 events = stream_generate(self.lm.merged(), inputs, settings, cache=past,
                                          prefill_chunk=self.prefill_chunk, batch=self.batch, **common)

