@@ -149,7 +149,7 @@ class MixtureSettings:
     enabled: bool = False
     target: str | None = None
     alpha: str | float = "auto"
-    speculative: bool = False  # the app config turns it on, draft gguf: 1.69x of direct q* (bench/mixture.py)
+    speculative: bool = False  # the app config turns it on, draft gguf: 1.6-1.7x of direct q* (bench/mixture.py)
     gamma: int = 4
     draft: str = "theta"
     ngram: int = 3
