@@ -265,6 +265,9 @@ def train(lm, recipe: Recipe, out: Path, log_every: int = 10):
     started = time.perf_counter()
     with open(log_path, "w", newline="") as fh:
         writer = None
+        if recipe.eval_every:  # step 0: the held-out measures before any update, the baseline of the curve
+            before = {k: round(v, 4) for k, v in
+                      quick_eval(model, tok, tokens, encoder, recipe.eval_facts, recipe.seed).items()}
         bar = tqdm(range(recipe.steps), desc="training", unit="step")
         for step in bar:
             batch, _ = next(stream)
@@ -287,6 +290,8 @@ def train(lm, recipe: Recipe, out: Path, log_every: int = 10):
                                       "eval_value_nll", "eval_value_nll_wrong"]
                 writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(fields)))
                 writer.writeheader()
+                if recipe.eval_every:
+                    writer.writerow({"step": 0, "seconds": 0.0, **before})
             writer.writerow(row)
             fh.flush()
             if (step + 1) % log_every == 0:

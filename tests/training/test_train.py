@@ -39,12 +39,18 @@ def trained(tmp_path_factory, smollm2_dir):
 def test_training_lowers_the_loss_and_logs_it(trained):
     _, out, *_ = trained
     rows = list(csv.DictReader(open(out / "training_log.csv")))
-    assert len(rows) == TINY["steps"] and rows[-1]["step"] == str(TINY["steps"])
+    before, steps = rows[0], rows[1:]  # step 0: the held-out measures before any update
+    assert before["step"] == "0" and before["loss"] == "" and before["eval_p_recall_fact"] != ""
+    assert len(steps) == TINY["steps"] and steps[-1]["step"] == str(TINY["steps"])
     mean = lambda key, part: sum(float(r[key]) for r in part) / len(part)  # noqa: E731
-    assert mean("loss", rows[-10:]) < 0.9 * mean("loss", rows[:10])
-    assert mean("decision", rows[-10:]) < 0.4 * mean("decision", rows[:10])  # it learned when to say <recall>
+    # Per-batch losses swing by 3x from step to step, so the bounds leave room measured over 1 and 2
+    # threads and recipe seeds 0 and 1: last/first ten steps' total loss 0.68-0.73 (bound 0.9); held-out
+    # p(<recall>) after fact questions 0.0000 before training in all four, 0.29-0.40 after (bounds 0.01, 0.1).
+    assert mean("loss", steps[-10:]) < 0.9 * mean("loss", steps[:10])
+    assert float(before["eval_p_recall_fact"]) < 0.01
+    assert float(steps[-1]["eval_p_recall_fact"]) > 0.1  # it learned to say <recall> (held-out questions)
     # (a random tiny model cannot learn its 49k-token answers in 80 steps; SmolLM2's run is in the README)
-    assert rows[39]["eval_retrieval@1"] != "" and rows[38]["eval_retrieval@1"] == ""
+    assert steps[39]["eval_retrieval@1"] != "" and steps[38]["eval_retrieval@1"] == ""
 
 
 def test_the_adapter_loads_back_with_its_encoder(trained, tmp_path):
