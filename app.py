@@ -21,7 +21,8 @@ import gradio as gr
 from chat import openai_api
 from chat.banks import BANK_TYPES
 from chat.config import Config, ConfigError, load_config, request_settings, setting_value
-from chat.service import ASSETS, EXAMPLE_IMAGES, Service, Session, Turn
+from chat.service import ASSETS, EXAMPLE_IMAGES, Service, Turn
+from chat.session import Session
 from chat.view import (
     RECALL_COLUMNS, bank_sample, answer_figure, bank_summary, chat_messages, found_table, inline_text, recall_table,
 )
@@ -162,7 +163,7 @@ class Handlers:
         stopped = self.service.stop(s)
         for req in stopped:
             with contextlib.suppress(ValueError):  # a failed request is stopped too
-                await self.service.worker.wait_for(req)  # within one decoding step
+                await self.service.wait_for(req)  # within one decoding step
         return self.service.status(s, f"stopped after {stopped[-1].steps} tokens" if stopped else "nothing to stop")
 
     def clear(self, s: Session) -> tuple:
@@ -193,7 +194,7 @@ class Handlers:
 
     async def _bank_job(self, s: Session, make_request, done: str) -> tuple[tuple, bool]:
         try:
-            result = await self.service.worker.wait_for(make_request())
+            result = await self.service.wait_for(make_request())
             return self.bank_view(s, done.format(result=result)), True
         except ValueError as e:
             return self.bank_view(s, _warn(e)), False
@@ -254,7 +255,7 @@ class Handlers:
         state = ""
         if self.service.lm is None:
             try:
-                await self.service.worker.wait_for(self.service.ready())
+                await self.service.wait_for(self.service.ready())
             except ServiceError as e:
                 state = _warn(e)
         return self.bank_view(s, state)

@@ -29,9 +29,9 @@ from torch._dynamo.utils import counters  # noqa: E402
 from decoding import GenerationSettings, MemorySelector, Recall, RecallSettings, generate  # noqa: E402
 from decoding import compiled as fast_path  # noqa: E402
 from decoding.forward import Forward  # noqa: E402
-from decoding.modeling import backbone_and_head, set_adapter_merged, unwrap_model  # noqa: E402
 from decoding.processors import to_generation_config  # noqa: E402
 from memory import MemoryVectorDB  # noqa: E402
+from models.modeling import backbone_and_head, set_adapter_merged, unwrap_model  # noqa: E402
 
 PROMPT = "<|im_start|>user\nWrite a long story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
 

@@ -36,6 +36,7 @@ from decoding.mixture import generate_mixture  # noqa: E402
 from decoding.settings import MixtureSettings  # noqa: E402
 from decoding.draft_head import DraftHead  # noqa: E402
 from models import RECALL_ADAPTER, load_model  # noqa: E402
+from models.gguf import gguf_draft_for  # noqa: E402
 
 PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain how photosynthesis works, step by step.",
            "What should I pack for a week of hiking in the mountains?"]
@@ -128,7 +129,7 @@ def main() -> None:
     if dtype != torch.float32:  # both models in bfloat16 (θ merged in float32 first), as plain modules
         theta, base = copy.deepcopy(theta).to(dtype), copy.deepcopy(base).to(dtype)
     head = DraftHead.load(args.head, dtype=dtype) if args.head else None
-    gguf = lm.gguf_draft(None) if importlib.util.find_spec("llama_cpp") else None
+    gguf = gguf_draft_for(lm, None) if importlib.util.find_spec("llama_cpp") else None
     modes = {m: v for m, v in MODES.items() if (not args.modes or m.startswith("direct, base copy")
                                                 or any(w in m for w in args.modes.split(",")))
              and (v[1] == "copy" or dtype == torch.float32) and ("head" not in m or head is not None)

@@ -67,7 +67,7 @@ def main() -> None:
 
     import torch
 
-    from decoding.modeling import is_peft, set_adapter_merged
+    from models.modeling import is_peft, set_adapter_merged
     from models import load_model
     from training.evaluate import evaluate
     from training.facts import chat_prompts, make_facts

@@ -14,20 +14,18 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from chat.config import Config
+from chat.session import Session
 from chat.textsearch import TextSearch
 from chat.worker import Request, ServiceError, Worker, describe
 from memory import BankError, MemoryVectorDB
 from models import LoadedModel
 from models.vision import IMAGE_PAD, VISION_END, VISION_START, encode_with_images
-
-if TYPE_CHECKING:
-    from chat.service import Session
 
 log = logging.getLogger("chat.banks")
 

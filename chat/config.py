@@ -19,8 +19,8 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from decoding.settings import GenerationSettings, RecallSettings
+from models.encoder import HiddenStateSpec
 from models.quantize import QUANTIZE
-from memory.encoder import HiddenStateSpec
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "config_qwen3vl.yaml"
 ENV_PREFIX = "RECALL_CHAT__"

@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chat.inputs import describe
 from chat.config import request_settings
-from chat.service import Service, Session
+from chat.service import Service
+from chat.session import Session
 from chat.worker import END, Failed, ServiceError
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 
@@ -137,7 +138,7 @@ class OpenAIRoutes:
                 body = ChatRequest.model_validate_json(await request.body())
             except ValidationError as e:
                 raise APIError(400, describe(e), param=str(e.errors()[0]["loc"][0])) from None
-            await self.service.worker.wait_for(self.service.ready())
+            await self.service.wait_for(self.service.ready())
             if body.model not in (self.model_id, ALIAS):  # (the alias is what /v1/models says while loading)
                 raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_id!r}",
                                param="model", code="model_not_found")
@@ -169,15 +170,9 @@ class OpenAIRoutes:
             if last.role != "user":
                 raise APIError(400, f"messages: expected the last message to be from the user, got {last.role!r}",
                                param="messages")
-            conv = svc.conversation(s)
             for message in history:
                 text, images = _parts(message)
-                if message.role == "system":
-                    conv.system_prompt = text
-                elif message.role == "user":
-                    conv.build_inputs(text, self.files(s, images))
-                else:
-                    conv.add_answer_text(text)
+                svc.add_history(s, message.role, text, self.files(s, images) if message.role == "user" else ())
             text, images = _parts(last)
             return s, svc.chat(s, text, self.files(s, images), settings, recall, body.recall_first)
         except APIError:

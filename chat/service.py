@@ -1,10 +1,10 @@
 """The chat service behind the page: sessions, their banks, and the model's lifecycle.
 
-Sessions hold one browser tab's state: its `Conversation`, the requests it runs, and which bank it
-uses: the shared bank (`memory.bank` of the config), the example bank (built once from
-`assets/example_memories.txt`, shared), or its own (uploaded, or a copy made on its first edit of a
-shared bank: a session's edits never reach other sessions). All model work goes through the one
-`Worker`. Nothing here imports Gradio; `app.py` renders what `chat.view` makes of it.
+Sessions (`chat.session.Session`) hold one browser tab's state: its `Conversation`, the requests it
+runs, and which bank it uses: the shared bank (`memory.bank` of the config), the example bank (built
+once from `assets/example_memories.txt`, shared), or its own (uploaded, or a copy made on its first
+edit of a shared bank: a session's edits never reach other sessions). All model work goes through
+the one `Worker`. Nothing here imports Gradio; `app.py` renders what `chat.view` makes of it.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 
 from chat.config import Config
-from chat.session import Conversation, text_only_message
+from chat.session import Conversation, Session, text_only_message
 from chat.textsearch import TextSearch
 from chat.banks import Banks
 from chat.inputs import Limits, check_message, check_new_tokens
@@ -35,11 +35,10 @@ from chat.worker import END, Notice, Request, ServiceError, Worker, describe
 from decoding import compiled
 from decoding.events import DoneEvent
 from decoding.mixture import MixtureResult
-from decoding.modeling import max_positions
 from decoding.settings import GenerationSettings, RecallSettings
 from memory.files import atomic_write
-from memory import MemoryVectorDB
 from models import EMBEDDED_NAME, LoadedModel, load_model
+from models.modeling import max_positions
 
 log = logging.getLogger("chat.service")
 
@@ -59,27 +58,6 @@ def _return_freed_memory() -> None:
             ctypes.CDLL(libc).malloc_trim(0)
         except (OSError, AttributeError):  # not glibc
             pass
-
-
-@dataclass(eq=False)
-class Session:
-    """One browser tab: its conversation, its running request, its bank choice."""
-
-    id: int
-    conv: Conversation | None = None
-    bank_use: str = "shared"  # shared | example | own
-    own_bank: MemoryVectorDB | None = None
-    own_label: str = ""
-    active: list[Request] = field(default_factory=list)  # the answers it runs or waits for
-    last_speed: float | None = None
-    last_plot: tuple | None = None  # how the last answer was decoded: ("entropy" | "mixture", data...), see chat.view
-    last_note: str = ""  # the same in words, for the status line (the mixture's acceptance rate)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # the conversation; held for a whole turn
-    files: Path | None = None  # its own folder: saved conversations, banks, images of loaded conversations
-    last_used: float = field(default_factory=time.monotonic)
-
-    def __deepcopy__(self, memo: dict) -> Session:
-        return self  # a live handle: Gradio's State deep-copies initial values, this one must stay itself
 
 
 @dataclass
@@ -176,6 +154,10 @@ class Service:
         """A request that loads the model (when not yet loaded); submit it from a handler to show progress."""
         return self.worker.submit(Request("load", lambda _: self._model().name))
 
+    async def wait_for(self, req: Request) -> Any:
+        """Await a request's end: its result, or `ServiceError` with its message."""
+        return await self.worker.wait_for(req)
+
     def _wait_model(self) -> LoadedModel:
         if self._lm is None:
             req = self.ready()
@@ -221,6 +203,17 @@ class Service:
         s.conv.prefill_chunk = self.cfg.app.prefill_chunk_tokens
         s.conv.batch = self.worker.batch if self.cfg.app.batching else None
         return s.conv
+
+    def add_history(self, s: Session, role: str, text: str, images: Sequence[str] = ()) -> None:
+        """An earlier message of a conversation its client keeps (the OpenAI API's `messages`): the system
+        prompt, a user message, or an answer given as text."""
+        conv = self.conversation(s)
+        if role == "system":
+            conv.system_prompt = text
+        elif role == "user":
+            conv.build_inputs(text, images)
+        else:
+            conv.add_answer_text(text)
 
     def _fit(self, conv: Conversation, text: str, images: Sequence[str], settings: GenerationSettings,
              recall_first: bool) -> int:

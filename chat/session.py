@@ -5,11 +5,15 @@ from text), so a `<|memory_pad|>` recalled in turn 1 is at the same position in 
 its vector again at prefill, as Qwen3-VL places image features. Each new turn appends only the
 chat template's text between the last answer and the new generation prompt, so the KV cache of
 the previous turn covers the whole prefix and only the new tokens are prefilled.
+
+A `Session` is what one browser tab (or API request) holds: its conversation, its requests, its bank.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,14 +23,18 @@ import torch
 from pydantic import ValidationError
 
 from chat.inputs import FORMAT, ConversationFile, check_conversation, decode_image, describe, encode_image, encode_vector
+from chat.worker import Request
 from decoding.compiled import crop, seq_length
 from decoding.events import DoneEvent, Event, GenerationResult, RecallEvent
 from decoding.batch import Batch
+from decoding.draft_head import draft_head_for
 from decoding.loop import stream_generate
 from decoding.memory import Recall
 from decoding.mixture import stream_mixture
 from decoding.settings import GenerationSettings, RecallSettings
+from memory import MemoryVectorDB
 from models import LoadedModel
+from models.gguf import gguf_draft_for
 from models.vision import IMAGE_PAD, encode_with_images
 
 _SENTINEL = "\u2063RECALL-CHAT-ANSWER\u2063"
@@ -226,8 +234,8 @@ class Conversation:
             if settings.mixture.enabled:  # seed 003: q* of this model and its target (its own base by default)
                 target = self.lm.mixture_target(settings.mixture.target)  # (made once)
                 mix = settings.mixture
-                head = self.lm.draft_head(mix.head) if mix.speculative and mix.draft == "head" else None
-                gguf = self.lm.gguf_draft(mix.gguf) if mix.speculative and mix.draft == "gguf" else None
+                head = draft_head_for(self.lm, mix.head) if mix.speculative and mix.draft == "head" else None
+                gguf = gguf_draft_for(self.lm, mix.gguf) if mix.speculative and mix.draft == "gguf" else None
                 events = stream_mixture(self.lm.merged(), target, inputs, settings, mix,
                                         prefill_chunk=self.prefill_chunk, draft_head=head, draft_gguf=gguf, **common)
             else:
@@ -293,3 +301,24 @@ class Conversation:
         self.clear()
         self.system_prompt = data.system_prompt
         self.messages, self.ids, self.memory, self.pixels = messages, list(data.ids), memory, pixels
+
+
+@dataclass(eq=False)
+class Session:
+    """One browser tab: its conversation, its running request, its bank choice."""
+
+    id: int
+    conv: Conversation | None = None
+    bank_use: str = "shared"  # shared | example | own
+    own_bank: MemoryVectorDB | None = None
+    own_label: str = ""
+    active: list[Request] = field(default_factory=list)  # the answers it runs or waits for
+    last_speed: float | None = None
+    last_plot: tuple | None = None  # how the last answer was decoded: ("entropy" | "mixture", data...), see chat.view
+    last_note: str = ""  # the same in words, for the status line (the mixture's acceptance rate)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the conversation; held for a whole turn
+    files: Path | None = None  # its own folder: saved conversations, banks, images of loaded conversations
+    last_used: float = field(default_factory=time.monotonic)
+
+    def __deepcopy__(self, memo: dict) -> Session:
+        return self  # a live handle: Gradio's State deep-copies initial values, this one must stay itself

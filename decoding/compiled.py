@@ -22,7 +22,7 @@ import time
 import torch
 from transformers import StaticCache
 
-from decoding.modeling import backbone_and_head, max_positions, unwrap_model
+from models.modeling import backbone_and_head, max_positions, unwrap_model
 
 BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)  # static cache lengths: few shapes, few compiles. A step
                                                     # attends over its whole bucket (masked): the shorter the better

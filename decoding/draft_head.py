@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaModel
 
+from models import LoadedModel
+
 CONFIG = "draft_head.json"
 WEIGHTS = "draft_head.safetensors"
 
@@ -83,3 +85,20 @@ class DraftHead(torch.nn.Module):
         for p in head.parameters():  # parameters only: RoPE's inv_freq buffer stays float32
             p.data = p.data.to(dtype)
         return head.eval()
+
+
+def draft_head_for(lm: LoadedModel, path: str | None) -> DraftHead:
+    """The mixture's draft head in folder `path`, loaded once for `lm`, on its device and dtype; refused
+    unless it is as wide as the model."""
+    if path is None:
+        raise ValueError("generation.mixture.draft is 'head' but generation.mixture.head names no folder: "
+                         "train one with python -m training.draft, or use draft theta, target or ngram")
+
+    def load() -> DraftHead:
+        head = DraftHead.load(path, device=lm.device, dtype=lm.dtype)
+        if head.config.hidden_size != lm.hidden_size:
+            raise ValueError(f"draft head {path!r} is {head.config.hidden_size} wide but {lm.name}'s features "
+                             f"are {lm.hidden_size}: a head is trained for one model")
+        return head
+
+    return lm.once(("head", path), load)

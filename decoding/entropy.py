@@ -26,8 +26,8 @@ from transformers import LogitsProcessorList
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 from decoding.events import EntropyTrace, Event, LayerEvent, TokenEvent
-from decoding.modeling import backbone_and_head, decoder_layers, final_norm, head_logits
 from decoding.settings import ENTROPY_MODES
+from models.modeling import backbone_and_head, decoder_layers, final_norm, head_logits
 
 # ---- pure tensor functions ----------------------------------------------------------------------
 

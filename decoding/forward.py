@@ -13,7 +13,7 @@ from typing import Mapping
 import torch
 
 from decoding.compiled import compiled_step
-from decoding.modeling import backbone_and_head, head_logits, unwrap_model
+from models.modeling import backbone_and_head, head_logits, unwrap_model
 
 
 class Forward:

@@ -33,12 +33,12 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from decoding.events import DoneEvent, FinishEvent, GenerationResult, PrefillEvent, RecallEvent, TokenEvent
 from decoding.loop import TOOL_CALL_END
 from decoding.memory import MemorySelector, Recall
-from decoding.modeling import check_bank_dim, max_positions, unwrap_model
 from decoding.processors import build_logits_processor, build_stopping_criteria
 from decoding.settings import GenerationSettings, MixtureSettings
 from decoding.speculative import HeadDraft, ModelDraft, ModelPair, PairDraft, make_draft, process_block, speculative_round
 
 from decoding.request import Detokenizer, generators
+from models.modeling import check_bank_dim, max_positions, unwrap_model
 
 MASKED = -1e30  # scores at or below this count as masked (transformers masks with -inf or finfo.min)
 ATOL = 1e-12  # |δ| below this is a root (float64)

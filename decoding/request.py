@@ -16,9 +16,9 @@ from decoding.entropy import EntropyDecoder, repeat_rows
 from decoding.events import FinishEvent, GenerationResult, RecallEvent, TokenEvent
 from decoding.forward import Forward
 from decoding.memory import MemorySelector, Recall
-from decoding.modeling import check_bank_dim, max_positions
 from decoding.processors import build_logits_processor, build_stopping_criteria
 from decoding.settings import GenerationSettings
+from models.modeling import check_bank_dim, max_positions
 
 
 class Detokenizer:

@@ -28,7 +28,7 @@ from transformers import DynamicCache, LogitsProcessorList
 
 from decoding.compiled import crop
 from decoding.forward import Forward
-from decoding.modeling import is_peft, set_adapter_merged, unwrap_model
+from models.modeling import is_peft, set_adapter_merged, unwrap_model
 
 # ---- the acceptance rule (pure, batched) -------------------------------------------------------
 

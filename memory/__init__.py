@@ -1,12 +1,11 @@
-"""Memory bank: hidden-state vectors in FAISS, their files, and the encoder that writes them.
+"""Memory bank: hidden-state vectors in FAISS, their files, their checks and the approximate index.
 
-Knows vectors, models' hidden states and files only: nothing here imports the chat app or the UI.
+Knows vectors and files only: nothing here imports a model, the chat app or the UI (the encoder
+that writes the vectors is the model's: `models/encoder.py`).
 """
 
 from memory.bank import MemoryVectorDB
-from memory.encoder import HiddenStateSpec, MemoryEncoder, MemoryProjector, build_bank
 from memory.files import BankData, read_bank, write_bank
 from memory.validate import BankError
 
-__all__ = ["BankData", "BankError", "HiddenStateSpec", "MemoryEncoder", "MemoryProjector", "MemoryVectorDB",
-           "build_bank", "read_bank", "write_bank"]
+__all__ = ["BankData", "BankError", "MemoryVectorDB", "read_bank", "write_bank"]

@@ -293,7 +293,7 @@ class MemoryVectorDB:
         if expected_encoder is not None and written_by is not None and written_by != expected_encoder:
             raise BankError(f"{source}: expected memories written by this model's encoder {expected_encoder!r}, "
                             f"got a bank written by {written_by!r}; rebuild it from its texts with this model "
-                            "(python -m memory.cli build memories.txt bank.pt, or write them in the Memory tab)")
+                            "(python -m chat.bankcli build memories.txt bank.pt, or write them in the Memory tab)")
         raw, norms = prepare_vectors(data.vectors, expected_dim=expected_dim, source=source)
         db = cls(raw.shape[1], index, **index_options)
         db._append(raw, norms, data.texts, data.metadata, source)

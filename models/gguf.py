@@ -12,9 +12,15 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from models.loading import embedded_gguf
+from models.loading import LoadedModel, embedded_gguf
 
 PROBE = "The lighthouse keeper's 3 cats, naïvely: ¿qué? 東京 {\"key\": [1, 2]}\n\tend."
+
+
+def gguf_draft_for(lm: LoadedModel, path: str | None):
+    """The mixture's llama.cpp draft on the GGUF file `path` (None: the embedded SmolLM2's own), loaded once
+    for `lm`, refused unless it tokenizes like the model."""
+    return lm.once(("gguf", path), lambda: load_gguf_draft(path, lm.tokenizer))
 
 
 def load_gguf_draft(path: str | Path | None, tokenizer: PreTrainedTokenizerBase, *, n_ctx: int = 8192,

@@ -17,14 +17,14 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Hashable
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.modeling import hidden_size, is_peft, set_adapter_merged, unwrap_model
+from models.encoder import ENCODER_CONFIG, HiddenStateSpec, MemoryEncoder
+from models.modeling import hidden_size, is_peft, set_adapter_merged, unwrap_model
 from models.quantize import QUANTIZE, quantize_int8
-from memory.encoder import ENCODER_CONFIG, HiddenStateSpec, MemoryEncoder
 
 log = logging.getLogger(__name__)
 
@@ -79,35 +79,13 @@ class LoadedModel:
         if path is None and not is_peft(self.model):
             raise ValueError(f"{self.name} has no adapter, so its own base is itself: set generation.mixture.target "
                              "to a second model folder with the same tokenizer")
-        if path not in self._targets:
-            self._targets[path] = base_copy(self.model) if path is None else self._load_target(path)
-        return self._targets[path]
+        return self.once(path, lambda: base_copy(self.model) if path is None else self._load_target(path))
 
-    def draft_head(self, path: str | None) -> torch.nn.Module:
-        """The mixture's EAGLE draft head (decoding/draft_head.py) in folder `path`, loaded once, on the
-        model's device and dtype; refused unless it is as wide as this model."""
-        from decoding.draft_head import DraftHead
-
-        if path is None:
-            raise ValueError("generation.mixture.draft is 'head' but generation.mixture.head names no folder: "
-                             "train one with python -m training.draft, or use draft theta, target or ngram")
-        key = ("head", path)
+    def once(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """What `make()` gives, made the first time `key` is asked for and kept with the model (a mixture's
+        drafts: decoding/draft_head.py, decoding/gguf_draft.py)."""
         if key not in self._targets:
-            head = DraftHead.load(path, device=self.device, dtype=self.dtype)
-            if head.config.hidden_size != self.hidden_size:
-                raise ValueError(f"draft head {path!r} is {head.config.hidden_size} wide but {self.name}'s features "
-                                 f"are {self.hidden_size}: a head is trained for one model")
-            self._targets[key] = head
-        return self._targets[key]
-
-    def gguf_draft(self, path: str | None):
-        """The mixture's llama.cpp draft (models/gguf.py) on the GGUF file `path` (None: the embedded
-        SmolLM2's own), loaded once, refused unless it tokenizes like this model."""
-        from models.gguf import load_gguf_draft
-
-        key = ("gguf", path)
-        if key not in self._targets:
-            self._targets[key] = load_gguf_draft(path, self.tokenizer)
+            self._targets[key] = make()
         return self._targets[key]
 
     def _load_target(self, path: str) -> PreTrainedModel:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from decoding.modeling import is_peft
+from models.modeling import is_peft
 
 QUANTIZE = ("none", "int8")
 

@@ -14,8 +14,8 @@ from gradio_client import Client, handle_file
 import app
 from chat.config import load_config
 from chat.service import Service
-from decoding.modeling import adapter_merged
 from memory import MemoryVectorDB
+from models.modeling import adapter_merged
 from conftest import make_tiny_qwen3vl
 from tests_helpers import Evil, bank_file
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from chat.service import EXAMPLE_IMAGES
-from decoding.modeling import backbone_and_head
 from memory import MemoryVectorDB
+from models.modeling import backbone_and_head
 from conftest import make_tiny_qwen3vl
 from test_app import serve
 

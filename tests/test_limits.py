@@ -24,8 +24,8 @@ import pytest
 import torch
 from gradio_client import Client, handle_file
 
-from decoding.modeling import backbone_and_head
 from memory import MemoryVectorDB
+from models.modeling import backbone_and_head
 from test_app import STATUS, chat, message, serve
 
 pytestmark = pytest.mark.slow

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from decoding.draft_head import DraftHead, head_config
 from decoding.forward import Forward
 from decoding.mixture import solve_alpha
-from decoding.modeling import backbone_and_head
+from models.modeling import backbone_and_head
 from models.loading import cache_root, load_model
 from training.data import prompt_ids
 from training.train import replies

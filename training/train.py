@@ -40,8 +40,8 @@ import yaml
 from tqdm.auto import tqdm
 
 from decoding.memory import inject_memories
-from decoding.modeling import backbone_and_head, head_logits
-from memory.encoder import HiddenStateSpec, MemoryEncoder, MemoryProjector
+from models.modeling import backbone_and_head, head_logits
+from models.encoder import HiddenStateSpec, MemoryEncoder, MemoryProjector
 from training.data import IGNORE, Batch, batches, positive, prompt_ids, value_tokens
 from training.facts import chat_prompts, make_facts
 from training.losses import info_nce, masked_means

@@ -20,9 +20,9 @@ from chat.view import (
 from chat.worker import Failed, Notice, Request, ServiceError, Waiting
 from chat.textsearch import TextSearch
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
-from decoding.modeling import backbone_and_head
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
+from models.modeling import backbone_and_head
 from tests_helpers import Evil, bank_file, drain, result
 
 GREEDY = GenerationSettings(max_new_tokens=8)

@@ -93,7 +93,7 @@ def entropy_settings(mode="trough", **kw):
 
 
 def final_norm_of(model):
-    """Written per family here, not through decoding.modeling."""
+    """Written per family here, not through models.modeling."""
     if isinstance(model, tf.GPT2LMHeadModel):
         return model.transformer.ln_f
     if isinstance(model, tf.Qwen3VLForConditionalGeneration):

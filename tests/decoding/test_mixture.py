@@ -15,14 +15,15 @@ from transformers.generation.logits_process import TopKLogitsWarper
 
 from conftest import make_tiny_llama
 from decoding import GenerationSettings, Recall, RecallEvent, RecallSettings
-from decoding.modeling import adapter_merged, backbone_and_head, is_peft, set_adapter_merged
 from decoding.mixture import (
     MixtureEvent, MixtureResult, OptimalSpeculativeDecoder, generate_mixture, mixture_log_probs, stream_mixture,
 )
-from decoding.draft_head import DraftHead, head_config
+from decoding.draft_head import DraftHead, draft_head_for, head_config
 from decoding.settings import MixtureSettings
 from decoding.speculative import HeadDraft, ModelPair, accept_draft, point_masses, speculative_round
 from memory import MemoryVectorDB
+from models.gguf import gguf_draft_for
+from models.modeling import adapter_merged, backbone_and_head, is_peft, set_adapter_merged
 
 P_MIN = 1e-3  # chi-square p-value below which a distribution test fails
 
@@ -608,7 +609,7 @@ def test_the_real_pair_drafted_by_its_own_gguf_answers_as_direct(smollm2):
     runs = [generate_mixture(smollm2.merged(), smollm2.mixture_target(None), {"input_ids": ids},
                              GenerationSettings(max_new_tokens=16, repetition_penalty=1.0),
                              MixtureSettings(enabled=True, speculative=spec, draft="gguf", gamma=4), eos_token_id=[],
-                             draft_gguf=smollm2.gguf_draft(None)) for spec in (False, True)]
+                             draft_gguf=gguf_draft_for(smollm2, None)) for spec in (False, True)]
     assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
     assert runs[1].accepted / runs[1].drafted > 0.5 and runs[1].rounds < 10
 
@@ -626,7 +627,7 @@ def test_a_seeded_answer_drafted_by_the_gguf_repeats(smollm2):
         settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=16, seed=seed, repetition_penalty=1.0)
         return generate_mixture(smollm2.merged(), smollm2.mixture_target(None), {"input_ids": ids}, settings,
                                 MixtureSettings(enabled=True, speculative=True, draft="gguf"), eos_token_id=[],
-                                draft_gguf=smollm2.gguf_draft(None)).sequences[0].tolist()
+                                draft_gguf=gguf_draft_for(smollm2, None)).sequences[0].tolist()
 
     first = answer("Tell me about the sea.", 3)
     assert answer("Tell me about the sea.", 3) == first
@@ -719,6 +720,20 @@ def test_a_head_round_trips_through_its_folder(head, tmp_path):
         assert torch.allclose(head(x, f, pos), again(x, f, pos), atol=0.05)
     with pytest.raises(FileNotFoundError, match="draft_head.json"):
         DraftHead.load(tmp_path / "nothing")
+
+
+def test_a_draft_head_loads_once_and_must_match_the_models_width(tiny_llama, tmp_path):
+    from transformers import LlamaConfig
+
+    DraftHead(head_config(tiny_llama.model.config)).save(tmp_path / "fits")
+    head = draft_head_for(tiny_llama, str(tmp_path / "fits"))
+    assert head.config.hidden_size == 64 and draft_head_for(tiny_llama, str(tmp_path / "fits")) is head
+    other = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    DraftHead(head_config(other)).save(tmp_path / "narrow")
+    with pytest.raises(ValueError, match="32 wide but .* are 64"):
+        draft_head_for(tiny_llama, str(tmp_path / "narrow"))
+    with pytest.raises(ValueError, match="names no folder: train one with python -m training.draft"):
+        draft_head_for(tiny_llama, None)
 
 
 def test_the_head_draft_needs_a_head(pair2, head):

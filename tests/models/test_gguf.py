@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from models.gguf import embedded_gguf, load_gguf_draft
+from models.gguf import embedded_gguf, gguf_draft_for, load_gguf_draft
 
 
 def test_the_embedded_gguf_loads_once_per_model(tiny_llama):
-    llm = tiny_llama.gguf_draft(None)
-    assert llm.n_vocab() == 49152 and tiny_llama.gguf_draft(None) is llm
+    llm = gguf_draft_for(tiny_llama, None)
+    assert llm.n_vocab() == 49152 and gguf_draft_for(tiny_llama, None) is llm
     assert embedded_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -5,7 +5,7 @@ import torch
 
 from models import EMBEDDED_NAME, embedded_model_dir, ensure_special_tokens, load_model
 from decoding import GenerationSettings, generate
-from decoding.modeling import backbone_and_head, check_bank_dim, unwrap_model
+from models.modeling import backbone_and_head, check_bank_dim, unwrap_model
 
 
 def test_model_path_that_does_not_exist():
@@ -110,18 +110,3 @@ def test_bank_dimension_mismatch_names_both_numbers(tiny_llama):
     check_bank_dim(tiny_llama.model, 64)
     with pytest.raises(ValueError, match="dimension 576.*hidden size is 64"):
         check_bank_dim(tiny_llama.model, 576)
-
-
-def test_a_draft_head_loads_once_and_must_match_the_models_width(tiny_llama, tmp_path):
-    from transformers import LlamaConfig
-
-    from decoding.draft_head import DraftHead, head_config
-    DraftHead(head_config(tiny_llama.model.config)).save(tmp_path / "fits")
-    head = tiny_llama.draft_head(str(tmp_path / "fits"))
-    assert head.config.hidden_size == 64 and tiny_llama.draft_head(str(tmp_path / "fits")) is head
-    other = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
-    DraftHead(head_config(other)).save(tmp_path / "narrow")
-    with pytest.raises(ValueError, match="32 wide but .* are 64"):
-        tiny_llama.draft_head(str(tmp_path / "narrow"))
-    with pytest.raises(ValueError, match="names no folder: train one with python -m training.draft"):
-        tiny_llama.draft_head(None)

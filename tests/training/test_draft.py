@@ -9,7 +9,7 @@ import torch
 from conftest import make_tiny_llama
 from decoding.draft_head import DraftHead, head_config
 from decoding.mixture import mixture_log_probs
-from decoding.modeling import backbone_and_head
+from models.modeling import backbone_and_head
 from models.loading import base_copy
 from training.draft import draft_prompts, evaluate, features, train
 from training.facts import chat_prompts

@@ -7,9 +7,9 @@ import csv
 import pytest
 import torch
 
-from memory import MemoryEncoder, MemoryVectorDB
+from memory import MemoryVectorDB
 from memory.validate import BankError
-from models import load_model
+from models import MemoryEncoder, load_model
 from training.train import Recipe, train
 
 TINY = dict(steps=80, facts_per_batch=6, chats_per_batch=2, repeats_per_batch=1, chat_prompts=6, reply_tokens=4,
@@ -75,7 +75,7 @@ def test_the_adapter_loads_back_with_its_encoder(trained, tmp_path):
 def test_a_bank_from_another_encoder_is_refused(trained, tmp_path):
     folder, out, *_ = trained
     loaded = load_model(folder, adapter=out, device="cpu")
-    from memory import build_bank
+    from models import build_bank
 
     db = build_bank(loaded.model, loaded.tokenizer, ["a fact"], loaded.encoder, progress=False)
     db.save(tmp_path / "mine.pt")

@@ -25,6 +25,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from memory import MemoryVectorDB
+from models.modeling import decoder_layers
+
 POOLINGS = ("last", "mean")
 ENCODER_CONFIG = "memory_encoder.json"
 PROJECTOR_WEIGHTS = "memory_projector.safetensors"
@@ -121,8 +124,6 @@ def hidden_state(model: nn.Module, inputs: dict[str, Any], layer: int) -> torch.
     layer 0, the embeddings, right before the first layer); the final layer (-1 or L) is the
     model's normalised `last_hidden_state`.
     """
-    from decoding.modeling import decoder_layers  # the one place that knows where layers live
-
     layers = decoder_layers(model)
     count = len(layers) + 1  # embeddings + one per layer
     if not -count <= layer < count:
@@ -291,10 +292,8 @@ class MemoryEncoder:
 
 def build_bank(model: nn.Module, tokenizer: Any, texts: Sequence[str], encoder: MemoryEncoder | None = None,
                index: str = "flat", metadata: Sequence[dict | None] | None = None, *, batch_size: int = 8,
-               progress: bool = True):
+               progress: bool = True) -> MemoryVectorDB:
     """Encode texts and put them, with their texts and metadata, into a new bank stamped with the encoder."""
-    from memory.bank import MemoryVectorDB
-
     encoder = encoder or MemoryEncoder()
     vectors = encoder.encode_texts(model, tokenizer, texts, batch_size=batch_size, progress=progress)
     db = MemoryVectorDB(vectors.shape[1], index)

@@ -1,8 +1,8 @@
 """Command line for memory banks: build one from texts, show it, search it.
 
-    python -m memory.cli build memories.txt bank.pt [--model PATH] [--adapter auto|none|PATH]
-    python -m memory.cli show bank.pt [--n 5]
-    python -m memory.cli search bank.pt "what did I say about tea?" [--model PATH] [--k 5]
+    python -m chat.bankcli build memories.txt bank.pt [--model PATH] [--adapter auto|none|PATH]
+    python -m chat.bankcli show bank.pt [--n 5]
+    python -m chat.bankcli search bank.pt "what did I say about tea?" [--model PATH] [--k 5]
 
 Memories are written by the model's own memory encoder (the recall adapter's, for the embedded
 model); `--layer` / `--pooling` choose the hidden state of a model never trained to recall.
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memory import BankError, HiddenStateSpec, MemoryVectorDB, build_bank
+from memory import BankError, MemoryVectorDB
 
 
 def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None]:
@@ -50,13 +50,15 @@ def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None]:
 
 
 def _load_model(args: argparse.Namespace, layer: int = -1, pooling: str = "last"):
-    from models import load_model  # the model package, not the chat app
+    from models import HiddenStateSpec, load_model  # imported after main() has set offline mode
 
     adapter = None if args.adapter == "none" else args.adapter
     return load_model(args.model, adapter=adapter, device="cpu", hidden_state=HiddenStateSpec(layer, pooling))
 
 
 def cmd_build(args: argparse.Namespace) -> None:
+    from models import build_bank
+
     texts, metadata = read_memories(Path(args.input))
     loaded = _load_model(args, args.layer, args.pooling)
     db = build_bank(loaded.model, loaded.tokenizer, texts, loaded.encoder, metadata=metadata,
@@ -91,7 +93,7 @@ def cmd_search(args: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m memory.cli", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m chat.bankcli", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="encode texts into a memory bank file")
     b.add_argument("input", help=".txt (one memory a line) or .jsonl ({'text', 'metadata'})")

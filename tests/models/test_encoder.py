@@ -9,8 +9,8 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from memory import HiddenStateSpec, MemoryEncoder, build_bank
-from memory.encoder import pool, right_pad
+from models import HiddenStateSpec, MemoryEncoder, build_bank
+from models.encoder import pool, right_pad
 
 
 def encode_texts(model, tokenizer, texts, spec=HiddenStateSpec(), **kw):

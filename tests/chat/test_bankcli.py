@@ -1,4 +1,4 @@
-"""`python -m memory.cli` build / show / search, with a saved tiny model and the real SmolLM2."""
+"""`python -m chat.bankcli` build / show / search, with a saved tiny model and the real SmolLM2."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memory.cli import main
+from chat.bankcli import main
 from memory import MemoryVectorDB
 
 MEMORIES = ["I like green tea in the morning.", "My cat is called Miso.", "The meeting with Anna is on Friday."]
@@ -78,7 +78,7 @@ def test_cli_with_embedded_smollm2(tmp_path, smollm2_dir):
     src = tmp_path / "memories.txt"
     src.write_text("\n".join(MEMORIES) + "\n\n")
     bank = tmp_path / "bank.safetensors"
-    cli = [sys.executable, "-m", "memory.cli"]
+    cli = [sys.executable, "-m", "chat.bankcli"]
     env_run = dict(capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     built = subprocess.run([*cli, "build", str(src), str(bank)], **env_run)
     assert built.returncode == 0, built.stderr
