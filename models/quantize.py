@@ -10,11 +10,24 @@ as slowly as fp32 here, and is not offered.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from models.modeling import is_peft
 
 QUANTIZE = ("none", "int8")
+
+
+def hush_torchao_import() -> None:
+    """Drop what importing torchao logs on every start. transformers imports torchao whenever it is
+    installed, int8 or not (its torchao quantizer, when `transformers.modeling_utils` is first imported),
+    and torchao 0.18 then logs the CUDA kernel libraries it cannot load ("Failed to load ..._C_mxfp8...so")
+    and torch warns that torchao registers enums with pytree; none of it concerns the int8 used here."""
+    logging.getLogger("torchao").addFilter(lambda r: not r.getMessage().startswith("Failed to load "))
+    logging.getLogger("torch.utils._pytree").addFilter(
+        lambda r: not (str(r.msg).startswith("%s is an Enum subclass")
+                       and getattr(r.args[0] if r.args else None, "__module__", "").startswith("torchao")))
 
 
 class Int8Linear(torch.nn.Linear):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -58,6 +61,15 @@ def vl_server(smollm2_dir):
 @pytest.fixture
 def client(server, tmp_path):
     return Client(server.url, verbose=False, download_files=str(tmp_path))
+
+
+def test_help_prints_the_usage_and_nothing_else():
+    """A plain start is quiet: importing the project prints nothing of torchao or torch (transformers
+    imports torchao whenever it is installed; models/quantize.py drops what that import logs)."""
+    done = subprocess.run([sys.executable, "app.py", "--help"], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0 and done.stdout.startswith("usage: recall-chat")
+    assert done.stderr == ""
 
 
 def message(text: str, *files) -> dict:
