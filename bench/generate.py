@@ -55,12 +55,16 @@ def stepped_logits(model, seq: torch.Tensor, start: int) -> torch.Tensor:
     a prefill up to `start`, then one (compiled, on a static cache) decode step a token."""
     fwd = Forward(model)
     cache = fast_path.static_cache(model, seq.shape[1])
-    embeds = fwd.embed(seq)
     positions = torch.arange(seq.shape[1])[None]
-    rows = [fwd.logits(fwd.prefill(embeds[:, :start + 1], positions[:, :start + 1], cache, None, {}))]
+    rows = [fwd.logits(fwd.prefill(fwd.embed(seq[:, :start + 1]), positions[:, :start + 1], cache, None, {}))]
     for i in range(start + 1, seq.shape[1] - 1):
-        rows.append(fwd.logits(fwd.step(embeds[:, i:i + 1], positions[:, i:i + 1], cache, None)))
+        rows.append(fwd.logits(fwd.step(fwd.embed(seq[:, i:i + 1]), torch.tensor([[i]]), cache, None)))
     return torch.cat(rows).float()
+
+
+def limit_hits() -> int:
+    """How often dynamo gave up on a function at its recompile limit in this process (it then runs eagerly)."""
+    return sum(n for msg, n in counters["unimplemented"].items() if msg.startswith("Dynamo recompile limit exceeded"))
 
 
 def measure_int8(model, inputs, settings, ids: dict, n: int, per_token, seq: torch.Tensor) -> dict:
@@ -70,6 +74,7 @@ def measure_int8(model, inputs, settings, ids: dict, n: int, per_token, seq: tor
     step = fast_path.enable(q.model)
     compile_s = timed(lambda: step.warm_up(up_to=inputs["input_ids"].shape[1] + n + 1))
     assert step.error is None, step.error
+    graphs = counters["stats"]["unique_graphs"]
     run = lambda k: generate(q.model, inputs, settings(k), **ids)  # noqa: E731
     start = inputs["input_ids"].shape[1] - 1
     ref = model(seq).logits.float().log_softmax(-1)[0, start:-1]
@@ -77,6 +82,7 @@ def measure_int8(model, inputs, settings, ids: dict, n: int, per_token, seq: tor
     for path, logits in (("eager", q.model(seq).logits.float()[0, start:-1]), ("compiled", stepped_logits(q.model, seq, start))):
         got = logits.log_softmax(-1)
         out[path] = (float((ref.exp() * (ref - got)).sum(-1).mean()), float((ref.argmax(-1) == got.argmax(-1)).float().mean()))
+    out["recompiles"] = counters["stats"]["unique_graphs"] - graphs
     return out
 
 
@@ -186,6 +192,11 @@ def main() -> None:
     bound = bandwidth / weight_bytes
     share = lambda seconds: f"{1 / seconds:.1f} tokens/s = {1 / seconds / bound:.0%} of the bound"  # noqa: E731
 
+    hits = limit_hits()
+    if hits:
+        print(f"!!! WARNING: torch._dynamo hit its recompile limit {hits} time(s) in this run (its log above names the "
+              "function): that function ran eagerly from then on, so the compiled rows below are not the compiled "
+              "path's numbers !!!\n")
     print(f"{lm.name} fp32 (adapter merged), {torch.get_num_threads()} threads, {n} tokens, median of {args.repeats}\n")
     print("| measure | value |")
     print("|---|---|")
@@ -200,7 +211,9 @@ def main() -> None:
           f"{fast * 1e3:.1f} |")
     print(f"| ratio compiled custom / generate | {fast / med['generate']:.3f} |")
     print(f"| ratio compiled custom / compiled static generate | {fast / compiled:.3f} |")
-    print(f"| recompiles of the compiled step over {2 * args.repeats} generations | {recompiles} |")
+    print(f"| recompiles of the compiled step after warm-up: fp32 over {3 * args.repeats} generations, int8 over "
+          f"{2 * args.repeats + 1} and a step-by-step replay | {recompiles}, {int8['recompiles']} |")
+    print(f"| times torch._dynamo hit its recompile limit (then ran eagerly) | {hits} |")
     print(f"| decode ms/token, int8 (model.quantize: int8), compiled step (compiling took {int8['compile']:.0f} s "
           f"for the first bucket) | {int8['per_token'] * 1e3:.1f} |")
     print(f"| tokens/s int8 / compiled fp32 loop | {fast / int8['per_token']:.2f}x |")

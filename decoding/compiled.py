@@ -11,10 +11,18 @@ bucket that holds its prompt and moves to the next one when it fills (`fit`, a c
 and values), eagerly if that one is not compiled yet rather than stall everyone for a compile.
 The loop takes the compiled step for unpadded text prompts; a padded batch, Qwen3-VL's mRoPE
 positions and entropy decoding (every layer's state) stay eager.
+
+Past dynamo's recompile limit (8 compiles of one function) a step would run eagerly for the rest of
+the process without a word, so nothing may recompile it. It runs without autograd, on copies of its
+inputs with a fresh tensor's strides: dynamo guards on strides, also those of size-1 dimensions,
+which `.contiguous()` keeps, so a slice of a wider tensor would compile anew. Each model's step counts its compiles apart from other
+models' (`isolate_recompiles`, torch >= 2.13), so the 7 buckets of one model and those of another
+(int8 beside fp32) never add up past the limit.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -27,6 +35,8 @@ from models.modeling import backbone_and_head, max_positions, unwrap_model
 BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)  # static cache lengths: few shapes, few compiles. A step
                                                     # attends over its whole bucket (masked): the shorter the better
 _ATTR = "_recall_compiled_step"
+_OWN_COMPILES = ({"isolate_recompiles": True}  # torch >= 2.13: each model's step counts its own compiles
+                 if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
 log = logging.getLogger("decoding.compiled")
 
 
@@ -36,7 +46,7 @@ class CompiledStep:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.backbone, _ = backbone_and_head(model)
-        self._fn = torch.compile(self._step, dynamic=False)
+        self._fn = torch.compile(self._step, dynamic=False, **_OWN_COMPILES)
         self.ready = threading.Event()  # set once warm_up has compiled it
         self.lengths: set[int] = set()  # cache lengths it is compiled for (a longer cache decodes eagerly:
                                         # compiling another shape would stall the worker for minutes)
@@ -47,8 +57,10 @@ class CompiledStep:
         return self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=cache,
                              use_cache=True).last_hidden_state[:, -1]
 
+    @torch.no_grad()  # (grad mode and an input's requires_grad are guarded too)
     def __call__(self, embeds: torch.Tensor, position: torch.Tensor, cache: StaticCache) -> torch.Tensor:
-        return self._fn(embeds, position, cache)
+        fresh = torch.contiguous_format  # whatever the inputs were sliced from: the strides it was compiled for
+        return self._fn(embeds.clone(memory_format=fresh), position.clone(memory_format=fresh), cache)
 
     def __deepcopy__(self, memo) -> None:
         return None  # a copy of the model (the mixture's base copy) starts uncompiled

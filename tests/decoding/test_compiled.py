@@ -12,10 +12,14 @@ from transformers import DynamicCache, StaticCache
 from chat.session import Conversation
 from conftest import make_tiny_llama
 from decoding import compiled
+from decoding.batch import Batch
 from decoding.events import TokenEvent
+from decoding.forward import Forward
 from decoding.loop import generate, stream_generate
 from decoding.processors import to_generation_config
 from decoding.settings import GenerationSettings, RecallSettings
+from models.quantize import int8 as quantize
+from test_batch import QUESTIONS, drive, prompt, result_of
 from test_loop import CHAT, bank_for, check_replay, ids_of, recall_of, replay_embeds, run_with_recalls
 
 
@@ -32,6 +36,11 @@ def fast_llama(smollm2_dir):
 
 def graphs() -> int:
     return counters["stats"]["unique_graphs"]
+
+
+def limit_hits() -> int:
+    """How often dynamo gave up on a function at its recompile limit (it then runs eagerly, without a word)."""
+    return sum(n for msg, n in counters["unimplemented"].items() if msg.startswith("Dynamo recompile limit exceeded"))
 
 
 @pytest.mark.parametrize("settings", [GenerationSettings(max_new_tokens=24),
@@ -135,3 +144,45 @@ def test_stop_right_after_recall_crops_the_static_cache(fast_llama):
     seq = result.sequences[0].tolist()
     assert isinstance(result.cache, StaticCache) and seq[-1] == lm.tokens.memory_pad
     assert compiled.seq_length(result.cache) == len(seq) - 1
+
+
+def test_no_path_to_the_step_recompiles_it_after_the_first_bucket(smollm2_dir):
+    """Past dynamo's recompile limit the step would run eagerly without a word. From the first bucket on, a
+    lone answer, a batch's last seat, a recall, a second turn, a step fed slices of wider tensors (as
+    bench/generate.py fed it) and an int8 model's step next to it compile nothing more."""
+    lm, int8 = make_tiny_llama(smollm2_dir, seed=6), make_tiny_llama(smollm2_dir, seed=6)
+    quantize(int8.model)
+    hits = limit_hits()
+    with torch._dynamo.config.patch(recompile_limit=1):  # one compile each: the two models' steps count apart
+        for m in (lm, int8):
+            step = compiled.enable(m.model)
+            step.warm_up(up_to=64)
+            assert step.error is None and step.lengths == {compiled.BUCKETS[0]}
+    assert limit_hits() == hits
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    before = graphs()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        caches = [generate(m.model, prompt(m, "Tell me a story"), GenerationSettings(max_new_tokens=8), **kw).cache
+                  for m in (lm, int8)]  # a lone answer, fp32 and int8
+        batch = Batch()
+        together, _ = drive({0: [(stream_generate(lm.model, prompt(lm, q), GenerationSettings(max_new_tokens=n),
+                                                  batch=batch, **kw), threading.Event())
+                                 for q, n in zip(QUESTIONS, (3, 12))]}, batch)
+        caches.append(result_of(together[1]).cache)  # alone in the batch after its neighbour finished
+        assert batch.forwards > 0 and batch.seats == []
+        conv, db = Conversation(lm), bank_for(lm)
+        for turn in range(2):  # a recall in the first turn, then a second turn on its cache
+            events = list(conv.stream(f"Question {turn}?", (), GenerationSettings(max_new_tokens=8), RecallSettings(),
+                                      db, recall_first=turn == 0))
+            caches.append(events[-1].result.cache)
+        assert conv.messages[1].recalls
+        seq = torch.tensor([conv.ids])  # fed as slices [:, i:i + 1] of its embeddings, autograd on
+        fwd, cache = Forward(lm.model), compiled.static_cache(lm.model, seq.shape[1])
+        embeds, positions = fwd.embed(seq), torch.arange(seq.shape[1])[None]
+        with torch.no_grad():
+            fwd.prefill(embeds[:, :4], positions[:, :4], cache, None, {})
+        for i in range(4, 8):
+            fwd.step(embeds[:, i:i + 1], positions[:, i:i + 1], cache, None)
+        caches.append(cache)
+    assert all(compiled.attached(m.model).covers(c) for m, c in zip((lm, int8, lm, lm, lm, lm), caches))
+    assert graphs() == before and limit_hits() == hits
