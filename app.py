@@ -35,58 +35,67 @@ CSS = "#status {min-height: 1.6em} #answer .textfield {line-height: 1.9}"
 MEMORY_COLOR = "#f59e0b"
 MODEL_EVENTS = dict(concurrency_id="model", concurrency_limit=64)  # the service's queue runs them one at a time
 
-# The settings on the page, one row each: API parameter name -> (setting, tab, control for its value[,
-# control value -> setting value]). The same table lays out the page and maps every request's values
-# onto the settings.
+# The settings on the page, one row each: API parameter name -> (setting, tab, control for its value and the
+# config[, (control value, every control's value) -> setting value]). The same table lays out the page and maps
+# every request's values onto the settings.
 ENTROPY_MODES = {"off": None, "trough": "trough", "random_after": "random_after"}
 CONTROLS: dict[str, tuple] = {
-    "do_sample": ("generation.do_sample", "Decoding", lambda v: gr.Checkbox(v, label="sampling (off = greedy)")),
+    "do_sample": ("generation.do_sample", "Decoding", lambda v, cfg: gr.Checkbox(v, label="sampling (off = greedy)")),
     "temperature": ("generation.temperature", "Decoding",
-                    lambda v: gr.Slider(0, 2, v, step=0.05, label="temperature")),
-    "top_k": ("generation.top_k", "Decoding", lambda v: gr.Slider(0, 200, v, step=1, precision=0,
-                                                                  label="top-k (0 = off)")),
-    "top_p": ("generation.top_p", "Decoding", lambda v: gr.Slider(0, 1, v, step=0.01, label="top-p (1 = off)")),
-    "min_p": ("generation.min_p", "Decoding", lambda v: gr.Slider(0, 1, v, step=0.01, label="min-p (0 = off)")),
+                    lambda v, cfg: gr.Slider(0, 2, v, step=0.05, label="temperature")),
+    "top_k": ("generation.top_k", "Decoding", lambda v, cfg: gr.Slider(0, 200, v, step=1, precision=0,
+                                                                       label="top-k (0 = off)")),
+    "top_p": ("generation.top_p", "Decoding", lambda v, cfg: gr.Slider(0, 1, v, step=0.01, label="top-p (1 = off)")),
+    "min_p": ("generation.min_p", "Decoding", lambda v, cfg: gr.Slider(0, 1, v, step=0.01, label="min-p (0 = off)")),
     "typical_p": ("generation.typical_p", "Decoding",
-                  lambda v: gr.Slider(0, 1, v, step=0.01, label="typical-p (1 = off)")),
+                  lambda v, cfg: gr.Slider(0, 1, v, step=0.01, label="typical-p (1 = off)")),
     "repetition_penalty": ("generation.repetition_penalty", "Decoding",
-                           lambda v: gr.Slider(0, 2, v, step=0.01, label="repetition penalty (1 = off)")),
+                           lambda v, cfg: gr.Slider(0, 2, v, step=0.01, label="repetition penalty (1 = off)")),
     "no_repeat_ngram_size": ("generation.no_repeat_ngram_size", "Decoding",
-                             lambda v: gr.Slider(0, 10, v, step=1, precision=0, label="no-repeat n-gram size (0 = off)")),
-    "max_new_tokens": ("generation.max_new_tokens", "Decoding",
-                       lambda v: gr.Slider(1, 2048, v, step=1, precision=0, label="max new tokens")),
-    "seed": ("generation.seed", "Decoding", lambda v: gr.Number(v, precision=0, label="seed (empty = random)")),
+                             lambda v, cfg: gr.Slider(0, 10, v, step=1, precision=0,
+                                                      label="no-repeat n-gram size (0 = off)")),
+    "max_new_tokens": ("generation.max_new_tokens", "Decoding",  # no more than a request may ask for
+                       lambda v, cfg: gr.Slider(1, cfg.app.max_new_tokens_cap, v, step=1, precision=0,
+                                                label="max new tokens")),
+    "seed": ("generation.seed", "Decoding", lambda v, cfg: gr.Number(v, precision=0, label="seed (empty = random)")),
     "entropy_decoding": ("generation.entropy_decoding", "Decoding",
-                         lambda v: gr.Radio(list(ENTROPY_MODES), value="off" if v is None else v,
-                                            label="layer: decode each token from the layer of least entropy "
-                                                  "(trough) or a random later one (seed 002)",
-                                            elem_id="entropy-mode"),
-                         lambda choice: ENTROPY_MODES.get(choice, choice)),
+                         lambda v, cfg: gr.Radio(list(ENTROPY_MODES), value="off" if v is None else v,
+                                                 label="layer each token is decoded from: the last (off), the one "
+                                                       "whose next-token distribution has the least entropy "
+                                                       "(trough), or one drawn from there to the last (random_after)",
+                                                 elem_id="entropy-mode"),
+                         lambda choice, values: ENTROPY_MODES.get(choice, choice)),
     "mixture": ("mixture.enabled", "Mixture",
-                lambda v: gr.Checkbox(v, label="sample from q* ∝ π_θ^α · π_t^(1-α): the model with its adapter (θ) "
-                                               "mixed with its base (t) (seed 003)", elem_id="mixture-on")),
+                lambda v, cfg: gr.Checkbox(v, label="sample from q* ∝ π_θ^α · π_t^(1-α): the model with its adapter "
+                                                    "(θ) mixed with its base (t)", elem_id="mixture-on")),
+    "mixture_alpha_auto": ("mixture.alpha", "Mixture",
+                           lambda v, cfg: gr.Checkbox(v == "auto", label="α automatic: at every token, the α* that "
+                                                                        "balances KL(q‖π_θ) and KL(q‖π_t)",
+                                                      elem_id="mixture-alpha-auto"),
+                           lambda auto, values: "auto" if auto else values["mixture_alpha"]),
     "mixture_alpha": ("mixture.alpha", "Mixture",
-                      lambda v: gr.Slider(-0.05, 1, -0.05 if v == "auto" else v, step=0.05,
-                                          label="α, the weight of θ (below 0 = auto: α* balances KL(q‖π_θ) and KL(q‖π_t) "
-                                                "every step)"),
-                      lambda a: "auto" if a is not None and a < 0 else a),
+                      lambda v, cfg: gr.Slider(0, 1, 0.5 if v == "auto" else v, step=0.05, interactive=v != "auto",
+                                               label="α, the weight of θ, when not automatic", elem_id="mixture-alpha"),
+                      lambda alpha, values: "auto" if values["mixture_alpha_auto"] else alpha),
     "mixture_speculative": ("mixture.speculative", "Mixture",
-                            lambda v: gr.Checkbox(v, label="exact speculative sampling (a draft proposes, both "
-                                                           "verify)")),
+                            lambda v, cfg: gr.Checkbox(v, label="exact speculative sampling (a draft proposes, both "
+                                                                "verify)")),
     "mixture_draft": ("mixture.draft", "Mixture",
-                      lambda v: gr.Radio(list(DRAFTS), value=v, label="draft: gguf = llama.cpp on a quantized copy, "
-                                                                     "theta / target = one of the two models, ngram = "
-                                                                     "prompt lookup, head = a trained EAGLE head")),
+                      lambda v, cfg: gr.Radio(list(DRAFTS), value=v, label="draft: gguf = llama.cpp on a quantized "
+                                                                          "copy, theta / target = one of the two "
+                                                                          "models, ngram = prompt lookup, head = a "
+                                                                          "trained EAGLE head")),
     "mixture_gamma": ("mixture.gamma", "Mixture",
-                      lambda v: gr.Slider(1, 8, v, step=1, precision=0, label="γ: drafted tokens per verify")),
-    "recall_enabled": ("recall.enabled", "Recall", lambda v: gr.Checkbox(v, label="recall enabled")),
+                      lambda v, cfg: gr.Slider(1, 8, v, step=1, precision=0, label="γ: drafted tokens per verify")),
+    "recall_enabled": ("recall.enabled", "Recall", lambda v, cfg: gr.Checkbox(v, label="recall enabled")),
     "recall_sampling": ("recall.use_sampling", "Recall",
-                        lambda v: gr.Checkbox(v, label="sample the memory (off = most similar)")),
+                        lambda v, cfg: gr.Checkbox(v, label="sample the memory (off = most similar)")),
     "recall_temperature": ("recall.temperature", "Recall",
-                           lambda v: gr.Slider(0, 2, v, step=0.05, label="memory temperature")),
+                           lambda v, cfg: gr.Slider(0, 2, v, step=0.05, label="memory temperature")),
     "recall_top_k": ("recall.top_k", "Recall",
-                     lambda v: gr.Slider(0, 50, v, step=1, precision=0, label="memory top-k (0 = all)")),
-    "recall_top_p": ("recall.top_p", "Recall", lambda v: gr.Slider(0, 1, v, step=0.01, label="memory top-p (1 = off)")),
+                     lambda v, cfg: gr.Slider(0, 50, v, step=1, precision=0, label="memory top-k (0 = all)")),
+    "recall_top_p": ("recall.top_p", "Recall",
+                     lambda v, cfg: gr.Slider(0, 1, v, step=0.01, label="memory top-p (1 = off)")),
 }
 
 
@@ -108,7 +117,7 @@ class Handlers:
         self.pages: dict[str, Session] = {}  # open pages (session hash) -> their session, to free it on close
 
     def settings(self, values: dict[str, Any]):
-        parse = lambda name, value: CONTROLS[name][3](value) if len(CONTROLS[name]) > 3 else value  # noqa: E731
+        parse = lambda name, value: CONTROLS[name][3](value, values) if len(CONTROLS[name]) > 3 else value  # noqa: E731
         return request_settings(self.cfg, {CONTROLS[name][0]: parse(name, value) for name, value in values.items()})
 
     def render(self, s: Session, turn: Turn | None = None, state: str = "") -> tuple:
@@ -268,7 +277,7 @@ def _memory_tab() -> dict[str, gr.Component]:
     c["bank_file"] = gr.File(label="Upload a bank (.pt, .safetensors, .npy)", file_types=list(BANK_TYPES),
                              type="filepath", height=110, elem_id="bank-upload")
     c["sample"] = gr.Dataframe(headers=["memory", "text", "norm"], label="Entries (first 8)", interactive=False,
-                               wrap=True, max_height=260)
+                               wrap=True, max_height=260, column_widths=["16%", "68%", "16%"])
     with gr.Accordion("Write memories", open=True):
         c["memory_text"] = gr.Textbox(lines=3, label="One memory a line", elem_id="memory-text")
         c["memory_images"] = gr.File(label="Images (vision model only)", file_count="multiple", file_types=["image"],
@@ -279,7 +288,8 @@ def _memory_tab() -> dict[str, gr.Component]:
             c["query"] = gr.Textbox(label="Find memories by text", scale=3)
             c["top_k_find"] = gr.Slider(1, 20, value=5, step=1, precision=0, label="results", scale=1)
         c["find_btn"] = gr.Button("Find")
-        c["found"] = gr.Dataframe(headers=["memory", "similarity", "text"], interactive=False, wrap=True)
+        c["found"] = gr.Dataframe(headers=["memory", "similarity", "text"], interactive=False, wrap=True,
+                                  column_widths=["16%", "25%", "59%"])
         with gr.Row():
             c["delete_ids"] = gr.Textbox(label="Memory ids to delete (e.g. 3, 5-7)", scale=3)
             c["delete_btn"] = gr.Button("Delete", variant="stop", scale=1)
@@ -291,7 +301,7 @@ def _memory_tab() -> dict[str, gr.Component]:
 
 
 def _settings_tab(cfg: Config, tab: str) -> dict[str, gr.Component]:
-    return {name: row[2](setting_value(cfg, row[0])) for name, row in CONTROLS.items() if row[1] == tab}
+    return {name: row[2](setting_value(cfg, row[0]), cfg) for name, row in CONTROLS.items() if row[1] == tab}
 
 
 def build_demo(service: Service) -> gr.Blocks:
@@ -345,6 +355,9 @@ def build_demo(service: Service) -> gr.Blocks:
                     load_btn = gr.UploadButton("Load conversation", file_types=[".json"], type="filepath")
                     conv_file = gr.File(label="Conversation file", interactive=False)
 
+        auto_alpha = controls["mixture_alpha_auto"]
+        auto_alpha.change(lambda auto: gr.Slider(interactive=not auto), auto_alpha, controls["mixture_alpha"],
+                          api_visibility="private", queue=False)
         view = [chatbot, answer, recall_log, status]
         bank_outputs = [m["bank_md"], m["sample"], status, m["bank_use"]]
         box.submit(h.chat, [box, recall_first, session], [*view, decoding_plot, box], inputs_kwargs=controls,

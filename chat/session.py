@@ -231,7 +231,7 @@ class Conversation:
         try:
             common = dict(recall=self.recall(memory_db, recall), tokenizer=self.lm.tokenizer,
                           interrupt=interrupt_event, memory_vectors=self.memory)
-            if settings.mixture.enabled:  # seed 003: q* of this model and its target (its own base by default)
+            if settings.mixture.enabled:  # q* of this model and its target (its own base by default)
                 target = self.lm.mixture_target(settings.mixture.target)  # (made once)
                 mix = settings.mixture
                 head = draft_head_for(self.lm, mix.head) if mix.speculative and mix.draft == "head" else None

@@ -96,6 +96,22 @@ def running_request(service: Service, label: str, timeout: float = 60):
     raise AssertionError(f"no request {label!r} ran")
 
 
+def test_the_controls_offer_what_the_server_accepts_and_alpha_has_its_own_switch():
+    cfg = load_config(overrides=["app.max_new_tokens_cap=300"], environ={})
+    controls = {**app._settings_tab(cfg, "Decoding"), **app._settings_tab(cfg, "Mixture")}
+    assert (controls["max_new_tokens"].minimum, controls["max_new_tokens"].maximum) == (1, 300)
+    assert controls["mixture_alpha_auto"].value is True and not controls["mixture_alpha"].interactive
+    assert (controls["mixture_alpha"].minimum, controls["mixture_alpha"].maximum) == (0, 1)
+    service = Service(cfg)
+    try:
+        handlers, page = app.Handlers(service), {name: c.value for name, c in controls.items()}
+        assert handlers.settings(page)[0].mixture.alpha == "auto"
+        fixed = handlers.settings({**page, "mixture_alpha_auto": False, "mixture_alpha": 0.3})[0]
+        assert fixed.mixture.alpha == 0.3
+    finally:
+        service.close()
+
+
 def test_module_level_demo_and_command_line():
     import gradio as gr
 
@@ -287,7 +303,7 @@ def test_mixture_answers_from_q_star_and_draws_alpha(client, server):
     assert final[4]["visible"] is True and final[4]["value"]["plot"].startswith("data:image/")
     assert last_text(final)
     fixed = client.predict(message=message("And another?"), seed=None, max_new_tokens=4, mixture=True,
-                           mixture_alpha=1.0, mixture_speculative=False, api_name="/chat")
+                           mixture_alpha_auto=False, mixture_alpha=1.0, mixture_speculative=False, api_name="/chat")
     assert "q*: direct" in fixed[STATUS]
     fixed_sessions = [x for x in server.service.sessions.values() if x.last_note == "q*: direct"]
     alphas = [a for a in fixed_sessions[0].last_plot[1] if a == a]  # (nan at a memory position)

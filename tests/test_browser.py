@@ -163,6 +163,10 @@ def test_entropy_and_mixture_pictures_show_in_the_page(page, smollm2):
         page.screenshot(path=str(ARTIFACTS / "entropy.png"), full_page=True)
         page.locator("#entropy-mode").get_by_label("off").check()
         page.get_by_role("tab", name="Mixture").click()
+        assert page.locator("#mixture-alpha input[type=range]").is_disabled()  # α automatic: no fixed weight
+        page.locator("#mixture-alpha-auto input[type=checkbox]").uncheck()
+        page.wait_for_function("!document.querySelector('#mixture-alpha input[type=range]').disabled")
+        page.locator("#mixture-alpha-auto input[type=checkbox]").check()
         page.locator("#mixture-on input[type=checkbox]").check()
         page.locator("#message textarea").fill("And another one?")
         page.locator("#message textarea").press("Enter")
