@@ -64,8 +64,10 @@ def test_training_fits_the_head(pair, data):
                     seed=0, log=lambda *_: None)
     after = evaluate(head, data, embed, lm_head)
     first, last = history[0], history[-1]
-    assert last["reg"] < 0.5 * first["reg"] and last["kl"] < first["kl"]
-    assert after["acceptance_t1"] > before["acceptance_t1"] + 0.05
+    # measured over 1 and 2 threads and seeds 0-2: reg last/first 0.430-0.434, kl 10.4 -> 2.9-3.1,
+    # acceptance 0.012-0.014 -> 0.191-0.196
+    assert last["reg"] < 0.6 * first["reg"] and last["kl"] < 0.5 * first["kl"]
+    assert after["acceptance_t1"] > before["acceptance_t1"] + 0.08
     assert not head.training and len(history) == 60
 
 
