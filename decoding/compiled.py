@@ -15,9 +15,9 @@ positions and entropy decoding (every layer's state) stay eager.
 Past dynamo's recompile limit (8 compiles of one function) a step would run eagerly for the rest of
 the process without a word, so nothing may recompile it. It runs without autograd, on copies of its
 inputs with a fresh tensor's strides: dynamo guards on strides, also those of size-1 dimensions,
-which `.contiguous()` keeps, so a slice of a wider tensor would compile anew. Each model's step counts its compiles apart from other
-models' (`isolate_recompiles`, torch >= 2.13), so the 7 buckets of one model and those of another
-(int8 beside fp32) never add up past the limit.
+which `.contiguous()` keeps, so a slice of a wider tensor would compile anew. Each model's step
+counts its compiles apart from other models' (`isolate_recompiles`, torch >= 2.13), so the 7
+buckets of one model and those of another (int8 beside fp32) never add up past the limit.
 """
 
 from __future__ import annotations
