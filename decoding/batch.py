@@ -33,8 +33,8 @@ class Step:
     """One request's next decode forward, parked until the batch runs it with the others."""
 
     req: object  # a decoding.request.Request of one unpadded row
-    embeds: torch.Tensor  # [1, 1, H]
-    position: torch.Tensor  # [1, 1], or [4, 1, 1] for mRoPE
+    embeds: torch.Tensor  # [1, W, H]: one position, or a memory's W slots (and its suffix)
+    position: torch.Tensor  # [1, W], or [4, 1, W] for mRoPE
     hidden: torch.Tensor | None = None  # [1, H], filled by `Batch.run`
     logits: torch.Tensor | None = None  # [1, V]
 
@@ -96,19 +96,23 @@ class Batch:
         return next((i for i, r in enumerate(self.seats) if r is req), None)
 
     def _forward(self, fwd, steps: list[Step]) -> torch.Tensor:
-        """One forward of every seated row (a seat without a step this round gets a masked column); the
-        hidden states of `steps`, in their order [len(steps), H]."""
-        if self.width + 1 > self.cache.layers[0].max_cache_len:
-            self.cache, self.mask, self.width = self._build(self._contents(), fwd.model)  # a larger bucket
+        """One forward of every seated row, W columns wide (W = the widest step: one position, or a memory's
+        slots); a row's own positions fill its last columns and the rest are masked (all of them for a seat
+        without a step this round). The hidden states of `steps`, in their order [len(steps), H]."""
+        width = max(s.embeds.shape[1] for s in steps)
+        if self.width + width > self.cache.layers[0].max_cache_len:  # a larger bucket
+            self.cache, self.mask, self.width = self._build(self._contents(), fwd.model, room=width)
         rows = [self._row(s.req) for s in steps]
-        embeds = steps[0].embeds.new_zeros((len(self.seats), *steps[0].embeds.shape[1:]))
+        embeds = steps[0].embeds.new_zeros((len(self.seats), width, steps[0].embeds.shape[-1]))
         pos = steps[0].position
-        positions = pos.new_zeros((*pos.shape[:-2], len(self.seats), 1))
+        positions = pos.new_zeros((*pos.shape[:-2], len(self.seats), width))
         for row, s in zip(rows, steps):
-            embeds[row] = s.embeds[0]
-            positions[..., row, :] = s.position[..., 0, :]
-            self.mask[row, self.width] = 1
-        self.width += 1
+            w = s.embeds.shape[1]
+            embeds[row, width - w:] = s.embeds[0]
+            positions[..., row, :] = s.position[..., 0, :1]  # the masked columns repeat the first position
+            positions[..., row, width - w:] = s.position[..., 0, :]
+            self.mask[row, self.width + width - w:self.width + width] = 1
+        self.width += width
         hidden = fwd.step(embeds, positions, self.cache, self.mask[:, :self.width])
         self.forwards += 1
         self.rows_run += len(steps)
@@ -164,13 +168,14 @@ class Batch:
                 range(self.mask.shape[0])]
 
     @staticmethod
-    def _build(contents: Rows, model) -> tuple[StaticCache | None, torch.Tensor | None, int]:
-        """(cache, mask, width) holding `contents` (one entry per seat), right-aligned, with room to grow."""
+    def _build(contents: Rows, model, room: int = 1) -> tuple[StaticCache | None, torch.Tensor | None, int]:
+        """(cache, mask, width) holding `contents` (one entry per seat), right-aligned, with room for at least
+        `room` more columns."""
         if not contents:
             return None, None, 0
         lengths = [row[0][0].shape[2] for row in contents]
         width = max(lengths)
-        cache = static_cache(model, width + 1)
+        cache = static_cache(model, width + room)
         mask = torch.zeros((len(contents), cache.layers[0].max_cache_len), dtype=torch.long,
                            device=contents[0][0][0].device)
         for layer, new in enumerate(cache.layers):

@@ -110,6 +110,7 @@ class EntropyDecoder:
         self.num_layers = len(decoder_layers(model))
         self._kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         self._pending: dict[tuple[int, int], LayerEvent] = {}  # (row, position) -> event awaiting its token
+        self._positions: list[list[int]] = []  # per step, each row's first new position (a memory span's first slot)
 
     @staticmethod
     def check(processors: LogitsProcessorList | None) -> None:
@@ -134,14 +135,17 @@ class EntropyDecoder:
         self._kept.append((layers, entropies, tokens))
         return EntropyStep(layers, entropies, tokens, logits[rows, layers], scores[rows, layers])
 
-    def annotate(self, events: list[Event], step: EntropyStep, alive: list[bool], position: int) -> list[Event]:
+    def annotate(self, events: list[Event], step: EntropyStep, alive: list[bool], positions: list[int]) -> list[Event]:
         """`events` with a LayerEvent right after each TokenEvent (a held `<recall>` token's comes with it).
 
-        `alive` are the rows still running before this step; `position` is where this step's tokens went.
+        `alive` are the rows still running before this step; `positions[row]` is where the row's token of this
+        step went (a recall's span: its first slot, the position the sampled token was replaced at).
         """
         layers, entropies = step.layers.tolist(), step.entropies.tolist()
         tokens = step.layer_token_ids.tolist() if step.layer_token_ids is not None else None
+        self._positions.append(list(positions))
         for row in (r for r, on in enumerate(alive) if on):
+            position = positions[row]
             self._pending[(row, position)] = LayerEvent(row, position, layers[row], tuple(entropies[row]),
                                                         tuple(tokens[row]) if tokens is not None else None)
         out: list[Event] = []
@@ -151,9 +155,11 @@ class EntropyDecoder:
                 out.append(self._pending.pop((event.row, event.position)))
         return out
 
-    def trace(self, sequences: torch.Tensor, prompt_length: int) -> EntropyTrace:
-        """The per-step record for the result; one entry per generated position of `sequences` [B, T]."""
-        kept = self._kept[:sequences.shape[1] - prompt_length]  # a dropped <recall> left no position
+    def trace(self, sequences: torch.Tensor) -> EntropyTrace:
+        """The per-step record for the result: one entry per decode step (a recall's span is one step, its
+        token the first slot), for the steps whose tokens are in `sequences` [B, T]."""
+        steps = sum(1 for p in self._positions if max(p) < sequences.shape[1])  # a dropped <recall> left no position
+        kept = self._kept[:steps]
         batch, layers, device = sequences.shape[0], self.num_layers, sequences.device
         if not kept:
             empty = torch.empty(batch, 0, dtype=torch.long, device=device)
@@ -164,4 +170,4 @@ class EntropyDecoder:
         return EntropyTrace(
             self.mode, torch.stack(chosen, dim=1), torch.stack(entropies, dim=1),
             torch.stack(tokens, dim=1) if self.record_tokens else None,
-            sequences[:, prompt_length:prompt_length + len(kept)] if self.record_tokens else None)
+            sequences.gather(1, torch.tensor(self._positions[:steps], device=device).T) if self.record_tokens else None)

@@ -22,13 +22,14 @@ class TokenEvent:
 
 @dataclass(frozen=True, slots=True)
 class RecallEvent:
-    """One memory injection: `<|memory_pad|>` at `position` carries memory `memory_index`."""
+    """One memory injection: the `length` `<|memory_pad|>` slots from `position` on carry memory `memory_index`."""
 
     row: int
-    position: int
-    score: float  # cosine similarity of the <recall> hidden state and the memory
+    position: int  # the first slot
+    score: float  # cosine similarity of the query and the memory's key
     memory_index: int
     text: str | None = None  # the memory's text, when the bank has one
+    length: int = 1  # value slots, injected in order at consecutive positions
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,7 @@ class GenerationResult:
     prompt_length: int
     finish_reasons: list[FinishReason]
     injections: list[RecallEvent]
-    # Every <|memory_pad|> position of each row (earlier turns' too) -> the vector fed there.
+    # Every <|memory_pad|> position of each row (earlier turns' too) -> the value vector fed there.
     memory_vectors: list[dict[int, torch.Tensor]]
     cache: Any = None  # KV cache over a prefix of sequences: all but the last token, unless stopped in prefill
     prefill_seconds: float = 0.0
@@ -94,6 +95,8 @@ class GenerationResult:
     steps: int = 0
     logits: torch.Tensor | None = None  # [B, steps, V] raw logits (the selected layer's), with output_logits=True
     entropy: EntropyTrace | None = None  # with settings.entropy_decoding
+    attention_mask: torch.Tensor | None = None  # [B, L] for a padded batch (also where another row's memory span
+                                                # gave a row masked columns); None: every position is real
 
     @property
     def new_tokens(self) -> torch.LongTensor:

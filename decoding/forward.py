@@ -42,9 +42,11 @@ class Forward:
 
     def step(self, embeds: torch.Tensor, position: torch.Tensor, cache,
              attention_mask: torch.Tensor | None, layers: bool = False) -> torch.Tensor:
-        """One new position a row: embeds [B, 1, H] -> hidden state [B, H] (`layers`: [B, L, H]), on the KV cache
-        (compiled on a static cache of unpadded rows)."""
-        if self.compiled is not None and self.compiled.covers(cache) and attention_mask is None and not layers:
+        """The new positions of a step: embeds [B, W, H] (W = 1, or a memory's slots) -> the last one's hidden
+        state [B, H] (`layers`: [B, L, H]), on the KV cache (compiled for one position of unpadded rows on a
+        static cache)."""
+        if (self.compiled is not None and embeds.shape[1] == 1 and self.compiled.covers(cache)
+                and attention_mask is None and not layers):
             return self.compiled(embeds, position, cache)
         out = self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=cache, use_cache=True,
                             attention_mask=attention_mask, **_all_layers(layers))

@@ -1,10 +1,14 @@
 """The generation loop with recall (seeds 000 and 001): prefill, then one token a step.
 
 A row recalls when its newest input token is `<recall>` (also when the prompt ends with one): the
-hidden state at that position is the memory head's query, the next token is forced to
-`<|memory_pad|>`, and the chosen memory's embedding is that position's input in the next forward,
-on the same KV cache. Each `<recall>` is the newest input token exactly once, so it fires once
-(the seed's `recall_pending`).
+hidden state at that position queries the memory head, the next tokens are forced to the memory's
+k `<|memory_pad|>` slots (and `Recall.suffix`), and the memory's k value vectors are those slots'
+input embeddings in the next forward, which runs all k positions at once on the same KV cache.
+Each `<recall>` is the newest input token exactly once, so it fires once (the seed's `recall_pending`).
+
+A step that forwards more than one position for some row (a memory's span) gives the other rows of
+a padded batch that many columns too, masked but for their own token in the last one, so every
+row's newest state stays in the last column.
 
 A step reads the device once (`tolist()` of the new tokens and the unfinished flags; entropy
 decoding reads its layer choice right after, for the `LayerEvent`s); the rest stays on the device.
@@ -26,7 +30,7 @@ from decoding.batch import Batch
 from decoding.compiled import crop, fit
 from decoding.events import DoneEvent, Event, GenerationResult, PrefillEvent, RecallEvent, TokenEvent
 from decoding.forward import Forward, prefill_positions, vision_suffix
-from decoding.memory import MemorySelector, Recall
+from decoding.memory import MemorySelector, Recall, recall_step
 from decoding.request import Request, Rows, prepare
 from decoding.sampling import sample
 from decoding.settings import GenerationSettings
@@ -53,9 +57,10 @@ def _prefill_embeds(fwd: Forward, input_ids: torch.Tensor, past_len: int, rows: 
 
 
 def _recall(rows: Rows, recall_rows: list[int], hidden: torch.Tensor, selector: MemorySelector,
-            recall: Recall) -> tuple[dict[int, torch.Tensor], list[Event]]:
-    """The recall step: for each row whose newest input is <recall>, choose a memory for the next position."""
-    recalled: dict[int, torch.Tensor] = {}
+            recall: Recall) -> tuple[dict[int, list[int]], list[Event]]:
+    """The recall step for each row whose newest input is <recall>: the tokens it is forced to next (its
+    memory's slots and the suffix, from position `rows.cur` on), with the value vectors recorded."""
+    spans: dict[int, list[int]] = {}
     events: list[Event] = []
     for row in recall_rows:
         if row in rows.held:  # the <recall> token is streamed together with its recall
@@ -64,12 +69,43 @@ def _recall(rows: Rows, recall_rows: list[int], hidden: torch.Tensor, selector: 
         if recall.settings.debug:
             log.info("[recall] row %d: newest input is <recall> (id %d) at position %d; its hidden state %s is "
                      "the query", row, recall.recall_id, rows.cur - 1, tuple(hidden[row].shape))
-        choice = selector.choose(hidden[row])
-        recalled[row] = rows.memory[row][rows.cur] = recall.bank.vector(choice.index)
-        event = RecallEvent(row, rows.cur, choice.score, choice.index, recall.bank.text(choice.index))
+        spans[row], vectors, event = recall_step(selector, recall, hidden[row], row, rows.cur)
+        rows.pending[row] = vectors  # placed at their columns once the step's width is known
         rows.injections.append(event)
         events.append(event)
-    return recalled, events
+    return spans, events
+
+
+def _columns(rows: Rows, next_tokens: torch.Tensor, spans: dict[int, list[int]], filler: int) -> torch.Tensor:
+    """Write the step's new columns [B, W] into the rows and return them: each row's sampled token, or its
+    forced span, right-aligned; rows with fewer tokens than W get masked `filler` columns first."""
+    width = max((len(t) for t in spans.values()), default=1)
+    block = next_tokens[:, None].repeat(1, width)
+    if width > 1:
+        block[:, :-1] = filler
+    for row, tokens in spans.items():
+        block[row, width - len(tokens):] = torch.tensor(tokens, device=block.device)
+        shift = width - len(tokens)
+        rows.memory[row].update({p + shift: v for p, v in rows.pending.pop(row).items()})
+    rows.write(block, [width - len(spans.get(r, (0,))) for r in range(block.shape[0])])
+    return block
+
+
+def _step_inputs(fwd: Forward, rows: Rows, recall: Recall | None, block: torch.Tensor, position: torch.Tensor,
+                 spans: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embeddings [B, W, H], position ids [B, W] or [4, B, W]) of the step's columns: memory
+    slots carry their value vectors, every row's positions continue its own, right-aligned."""
+    width = block.shape[1]
+    emb = fwd.embed(block)  # [B, W, H]
+    start = rows.cur - width
+    for row in spans:
+        for col in range(width):
+            vec = rows.memory[row].get(start + col)
+            if vec is not None:
+                emb[row, col] = recall.embed(vec[None], fwd.device, fwd.dtype)[0]
+    counts = torch.tensor([len(spans.get(r, (0,))) for r in range(block.shape[0])], device=position.device)
+    steps = torch.arange(1, width + 1, device=position.device) - (width - counts)[:, None]  # [B, W]
+    return emb, position + steps.clamp(min=1).to(position.dtype)  # fillers (masked) repeat the first position
 
 
 def stream_generate(
@@ -192,24 +228,23 @@ def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrup
                 req.kept_logits.append(logits)
             next_tokens = sample(scores, req.settings.do_sample, req.rng)  # [B]
 
-            # 3. the recall step: rows whose newest input was <recall> get <|memory_pad|> and a memory
-            recalled, events = _recall(rows, recall_rows, hidden, req.selector, recall) if recall_rows else ({}, [])
-            if recalled:
-                next_tokens[list(recalled)] = recall.memory_pad_id
+            # 3. the recall step: rows whose newest input was <recall> get their memory's slots (and suffix)
+            spans, events = _recall(rows, recall_rows, hidden, req.selector, recall) if recall_rows else ({}, [])
             if req.eos:
                 next_tokens = torch.where(unfinished, next_tokens, req.pad)
-            rows.seq[:, rows.cur] = next_tokens
-            rows.cur += 1
+            block = _columns(rows, next_tokens, spans, req.pad)  # [B, W], written into the rows
             unfinished &= ~req.criteria(rows.seq[:, :rows.cur], scores)
-            tokens, still = torch.stack((next_tokens, unfinished.long())).tolist()  # the one sync
+            tokens = torch.cat((block, unfinished.long()[:, None]), dim=1).tolist()  # the one sync
+            still = [row.pop() for row in tokens]
             req.steps += 1
 
             # 4. events and finish reasons; a <recall> token is streamed with its recall, next step
             alive = list(rows.alive)
-            events += _step_events(rows, tokens, still, unfinished, recall if req.recall_on else None, req.eos,
+            events += _step_events(rows, tokens, spans, still, unfinished, recall if req.recall_on else None, req.eos,
                                    req.limit, req.settings, req.t0)
             if layer_step is not None:  # a LayerEvent after each token (one more host copy, after the sync)
-                events = entropy.annotate(events, layer_step, alive, rows.cur - 1)
+                events = entropy.annotate(events, layer_step, alive,
+                                          [rows.cur - len(spans.get(r, (0,))) for r in range(req.batch)])
             yield from events
             if not any(rows.alive):
                 break
@@ -217,24 +252,23 @@ def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrup
                 stopped = True
                 break
 
-            # 5. forward the new tokens; memory embeddings replace the <|memory_pad|> embeddings
+            # 5. forward the new columns; value vectors replace the <|memory_pad|> embeddings
             recall_rows = [r for r in range(req.batch)
-                           if req.recall_on and rows.alive[r] and tokens[r] == recall.recall_id]
-            emb = fwd.embed(next_tokens[:, None])  # [B, 1, H]
-            for row, vec in recalled.items():
-                emb[row, 0] = recall.embed(vec[None], fwd.device, fwd.dtype)[0]
-                if recall.settings.debug:
-                    log.info("[inject] row %d: <|memory_pad|> at position %d carries memory %s; its embedding "
-                             "%s %s on %s is the input of this forward; the KV cache grows %d -> %d", row,
-                             rows.cur - 1, rows.injections[-1].memory_index, tuple(emb[row, 0].shape), emb.dtype,
-                             emb.device, rows.cur - 1, rows.cur)
-            position = position + 1
+                           if req.recall_on and rows.alive[r] and tokens[r][-1] == recall.recall_id]
+            emb, positions = _step_inputs(fwd, rows, recall, block, position, spans)  # [B, W, H], [.., B, W]
+            position = positions[..., -1:]
+            if spans and recall.settings.debug:
+                for e in rows.injections[-len(spans):]:
+                    log.info("[inject] row %d: memory %d fills the %d <|memory_pad|> slots from position %d; their "
+                             "value vectors are inputs of this forward of %d positions; the KV cache grows %d -> %d",
+                             e.row, e.memory_index, e.length, e.position, block.shape[1], rows.cur - block.shape[1],
+                             rows.cur)
             if isinstance(req.cache, StaticCache):  # a full static cache moves to the next bucket
                 req.cache = fit(req.cache, fwd.model, rows.cur)
             if batch is not None:  # run by the batch, with other requests' steps
-                hidden, logits = yield from batch.step(req, emb, position)
+                hidden, logits = yield from batch.step(req, emb, positions)
             else:
-                hidden, logits = fwd.step(emb, position, req.cache, None if rows.mask is None else
+                hidden, logits = fwd.step(emb, positions, req.cache, None if rows.mask is None else
                                           rows.mask[:, :rows.cur], layers=entropy is not None), None
     finally:
         if batch is not None:
@@ -245,13 +279,18 @@ def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrup
     req.decode_s = time.perf_counter() - t1
 
 
-def _step_events(rows: Rows, tokens: list[int], still: list[int], unfinished: torch.Tensor, recall: Recall | None,
-                 eos: list[int], max_len: int, settings: GenerationSettings, t0: float) -> list[Event]:
-    """Token and finish events of one step, for the rows still running."""
+def _step_events(rows: Rows, tokens: list[list[int]], spans: dict[int, list[int]], still: list[int],
+                 unfinished: torch.Tensor, recall: Recall | None, eos: list[int], max_len: int,
+                 settings: GenerationSettings, t0: float) -> list[Event]:
+    """Token and finish events of one step (a recalling row's whole span), for the rows still running."""
     events: list[Event] = []
-    for row, token in enumerate(tokens):
+    for row, columns in enumerate(tokens):
         if not rows.alive[row]:
             continue
+        new = columns[len(columns) - len(spans.get(row, (0,))):]
+        token = new[-1]
+        start = rows.cur - len(new)
+        events += [TokenEvent(row, t, start + i, rows.text(row, t)) for i, t in enumerate(new[:-1])]
         if recall is not None and still[row] and token == recall.recall_id:
             rows.held[row] = TokenEvent(row, token, rows.cur - 1, "")
             continue

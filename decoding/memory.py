@@ -1,11 +1,15 @@
-"""The memory head and the memory embedding (seed 000).
+"""The memory head and the memory embedding (seed 000), for memories of k >= 1 value slots.
 
-memory head: like `lm_head` over the memory bank. The `<recall>` hidden state is scored against
-the bank (cosine similarity = logits) through the bank's own search: exact by default, the FAISS
+memory head: like `lm_head` over the memory bank. A query is scored against the bank's keys
+(cosine similarity = logits) through the bank's own search: exact by default, the FAISS
 approximate index when the bank has one (its top-k candidates are then the only ones the warpers
-see), then warped and sampled with the same `sample` as tokens.
-memory embedding: the chosen vector becomes the input embedding of the `<|memory_pad|>` position,
-through the model's memory projector when its recall training has one.
+see), then warped and sampled with the same `sample` as tokens. The query is the `<recall>`
+position's hidden state, or what `Recall.query` makes of it (a bank keyed by text embeddings is
+searched with the embedding of the user's message).
+memory embedding: the chosen memory's k value vectors become the input embeddings of k
+consecutive `<|memory_pad|>` positions, in order (through the model's memory projector when its
+recall training has one), followed by the forced `Recall.suffix` tokens (`</recall>` for a model
+trained to read memories between the two).
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ from typing import Callable, Mapping
 
 import torch
 
+from decoding.events import RecallEvent
 from decoding.sampling import kept, sample
 from decoding.processors import make_memory_warper
 from decoding.settings import RecallSettings
+from memory.bank import Memory
 
 log = logging.getLogger("decoding.memory")
 
-Embedding = Callable[[torch.Tensor], torch.Tensor]  # memory vectors [N, H] -> input embeddings [N, H]
+Embedding = Callable[[torch.Tensor], torch.Tensor]  # value vectors [N, H] -> input embeddings [N, H]
+Query = Callable[[torch.Tensor], torch.Tensor]  # the <recall> hidden state [H] -> the query [D] of the bank's keys
 
 
 @dataclass(frozen=True)
@@ -30,7 +37,9 @@ class Recall:
     """Everything the loop needs to recall and to place memories.
 
     `bank` may be None or empty (recall is then off, but memories of earlier turns are still
-    placed at their `<|memory_pad|>` positions with `embedding`).
+    placed at their `<|memory_pad|>` positions with `embedding`). `query` turns the `<recall>`
+    hidden state into the query (None: the state itself, for a bank whose keys are hidden states).
+    `suffix`: token ids forced right after a memory's slots.
     """
 
     recall_id: int
@@ -38,6 +47,8 @@ class Recall:
     bank: object = None  # a MemoryVectorDB
     settings: RecallSettings = RecallSettings()
     embedding: Embedding | None = None
+    query: Query | None = None
+    suffix: tuple[int, ...] = ()
 
     @classmethod
     def from_token_ids(cls, token_ids: Mapping[str, int], bank=None, settings: RecallSettings = RecallSettings(),
@@ -54,11 +65,26 @@ class Recall:
         return self.settings.enabled and self.bank is not None and len(self.bank) > 0
 
     def embed(self, vectors: torch.Tensor, device, dtype) -> torch.Tensor:
-        """Memory vectors [N, H] as input embeddings [N, H] on the model's device and dtype."""
+        """Value vectors [N, H] as input embeddings [N, H] on the model's device and dtype."""
         vectors = vectors.to(device=device, dtype=torch.float32)
         if self.embedding is not None:
             vectors = self.embedding(vectors)
         return vectors.to(dtype)
+
+    def span(self, memory: Memory) -> list[int]:
+        """The tokens forced after `<recall>` for a memory: a `<|memory_pad|>` a value slot, then the suffix."""
+        return [self.memory_pad_id] * memory.slots + list(self.suffix)
+
+
+def recall_step(selector: "MemorySelector", recall: Recall, hidden: torch.Tensor, row: int,
+                position: int) -> tuple[list[int], dict[int, torch.Tensor], RecallEvent]:
+    """The one recall step, for the plain loop and the mixture alike: the newest input of `row` is
+    `<recall>`, with final hidden state `hidden` [H]. Returns the tokens forced from `position` on
+    (`Recall.span`), the value vector of each of their slot positions, and the event of the injection."""
+    memory = selector.choose(hidden)
+    vectors = {position + i: v for i, v in enumerate(memory.values)}
+    return recall.span(memory), vectors, RecallEvent(row, position, memory.score, memory.index, memory.text,
+                                                     memory.slots)
 
 
 def inject_memories(embeds: torch.Tensor, input_ids: torch.Tensor, pad_id: int,
@@ -74,12 +100,6 @@ def inject_memories(embeds: torch.Tensor, input_ids: torch.Tensor, pad_id: int,
     return embeds.masked_scatter(where[..., None], vectors.to(device=embeds.device, dtype=embeds.dtype))
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryChoice:
-    index: int  # the memory's id in the bank
-    score: float  # its cosine similarity to the query
-
-
 class MemorySelector:
     """Scores a query against the bank and picks one memory, per the recall settings.
 
@@ -88,25 +108,34 @@ class MemorySelector:
     warping all N scores (top_k=0 fetches all of them, exactly).
     """
 
-    def __init__(self, memory_db, recall: RecallSettings, generator: torch.Generator | None = None):
+    def __init__(self, memory_db, recall: RecallSettings, generator: torch.Generator | None = None,
+                 query: Query | None = None):
         self.db = memory_db
         self.recall = recall
         self.warper = make_memory_warper(recall)
         self.generator = generator  # a seeded request's own random state (CPU: the scores are on the CPU)
+        self.query = query  # the <recall> state -> the query (None: the state itself)
 
-    def scores(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @classmethod
+    def of(cls, recall: Recall, generator: torch.Generator | None = None) -> "MemorySelector":
+        return cls(recall.bank, recall.settings, generator, recall.query)
+
+    def scores(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores [k], memory ids [k]) best first, from the bank's search."""
+        query = hidden if self.query is None else self.query(hidden)
         return self.db.topk(query.detach().float().cpu(), self.recall.top_k or None)
 
-    def choose(self, query: torch.Tensor) -> MemoryChoice:
-        scores, ids = self.scores(query)  # [k], [k]
+    def choose(self, hidden: torch.Tensor) -> Memory:
+        scores, ids = self.scores(hidden)  # [k], [k]
         warped = self.warper(None, scores[None].clone()) if self.warper else scores[None]  # [1, k]
         pick = int(sample(warped, self.recall.use_sampling, self.generator)[0])
-        choice = MemoryChoice(index=int(ids[pick]), score=float(scores[pick]))
+        memory = self.db.memory(int(ids[pick]), float(scores[pick]))
         if self.recall.debug:
-            log.info("[memory head] query %s %s on %s: %d candidates, scores %s", tuple(query.shape), query.dtype,
-                     query.device, len(scores), [(int(i), round(float(s), 4)) for s, i in zip(scores[:8], ids[:8])])
+            log.info("[memory head] query from %s %s on %s: %d candidates, scores %s", tuple(hidden.shape),
+                     hidden.dtype, hidden.device, len(scores),
+                     [(int(i), round(float(s), 4)) for s, i in zip(scores[:8], ids[:8])])
             log.info("[memory head] %d kept after temperature/top-k/top-p; chose memory %d (candidate %d), "
-                     "similarity %.4f%s", int(kept(warped)[0]), choice.index, pick, choice.score,
-                     f", p={float(torch.softmax(warped, -1)[0, pick]):.4f}" if self.recall.use_sampling else "")
-        return choice
+                     "similarity %.4f, %d value slots%s", int(kept(warped)[0]), memory.index, pick, memory.score,
+                     memory.slots, f", p={float(torch.softmax(warped, -1)[0, pick]):.4f}"
+                     if self.recall.use_sampling else "")
+        return memory

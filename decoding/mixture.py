@@ -30,9 +30,9 @@ from typing import Iterator, Mapping
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from decoding.events import DoneEvent, FinishEvent, GenerationResult, PrefillEvent, RecallEvent, TokenEvent
+from decoding.events import DoneEvent, FinishEvent, GenerationResult, PrefillEvent, TokenEvent
 from decoding.loop import TOOL_CALL_END
-from decoding.memory import MemorySelector, Recall
+from decoding.memory import MemorySelector, Recall, recall_step
 from decoding.processors import build_logits_processor, build_stopping_criteria
 from decoding.settings import GenerationSettings, MixtureSettings
 from decoding.speculative import HeadDraft, ModelDraft, ModelPair, PairDraft, make_draft, process_block, speculative_round
@@ -165,7 +165,7 @@ class _Run:
         self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
         self.active = recall is not None and recall.active  # recall on; else recall only places memories
         self.generator, memory_generator = rngs  # a seeded request's own random states (tokens, memories)
-        self.selector = MemorySelector(recall.bank, recall.settings, memory_generator) if self.active else None
+        self.selector = MemorySelector.of(recall, memory_generator) if self.active else None
         self.alphas, self.injections, self.reason = [], [], None
         self.drafted = self.accepted = self.rounds = 0
         self.t0 = time.perf_counter()
@@ -198,15 +198,23 @@ class _Run:
         return self.reason is not None
 
     def recall_step(self, events: list) -> None:
-        """The newest token is <recall>: its θ hidden state queries the bank; <|memory_pad|> carries the memory."""
+        """The newest token is <recall>: its θ hidden state queries the bank; the memory's slots (and the suffix)
+        follow whole, their value vectors in both models' caches but for the last token, as always."""
         self.pair.crop(len(self.seq) - 1)
         _, hidden = self.pair.run([self.seq[-1]], logits=False)  # [1, H]
-        choice = self.selector.choose(hidden[-1])
-        self.memory[len(self.seq)] = self.recall.bank.vector(choice.index)
-        event = RecallEvent(0, len(self.seq), choice.score, choice.index, self.recall.bank.text(choice.index))
+        start = len(self.seq)
+        span, vectors, event = recall_step(self.selector, self.recall, hidden[-1], 0, start)
+        self.memory.update(vectors)
         self.injections.append(event)
         events.append(event)
-        self.emit(self.recall.memory_pad_id, math.nan, events)
+        for token in span[:-1]:  # a memory is never cut: the finish checks wait for its last token
+            self.seq.append(token)
+            self.alphas.append(math.nan)
+            events.append(TokenEvent(0, token, len(self.seq) - 1, self.detok.push(token) if self.detok else ""))
+        self.emit(span[-1], math.nan, events)
+        if len(span) > 1:
+            self.pair.run(span[:-1], {p - start: self.embedded(p) for p in vectors if p < start + len(span) - 1},
+                          logits=False)
 
     def target(self, seq, drafts, logits):
         theta, t = process_block(self.processors, seq, drafts, logits)
@@ -283,7 +291,7 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
         raise ValueError("memory_vectors were given without recall=Recall(...): placing them needs the "
                          "<|memory_pad|> id and the model's memory embedding")
     if recall_on:
-        check_bank_dim(model_theta, recall.bank.dim)
+        check_bank_dim(model_theta, recall.bank, recall.query)
     if logits_processor is None:
         logits_processor = build_logits_processor(settings, eos_token_id=eos or None, prompt_ids=input_ids.to(pair.device),
                                                   device=pair.device, vocab_size=pair.vocab)

@@ -72,6 +72,24 @@ class Rows:
     alive: list[bool] = field(default_factory=list)
     held: dict[int, TokenEvent] = field(default_factory=dict)  # <recall> tokens waiting for their recall
     injections: list[RecallEvent] = field(default_factory=list)
+    pending: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # a step's recalled vectors, unplaced
+
+    def write(self, block: torch.Tensor, fillers: list[int]) -> None:
+        """Append columns [B, W] (growing the buffers when a memory's span needs room); the first
+        `fillers[r]` of row r are masked (a padded batch whose other row forwards a span)."""
+        width = block.shape[1]
+        if self.cur + width > self.seq.shape[1]:
+            more = max(width, 64)
+            self.seq = torch.cat([self.seq, self.seq.new_zeros((self.seq.shape[0], more))], dim=1)
+            if self.mask is not None:
+                self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], more))], dim=1)
+        if any(fillers):
+            if self.mask is None:
+                self.mask = torch.ones_like(self.seq)
+            for row, n in enumerate(fillers):
+                self.mask[row, self.cur:self.cur + n] = 0
+        self.seq[:, self.cur:self.cur + width] = block
+        self.cur += width
 
     def finish(self, row: int, reason: str) -> FinishEvent:
         self.reasons[row] = reason
@@ -131,7 +149,8 @@ class Request:
             injections=rows.injections, memory_vectors=rows.memory, cache=self.cache, prefill_seconds=self.prefill_s,
             decode_seconds=self.decode_s, steps=self.steps,
             logits=torch.stack(self.kept_logits, dim=1) if self.kept_logits else None,
-            entropy=self.entropy.trace(sequences, self.prompt_len) if self.entropy is not None else None)
+            entropy=self.entropy.trace(sequences) if self.entropy is not None else None,
+            attention_mask=None if rows.mask is None else rows.mask[:, :rows.cur])
 
 
 def generators(seed: int | None, device) -> tuple[torch.Generator | None, torch.Generator | None]:
@@ -185,7 +204,7 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
     pad = pad if pad is not None else (eos[0] if eos else 0)
     recall_on = recall is not None and recall.active
     if recall_on:
-        check_bank_dim(model, recall.bank.dim)
+        check_bank_dim(model, recall.bank, recall.query)
     rng, memory_rng = generators(settings.seed, device)
     entropy = None
     if settings.entropy_decoding is not None:
@@ -211,7 +230,7 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
                  [Detokenizer(tokenizer) for _ in range(batch)] if tokenizer is not None else None,
                  [None] * batch, [True] * batch)
     return Request(fwd, settings, input_ids, attention_mask, cache, past_len, eos, pad, recall,
-                    MemorySelector(recall.bank, recall.settings, memory_rng) if recall_on else None, logits_processor,
+                    MemorySelector.of(recall, memory_rng) if recall_on else None, logits_processor,
                     criteria, min(max_len, context) if context is not None else max_len, rows, entropy, rng)
 
 

@@ -1,4 +1,9 @@
-"""`MemoryVectorDB`: hidden-state vectors with optional texts, searched by cosine similarity."""
+"""`MemoryVectorDB`: memories searched by cosine similarity of their keys, with their value vectors and texts.
+
+A memory is a key (one vector: what the index holds and the memory head scores) and a value (k >= 1
+vectors, what the memory embedding injects, in order, one per `<|memory_pad|>` slot). A bank built
+without values keeps the seeds' single-vector memory: k = 1, key = value.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import torch
 
 from memory.ann import INDEXES, AnnConfig, AnnIndex
 from memory.files import BankData, read_bank, write_bank
-from memory.validate import BankError, as_query, check_labels, normalise, prepare_vectors
+from memory.validate import VALUE_DTYPES, BankError, as_query, check_labels, normalise, prepare_values, prepare_vectors
 
 log = logging.getLogger("memory.bank")
 
@@ -29,6 +34,22 @@ class _Snapshot:
     texts: list  # [>= n] str | None; shared with later snapshots, read below n only
     metadata: list  # [>= n] dict | None; same
     ann: AnnIndex | None  # labels are row numbers of this generation
+    values: np.ndarray | None = None  # [S, Dv] all memories' value slots, flat (None: value = key)
+    offsets: np.ndarray | None = None  # [n + 1] int64: row r's slots are values[offsets[r]:offsets[r + 1]]
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """One memory as the memory head hands it to the loop."""
+
+    index: int  # its stable id in the bank
+    score: float  # cosine similarity of the query and its key
+    values: torch.Tensor  # [k, Dv] float32: what is injected, one vector a <|memory_pad|> slot, in order
+    text: str | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.values.shape[0]
 
 
 def exact_topk(normed: np.ndarray, query: np.ndarray, k: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -43,12 +64,14 @@ def exact_topk(normed: np.ndarray, query: np.ndarray, k: int | None) -> tuple[np
 
 
 class MemoryVectorDB:
-    """A bank of memory vectors searched by cosine similarity, exactly or through FAISS HNSW/IVF.
+    """A bank of memories searched by the cosine similarity of their keys, exactly or through FAISS HNSW/IVF.
 
-    Vectors are kept twice: raw float32 as added (returned as `embedding`, injected into the model)
-    and L2-normalised (scored). `topk` is always exact (one BLAS matrix-vector product, faster here
-    than `faiss.IndexFlatIP` for one query, and no third copy); `search` goes through the
-    approximate index when one is configured and `top_k` is below the bank size.
+    Keys are kept twice: raw float32 as added (returned as `embedding`) and L2-normalised (scored).
+    Exact search is one BLAS matrix-vector product (faster here than `faiss.IndexFlatIP` for one
+    query, and no third copy); `topk` and `search` go through the approximate index when one is
+    configured and k is below the bank size. With `value_dim` every memory also has values: k >= 1
+    vectors of that dimension (float32 or float16, `value_dtype`), stored flat with offsets; without,
+    a memory's value is its key.
 
     Ids: `add` gives every vector a stable id (0, 1, 2, ... in order of adding), never reused;
     `remove` leaves the other ids unchanged. A bank that never had a removal has id == row.
@@ -62,19 +85,27 @@ class MemoryVectorDB:
     and guarded by a readers-writer lock.
     """
 
-    def __init__(self, dim: int, index: str = "flat", *, hnsw_m: int = 32, hnsw_ef_search: int = 64,
-                 ivf_nlist: int | None = None, ivf_nprobe: int | None = None) -> None:
+    def __init__(self, dim: int, index: str = "flat", *, value_dim: int | None = None, value_dtype: str = "float32",
+                 hnsw_m: int = 32, hnsw_ef_search: int = 64, ivf_nlist: int | None = None,
+                 ivf_nprobe: int | None = None) -> None:
         if not isinstance(dim, int) or dim < 1:
             raise ValueError(f"dim must be a positive integer, got {dim!r}")
         if index not in INDEXES:
             raise ValueError(f"index must be one of {INDEXES}, got {index!r}")
-        self._dim, self._kind = dim, index
+        if value_dim is not None and (not isinstance(value_dim, int) or value_dim < 1):
+            raise ValueError(f"value_dim must be a positive integer or None, got {value_dim!r}")
+        if value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {sorted(VALUE_DTYPES)}, got {value_dtype!r}")
+        self._dim, self._kind, self._value_dim = dim, index, value_dim
+        self._value_dtype = VALUE_DTYPES[value_dtype]
+        self._val_buf = None if value_dim is None else np.empty((0, value_dim), self._value_dtype)
+        self._off_buf = None if value_dim is None else np.zeros(1, np.int64)
         self._ann_config = None if index == "flat" else AnnConfig(index, hnsw_m, hnsw_ef_search, ivf_nlist, ivf_nprobe)
         self._lock = threading.Lock()
         self._next_id = 0
         empty = np.empty((0, dim), np.float32)
         self._raw_buf, self._normed_buf, self._ids_buf = empty, empty, np.empty(0, np.int64)
-        self._snap = _Snapshot(0, self._ids_buf, empty, empty, [], [], None)
+        self._snap = _Snapshot(0, self._ids_buf, empty, empty, [], [], None, self._val_buf, self._off_buf)
         self.info: dict[str, Any] = {}  # bank-level JSON-compatible notes (e.g. how it was built), saved with it
 
     # ----------------------------------------------------------------------- properties
@@ -87,30 +118,64 @@ class MemoryVectorDB:
     def index(self) -> str:
         return self._kind
 
+    @property
+    def value_dim(self) -> int:
+        """The dimension of what is injected: the values', or the keys' when a value is its key."""
+        return self._dim if self._value_dim is None else self._value_dim
+
+    @property
+    def has_values(self) -> bool:
+        """Whether memories have values of their own (else value = key, one slot)."""
+        return self._value_dim is not None
+
     def __len__(self) -> int:
         return self._snap.n
 
+    def bytes_per_memory(self) -> float:
+        """Memory held per memory: its key twice (raw and normalised, float32) and its values."""
+        snap = self._snap
+        values = 0 if snap.values is None or not snap.n else snap.values[:snap.offsets[snap.n]].nbytes / snap.n
+        return 2 * 4 * self._dim + values
+
     def __repr__(self) -> str:
-        return f"MemoryVectorDB(dim={self._dim}, index={self._kind!r}, size={len(self)})"
+        values = f", value_dim={self._value_dim}" if self._value_dim is not None else ""
+        return f"MemoryVectorDB(dim={self._dim}{values}, index={self._kind!r}, size={len(self)})"
 
     # ----------------------------------------------------------------------- writing
 
     def add(self, vectors: Any, texts: Sequence[str | None] | None = None,
-            metadata: Sequence[dict | None] | None = None) -> list[int]:
-        """Add vectors [N, D] (tensor or array, any float dtype) with optional texts/metadata; return their ids.
+            metadata: Sequence[dict | None] | None = None, values: Sequence[Any] | None = None) -> list[int]:
+        """Add keys [N, D] (tensor or array, any float dtype) with optional texts/metadata and, in a bank
+        with values, each memory's values ([k_i, Dv] each); return their ids.
 
-        Raises `BankError` for a wrong dimension, NaN/inf or all-zero rows (naming them), or
-        labels whose length is not N.
+        Raises `BankError` for a wrong dimension, NaN/inf or all-zero rows (naming them), labels or
+        values whose count is not N, or values given to (or missing from) a bank of the other kind.
         """
         raw, norms = prepare_vectors(vectors, expected_dim=self._dim, source="add")
-        return self._append(raw, norms, texts, metadata, "add")
+        if (values is None) != (self._value_dim is None):
+            raise BankError("add: expected values for every memory (this bank stores values beside its keys)"
+                            if values is None else "add: expected no values (in this bank a memory's value is its key)")
+        packed = None
+        if values is not None:
+            if len(values) != len(raw):
+                raise BankError(f"add: expected {len(raw)} value arrays (one per key), got {len(values)}")
+            parts = [v.detach().float().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v) for v in values]
+            if any(p.ndim != 2 for p in parts):
+                raise BankError(f"add: expected each memory's values as a 2-D array [k, {self._value_dim}]")
+            offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+            packed = prepare_values(np.concatenate(parts), offsets, len(raw), expected_dim=self._value_dim,
+                                    source="add")
+        return self._append(raw, norms, texts, metadata, "add", packed)
 
-    def _append(self, raw: np.ndarray, norms: np.ndarray, texts, metadata, source: str) -> list[int]:
+    def _append(self, raw: np.ndarray, norms: np.ndarray, texts, metadata, source: str,
+                values: tuple[np.ndarray, np.ndarray] | None = None) -> list[int]:
         texts, metadata = check_labels(texts, metadata, len(raw), source)
         normed = normalise(raw, norms)
         with self._lock:
             snap, k = self._snap, len(raw)
             n, end = snap.n, snap.n + len(raw)
+            if values is not None:
+                self._append_values(snap, *values)
             ids = np.arange(self._next_id, self._next_id + k, dtype=np.int64)
             if n == 0 and end > len(self._raw_buf):  # first rows: adopt our fresh copies as the buffers
                 self._raw_buf, self._normed_buf, self._ids_buf = raw, normed, ids.copy()
@@ -132,8 +197,28 @@ class MemoryVectorDB:
             snap.metadata.extend(metadata or [None] * k)
             self._next_id += k
             self._snap = _Snapshot(end, self._ids_buf[:end], self._raw_buf[:end], self._normed_buf[:end],
-                                   snap.texts, snap.metadata, ann)
+                                   snap.texts, snap.metadata, ann, *self._value_views(end))
             return ids.tolist()
+
+    def _append_values(self, snap: _Snapshot, values: np.ndarray, offsets: np.ndarray) -> None:
+        """Write new memories' values past the end of the value buffers (growing them by copying, as keys)."""
+        n, start = snap.n, int(snap.offsets[snap.n])
+        end, last = start + len(values), n + len(offsets) - 1
+        if end > len(self._val_buf):
+            grown = np.empty((max(end, 2 * len(self._val_buf)), self._value_dim), self._value_dtype)
+            grown[:start] = self._val_buf[:start]
+            self._val_buf = grown
+        if last + 1 > len(self._off_buf):
+            grown = np.empty(max(last + 1, 2 * len(self._off_buf)), np.int64)
+            grown[:n + 1] = self._off_buf[:n + 1]
+            self._off_buf = grown
+        self._val_buf[start:end] = values
+        self._off_buf[n + 1:last + 1] = start + offsets[1:]
+
+    def _value_views(self, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        if self._value_dim is None:
+            return None, None
+        return self._val_buf[:self._off_buf[n]], self._off_buf[:n + 1]
 
     def remove(self, ids: Iterable[int]) -> int:
         """Remove entries by id; return the number of entries left.
@@ -162,19 +247,25 @@ class MemoryVectorDB:
             if self._ann_config is not None and len(self._ids_buf):
                 ann = AnnIndex(self._ann_config, self._dim)
                 ann.add(self._normed_buf)
+            if self._value_dim is not None:  # the kept memories' slots, compact
+                spans = [snap.values[a:b] for a, b, k in zip(snap.offsets[:-1], snap.offsets[1:], keep) if k]
+                self._val_buf = np.concatenate(spans) if spans else np.empty((0, self._value_dim), self._value_dtype)
+                self._off_buf = np.concatenate([[0], np.cumsum([len(v) for v in spans], dtype=np.int64)])
             self._snap = _Snapshot(len(self._ids_buf), self._ids_buf, self._raw_buf, self._normed_buf,
-                                   texts, metadata, ann)
+                                   texts, metadata, ann, *self._value_views(len(self._ids_buf)))
             return self._snap.n
 
     def copy(self) -> "MemoryVectorDB":
         """An independent bank with the same entries and ids, texts, metadata, info and index kind."""
         snap = self._snap
-        db = type(self)(self._dim, self._kind)
+        db = type(self)(self._dim, self._kind, value_dim=self._value_dim,
+                        value_dtype=np.dtype(self._value_dtype).name)
         db._ann_config = self._ann_config
         if snap.n:
             raw, norms = prepare_vectors(snap.raw, expected_dim=self._dim, source="copy")
+            values = None if snap.values is None else (snap.values.copy(), snap.offsets.copy())
             db._append(raw.copy(), norms, snap.texts[:snap.n],
-                       [None if m is None else dict(m) for m in snap.metadata[:snap.n]], "copy")
+                       [None if m is None else dict(m) for m in snap.metadata[:snap.n]], "copy", values)
             db._ids_buf[:snap.n] = snap.ids  # keep the stable ids (the snapshot views this buffer)
         db._next_id = self._next_id
         db.info = dict(self.info)
@@ -245,9 +336,22 @@ class MemoryVectorDB:
         return row
 
     def vector(self, i: int) -> torch.Tensor:
-        """The raw float32 vector [D] of id `i` (a copy)."""
+        """The raw float32 key [D] of id `i` (a copy)."""
         snap = self._snap
         return torch.from_numpy(snap.raw[self._row(snap, i)].copy())
+
+    def values(self, i: int) -> torch.Tensor:
+        """The value vectors [k, Dv] float32 of id `i`, in slot order (a copy; [1, D] = its key when a value is
+        its key)."""
+        snap = self._snap
+        row = self._row(snap, i)
+        if snap.values is None:
+            return torch.from_numpy(snap.raw[row:row + 1].copy())
+        return torch.from_numpy(snap.values[snap.offsets[row]:snap.offsets[row + 1]].astype(np.float32))
+
+    def memory(self, i: int, score: float) -> Memory:
+        """Memory `i` as the loop injects it, with the similarity it was chosen at."""
+        return Memory(int(i), float(score), self.values(i), self.text(i))
 
     def text(self, i: int) -> str | None:
         snap = self._snap
@@ -266,7 +370,8 @@ class MemoryVectorDB:
         rows = range(start, min(start + count, snap.n))
         return [{"index": int(snap.ids[r]), "text": snap.texts[r],
                  "metadata": None if snap.metadata[r] is None else dict(snap.metadata[r]),
-                 "norm": float(np.linalg.norm(snap.raw[r]))} for r in rows]
+                 "norm": float(np.linalg.norm(snap.raw[r])),
+                 "slots": 1 if snap.offsets is None else int(snap.offsets[r + 1] - snap.offsets[r])} for r in rows]
 
     # ----------------------------------------------------------------------- files
 
@@ -275,14 +380,18 @@ class MemoryVectorDB:
         snap = self._snap
         texts, metadata = snap.texts[:snap.n], snap.metadata[:snap.n]
         write_bank(path, BankData(snap.raw, texts if any(t is not None for t in texts) else None,
-                                  metadata if any(m is not None for m in metadata) else None, dict(self.info)))
+                                  metadata if any(m is not None for m in metadata) else None, dict(self.info),
+                                  snap.values, snap.offsets))
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, index: str = "flat", expected_dim: int | None = None,
-             max_bytes: int | None = None, expected_encoder: str | None = None,
-             **index_options: Any) -> "MemoryVectorDB":
+             expected_key_dim: int | None = None, max_slots: int | None = None, max_bytes: int | None = None,
+             expected_encoder: str | None = None, **index_options: Any) -> "MemoryVectorDB":
         """Read a bank file (see `memory.files`); every problem raises `BankError` naming the file.
 
+        `expected_dim`: the dimension of what is injected (the model's hidden size): the values', or the
+        keys' in a bank whose values are its keys. `expected_key_dim`: the keys' dimension in a bank with
+        values (its key encoder's). `max_slots`: the most value slots one memory may have.
         `expected_encoder`: the name of the encoder that must have written the bank. A bank that
         records another encoder is refused (its vectors mean something else to this model); one
         that records none (raw vectors from elsewhere) is accepted as it is.
@@ -294,8 +403,17 @@ class MemoryVectorDB:
             raise BankError(f"{source}: expected memories written by this model's encoder {expected_encoder!r}, "
                             f"got a bank written by {written_by!r}; rebuild it from its texts with this model "
                             "(python -m chat.bankcli build memories.txt bank.pt, or write them in the Memory tab)")
-        raw, norms = prepare_vectors(data.vectors, expected_dim=expected_dim, source=source)
-        db = cls(raw.shape[1], index, **index_options)
-        db._append(raw, norms, data.texts, data.metadata, source)
+        has_values = data.values is not None
+        raw, norms = prepare_vectors(data.vectors, expected_dim=expected_key_dim if has_values else expected_dim,
+                                     source=source)
+        values = None
+        if has_values:
+            values = prepare_values(data.values, data.offsets, len(raw), expected_dim=expected_dim,
+                                    max_slots=max_slots, source=source)
+        elif max_slots is not None and max_slots < 1:
+            raise BankError(f"{source}: expected at most {max_slots} value slots per memory, got 1")
+        db = cls(raw.shape[1], index, value_dim=values[0].shape[1] if has_values else None,
+                 value_dtype=values[0].dtype.name if has_values else "float32", **index_options)
+        db._append(raw, norms, data.texts, data.metadata, source, values)
         db.info = dict(data.info)
         return db

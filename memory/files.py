@@ -4,12 +4,16 @@ Reading never runs code from the file: `.pt` goes through `torch.load(weights_on
 `.npy` through `np.load(allow_pickle=False)`, `.safetensors` holds no code by design. This module
 checks the layout only; the vectors themselves are checked by `validate.prepare_vectors`.
 
-Layouts read:
+Layouts read ("embeddings" are the keys; a bank without "values" has each memory's value = its key):
   .pt           tensor [N, D] | list of [D] tensors |
                 {"embeddings": tensor [N, D] or list of [D] tensors,
+                 "values"?: tensor [S, Dv], "value_offsets"?: int tensor [N + 1],
                  "texts"?: [str], "metadata"?: [dict], "info"?: dict}
-  .safetensors  tensor "embeddings" [N, D]; "texts", "metadata", "info" as JSON in the header metadata
-  .npy          float array [N, D] (vectors only: saving to .npy drops texts, metadata and info)
+  .safetensors  tensors "embeddings" [N, D] (and "values" [S, Dv], "value_offsets" [N + 1]); "texts",
+                "metadata", "info" as JSON in the header metadata
+  .npy          float array [N, D]: keys only (saving to .npy drops texts, metadata and info, and is refused
+                for a bank with values)
+Memory i's value slots are values[value_offsets[i]:value_offsets[i + 1]].
 """
 
 from __future__ import annotations
@@ -34,17 +38,19 @@ from memory.validate import BankError
 log = logging.getLogger(__name__)
 
 FORMATS = {".pt": "PyTorch .pt", ".pth": "PyTorch .pt", ".safetensors": "safetensors", ".npy": "NumPy .npy"}
-_PT_KEYS = {"embeddings", "texts", "metadata", "info"}
+_PT_KEYS = {"embeddings", "values", "value_offsets", "texts", "metadata", "info"}
 
 
 @dataclass
 class BankData:
     """What a bank file holds: vectors (not yet validated) and optional labels."""
 
-    vectors: Any  # torch.Tensor | np.ndarray, [N, D]
+    vectors: Any  # torch.Tensor | np.ndarray, [N, D]: the keys
     texts: list | None = None
     metadata: list | None = None
     info: dict = field(default_factory=dict)
+    values: Any = None  # [S, Dv] every memory's value slots, flat (None: a memory's value is its key)
+    offsets: Any = None  # [N + 1] integers: memory i's slots are values[offsets[i]:offsets[i + 1]]
 
 
 def _format(path: Path) -> str:
@@ -92,10 +98,22 @@ def _from_pt(obj: Any, name: str) -> BankData:
         info = obj.get("info") or {}
         if not isinstance(info, dict):
             raise BankError(f"{name}: expected 'info' as a dict, got {type(info).__name__}")
-        return BankData(emb, obj.get("texts"), obj.get("metadata"), info)
+        values, offsets = _value_pair(obj.get("values"), obj.get("value_offsets"), name)
+        return BankData(emb, obj.get("texts"), obj.get("metadata"), info, values, offsets)
     raise BankError(
         f"{name}: expected a tensor [N, D], a list of [D] tensors or a dict with 'embeddings', got {type(obj).__name__}"
     )
+
+
+def _value_pair(values: Any, offsets: Any, name: str) -> tuple[Any, Any]:
+    """Values and their offsets come together, as tensors (their contents are checked by `prepare_values`)."""
+    if (values is None) != (offsets is None):
+        raise BankError(f"{name}: expected 'values' and 'value_offsets' together, got only "
+                        f"{'values' if offsets is None else 'value_offsets'}")
+    for key, item in (("values", values), ("value_offsets", offsets)):
+        if item is not None and not isinstance(item, torch.Tensor):
+            raise BankError(f"{name}: expected {key!r} as a tensor, got {type(item).__name__}")
+    return values, offsets
 
 
 def _read_pt(path: Path) -> BankData:
@@ -118,10 +136,13 @@ def _read_safetensors(path: Path) -> BankData:
             raise BankError(f"{path.name}: expected a tensor named 'embeddings', got tensors {sorted(keys)}")
         header = f.metadata() or {}
         vectors = f.get_tensor("embeddings")
+        values, offsets = _value_pair(*(f.get_tensor(k) if k in keys else None for k in ("values", "value_offsets")),
+                                      path.name)
     info = _json_field(header, "info", path.name) or {}
     if not isinstance(info, dict):
         raise BankError(f"{path.name}: expected 'info' as a JSON object, got {type(info).__name__}")
-    return BankData(vectors, _json_field(header, "texts", path.name), _json_field(header, "metadata", path.name), info)
+    return BankData(vectors, _json_field(header, "texts", path.name), _json_field(header, "metadata", path.name), info,
+                    values, offsets)
 
 
 def _read_npy(path: Path) -> BankData:
@@ -164,8 +185,16 @@ def _describe(error: Exception) -> str:
 # --------------------------------------------------------------------------- writing
 
 
+def _tensors(data: BankData) -> dict[str, torch.Tensor]:
+    out = {"embeddings": torch.as_tensor(data.vectors).contiguous()}
+    if data.values is not None:
+        out["values"] = torch.as_tensor(data.values).contiguous()
+        out["value_offsets"] = torch.as_tensor(data.offsets, dtype=torch.int64).contiguous()
+    return out
+
+
 def _write_pt(fh: IO[bytes], data: BankData) -> None:
-    obj: dict[str, Any] = {"embeddings": torch.as_tensor(data.vectors)}
+    obj: dict[str, Any] = _tensors(data)
     for key in ("texts", "metadata", "info"):
         if getattr(data, key):
             obj[key] = getattr(data, key)
@@ -174,10 +203,13 @@ def _write_pt(fh: IO[bytes], data: BankData) -> None:
 
 def _write_safetensors(fh: IO[bytes], data: BankData) -> None:
     header = {k: json.dumps(getattr(data, k)) for k in ("texts", "metadata", "info") if getattr(data, k)}
-    fh.write(safetensors.torch.save({"embeddings": torch.as_tensor(data.vectors).contiguous()}, metadata=header))
+    fh.write(safetensors.torch.save(_tensors(data), metadata=header))
 
 
 def _write_npy(fh: IO[bytes], data: BankData) -> None:
+    if data.values is not None:
+        raise BankError("a .npy bank holds keys only, and these memories have values of their own that would be "
+                        "lost: save as .pt or .safetensors")
     if data.texts or data.metadata:
         log.warning("saving a memory bank as .npy keeps the vectors only: texts and metadata are dropped")
     np.save(fh, np.asarray(data.vectors), allow_pickle=False)

@@ -123,3 +123,55 @@ def as_query(query: Any, dim: int) -> np.ndarray:
     if not np.isfinite(norm) or norm == 0:
         raise ValueError(f"query: expected a finite non-zero vector, got norm {norm}")
     return (q / norm).astype(np.float32)
+
+
+VALUE_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def prepare_values(values: Any, offsets: Any, n: int, *, expected_dim: int | None = None,
+                   max_slots: int | None = None, source: str = "values") -> tuple[np.ndarray, np.ndarray]:
+    """Validate key/value memories' values: one flat array [S, D] (float32 or float16, kept as given) and
+    offsets [n + 1] (memory i's slots are rows offsets[i]:offsets[i+1]). Returns (values, int64 offsets).
+
+    Rejects: offsets that are not integers, not n + 1 long, not starting at 0 and ending at S, or not
+    strictly increasing (every memory has at least one slot); a memory with more than `max_slots` slots;
+    values that are not 2-D, of a dimension other than `expected_dim`, or not finite. Names the rows.
+    """
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu()
+        values = values.numpy() if values.dtype in (torch.float32, torch.float16) else values.float().numpy()
+    values = np.asarray(values)
+    if not np.issubdtype(values.dtype, np.floating):
+        raise BankError(f"{source}: expected floating-point values, got dtype {values.dtype}")
+    if values.dtype not in (np.float32, np.float16):
+        values = values.astype(np.float32)
+    offsets = offsets.detach().cpu().numpy() if isinstance(offsets, torch.Tensor) else np.asarray(offsets)
+    if offsets.ndim != 1 or not np.issubdtype(offsets.dtype, np.integer):
+        raise BankError(f"{source}: expected value offsets as a 1-D integer array, got shape "
+                        f"{tuple(offsets.shape)} of {offsets.dtype}")
+    if len(offsets) != n + 1:
+        raise BankError(f"{source}: expected {n + 1} value offsets (one more than the {n} memories), got {len(offsets)}")
+    if values.ndim != 2 or values.shape[1] == 0:
+        raise BankError(f"{source}: expected values as a 2-D array [slots, D], got shape {tuple(values.shape)}")
+    if expected_dim is not None and values.shape[1] != expected_dim:
+        raise BankError(f"{source}: expected value vectors of dimension {expected_dim}, got dimension {values.shape[1]}")
+    offsets = offsets.astype(np.int64)
+    if offsets[0] != 0 or offsets[-1] != len(values):
+        raise BankError(f"{source}: expected value offsets from 0 to {len(values)} (the number of value rows), "
+                        f"got {int(offsets[0])} to {int(offsets[-1])}")
+    slots = np.diff(offsets)
+    bad = np.flatnonzero(slots < 1)
+    if len(bad):
+        raise BankError(f"{source}: expected value offsets strictly increasing (every memory has at least one "
+                        f"slot), got memories with {int(slots[bad[0]])} slots at rows {_rows(bad)}")
+    if max_slots is not None:
+        bad = np.flatnonzero(slots > max_slots)
+        if len(bad):
+            raise BankError(f"{source}: expected at most {max_slots} value slots per memory (memory.max_slots), got "
+                            f"{int(slots[bad].max())} at rows {_rows(bad)}")
+    step = _chunk_rows(values.shape[1])
+    for s in range(0, len(values), step):
+        if not np.isfinite(values[s:s + step]).all():
+            rows = np.searchsorted(offsets, s + np.flatnonzero(~np.isfinite(values[s:s + step]).all(1)), "right") - 1
+            raise BankError(f"{source}: expected finite values, got NaN/inf in the values of memories {_rows(np.unique(rows))}")
+    return np.ascontiguousarray(values), offsets

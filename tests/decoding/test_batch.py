@@ -16,7 +16,7 @@ from decoding.events import DoneEvent, TokenEvent
 from decoding.loop import generate, stream_generate
 from decoding.settings import GenerationSettings, RecallSettings
 from test_families import tiny, tokenizer  # noqa: F401 - tokenizer is a fixture
-from test_loop import CHAT, bank_for, ids_of, recall_of, vl_inputs
+from test_loop import CHAT, bank_for, ids_of, kv_bank_for, recall_of, vl_inputs
 
 def settings_for(lm) -> list[GenerationSettings]:
     """Four requests' settings, all different; the second and fourth are pushed to recall."""
@@ -86,22 +86,27 @@ def alone_and_batched(lm, recall_for, starts_at, stops=None, **kwargs):
     return alone, together, widest, batch
 
 
-def test_requests_joining_and_leaving_a_batch_get_what_they_get_alone(tiny_llama):
+@pytest.mark.parametrize("bank", [bank_for, kv_bank_for], ids=["one-slot", "k-slot"])
+def test_requests_joining_and_leaving_a_batch_get_what_they_get_alone(tiny_llama, bank):
     """Four requests of different settings, two with recall on banks of their own, join at different
-    rounds and finish at different lengths: each gets the tokens, logits and recalls it gets alone."""
+    rounds and finish at different lengths: each gets the tokens, logits and recalls it gets alone. With
+    k-slot memories a round as wide as a memory's span gives the other rows masked columns."""
     lm = tiny_llama
-    banks = {1: bank_for(lm, seed=1), 3: bank_for(lm, n=5, seed=2)}
+    banks = {1: bank(lm, seed=1), 3: bank(lm, n=5, seed=2)}
     recall_for = lambda i: recall_of(lm, banks[i]) if i in banks else None  # noqa: E731
     alone, together, widest, batch = alone_and_batched(lm, recall_for, starts_at=[0, 0, 3, 7], output_logits=True)
-    assert widest == 4 and batch.seats == [] and batch.cache is None  # all four ran together, all left
+    # one-slot: all four ran together; k-slot spans use up request 1's 9 tokens before request 3 joins
+    assert widest == (4 if bank is bank_for else 3) and batch.seats == [] and batch.cache is None  # all left
     for i, (one, many) in enumerate(zip(alone, together)):
         a, b = result_of(one), result_of(many)
         assert b.sequences.tolist() == a.sequences.tolist(), f"request {i}"
-        assert [(r.position, r.memory_index) for r in b.injections] == \
-               [(r.position, r.memory_index) for r in a.injections]
+        assert [(r.position, r.memory_index, r.length) for r in b.injections] == \
+               [(r.position, r.memory_index, r.length) for r in a.injections]
         torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=1e-4)
         assert [e.text for e in many if isinstance(e, TokenEvent)] == [e.text for e in one if isinstance(e, TokenEvent)]
     assert any(result_of(e).injections for e in alone)  # the recall path was exercised
+    if bank is kv_bank_for:  # spans of several slots ran while other rows were seated
+        assert any(r.length > 1 for e in together for r in result_of(e).injections)
     assert torch.is_grad_enabled()  # interleaved generators never leave the caller's grad mode off
 
 

@@ -20,7 +20,8 @@ from decoding.processors import to_generation_config
 from decoding.settings import GenerationSettings, RecallSettings
 from models.quantize import int8 as quantize
 from test_batch import QUESTIONS, drive, prompt, result_of
-from test_loop import CHAT, bank_for, check_replay, ids_of, recall_of, replay_embeds, run_with_recalls
+from test_loop import (CHAT, bank_for, check_replay, check_slots, ids_of, kv_bank_for, recall_of, replay_embeds,
+                       run_with_recalls)
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +63,22 @@ def test_compiled_loop_matches_generate_and_the_eager_loop(fast_llama, settings)
     torch.testing.assert_close(fast.logits, eager.logits, atol=1e-4, rtol=1e-4)
 
 
-def test_recalls_through_the_compiled_step_replay_exactly(fast_llama):
+@pytest.mark.parametrize("bank", [bank_for, kv_bank_for], ids=["one-slot", "k-slot"])
+def test_recalls_through_the_compiled_step_replay_exactly(fast_llama, bank):
+    """Token steps compiled, a memory's k slots (and `</recall>`) as one eager forward on the same static cache."""
     lm = fast_llama
-    db = bank_for(lm)
+    db = bank(lm)
     inputs = lm.tokenizer([CHAT.format("What do you remember?")], return_tensors="pt")
-    result = run_with_recalls(lm, inputs, db)
+    before = graphs()
+    result = run_with_recalls(lm, inputs, db, steps=40)
     assert isinstance(result.cache, StaticCache) and len(result.injections) >= 2
+    assert graphs() == before  # the spans ran eagerly, nothing compiled anew
+    suffix = (lm.tokens.recall_end,) if db.has_values else ()
+    check_slots(lm, result, db, suffix)
     seq, emb = replay_embeds(lm, result)
     with torch.no_grad():
         full = lm.model(inputs_embeds=emb).logits
-    check_replay(result, full)
+    check_replay(result, full, len(suffix))
 
 
 def test_a_conversation_with_recalls_compiles_nothing_new(fast_llama):

@@ -31,6 +31,7 @@ from decoding.entropy import (
     layer_logits, masked_entropy, random_after_layers, select_layers, trough_layers,
 )
 from decoding.events import FinishEvent, LayerEvent
+from test_loop import kv_bank_for, recall_of
 from decoding.seed_api import custom_generate
 from decoding.processors import to_generation_config
 from memory import MemoryVectorDB
@@ -137,18 +138,24 @@ def entropy_nats(scores: torch.Tensor) -> float:
     return float(log_z - (torch.exp(z - log_z) * z).sum())
 
 
-def check_oracle(result, logits, row=0, first=0, bias=None, forced=(), mode="trough"):
+def check_oracle(result, logits, row=0, first=0, bias=None, forced=(), mode="trough", suffix=0):
     """At every generated step of `row`: per-layer raw argmax, entropies, the layer and the token.
 
     `first` is the row's first real token (left padding is outside the repetition penalty); at `forced`
-    tokens (<|memory_pad|>) the token is the recall's, not the layer's.
+    tokens (<|memory_pad|>) the token is the recall's, not the layer's. A step that injected a memory wrote
+    its slots and `suffix` forced tokens: the next step reads the position after them.
     """
     p, trace, seq = result.prompt_length, result.entropy, result.sequences[row]
     steps = trace.selected_layer_indices.shape[1]
-    assert steps == result.new_tokens.shape[1] > 0
-    for t in range(steps):
-        raw = logits[row, p - 1 + t]  # [L, V]
-        scores = penalise_and_suppress(seq[first:p + t], raw, bias)
+    widths = {r.position: r.length + suffix for r in result.injections if r.row == row}
+    positions = [p]
+    for _ in range(steps - 1):
+        positions.append(positions[-1] + widths.get(positions[-1], 1))
+    assert steps > 0 and positions[-1] + widths.get(positions[-1], 1) == seq.shape[0]
+    assert trace.selected_token_ids is None or trace.selected_token_ids[row].tolist() == seq[positions].tolist()
+    for t, at in enumerate(positions):
+        raw = logits[row, at - 1]  # [L, V]
+        scores = penalise_and_suppress(seq[first:at], raw, bias)
         entropies = torch.tensor([entropy_nats(s) for s in scores], dtype=torch.float64)
         trough = int(torch.argmin(entropies))
         layer = int(trace.selected_layer_indices[row, t])
@@ -158,8 +165,8 @@ def check_oracle(result, logits, row=0, first=0, bias=None, forced=(), mode="tro
             assert layer == trough, f"step {t}: chose {layer}, entropies {entropies.tolist()}"
         else:
             assert trough <= layer < LAYERS
-        if int(seq[p + t]) not in forced:
-            assert int(seq[p + t]) == int(scores[layer].argmax()), f"step {t}: not the layer's greedy token"
+        if int(seq[at]) not in forced:
+            assert int(seq[at]) == int(scores[layer].argmax()), f"step {t}: not the layer's greedy token"
 
 
 # --------------------------------------------------------------------------- pure functions
@@ -391,27 +398,31 @@ def bank_for(lm, n=10):
     return db
 
 
-def assert_layer_events_follow_tokens(events, trace, prompt_length):
-    tokens = [i for i, e in enumerate(events) if isinstance(e, TokenEvent)]
-    assert tokens and len(tokens) == sum(isinstance(e, LayerEvent) for e in events)
-    for i in tokens:
-        token, layer = events[i], events[i + 1]
-        assert isinstance(layer, LayerEvent) and (layer.row, layer.position) == (token.row, token.position)
-        step = token.position - prompt_length
+def assert_layer_events_follow_tokens(events, trace):
+    """A LayerEvent right after the token of each step (the rest of a memory's span has none), in step order."""
+    layers = [i for i, e in enumerate(events) if isinstance(e, LayerEvent)]
+    rows, count = trace.selected_layer_indices.shape
+    assert layers and (rows > 1 or len(layers) == count)
+    steps: dict[int, int] = {}
+    for i in layers:
+        token, layer = events[i - 1], events[i]
+        assert isinstance(token, TokenEvent) and (layer.row, layer.position) == (token.row, token.position)
+        step = steps[layer.row] = steps.get(layer.row, -1) + 1
         assert layer.layer == int(trace.selected_layer_indices[token.row, step])
         assert list(layer.layer_token_ids) == trace.per_layer_token_ids[token.row, step].tolist()
         assert len(layer.entropies) == LAYERS
         torch.testing.assert_close(torch.tensor(layer.entropies), trace.entropies[token.row, step])
 
 
-def test_recall_uses_the_final_layer_query_and_forces_memory_pad(llama):
+@pytest.mark.parametrize("bank", [bank_for, kv_bank_for], ids=["one-slot", "k-slot"])
+def test_recall_uses_the_final_layer_query_and_forces_memory_pad(llama, bank):
     lm = llama
-    db = bank_for(lm)
+    db = bank(lm)
     bias = 40.0  # recalls a few times, with the model's own tokens between
-    s = entropy_settings(max_new_tokens=14, sequence_bias=(((lm.tokens.recall,), bias),))
+    s = entropy_settings(max_new_tokens=24, sequence_bias=(((lm.tokens.recall,), bias),))
     inputs = lm.tokenizer([CHAT.format("What do you remember?")], return_tensors="pt")
-    events = list(stream_generate(lm.model, inputs, s, recall=Recall(lm.tokens.recall, lm.tokens.memory_pad, db),
-                                  tokenizer=lm.tokenizer, **ids_of(lm)))
+    recall = recall_of(lm, db)
+    events = list(stream_generate(lm.model, inputs, s, recall=recall, tokenizer=lm.tokenizer, **ids_of(lm)))
     result = events[-1].result
     seq, p = result.sequences, result.prompt_length
     assert len(result.injections) >= 2 and (seq[0, p:] != lm.tokens.recall).sum() > len(result.injections)
@@ -420,14 +431,14 @@ def test_recall_uses_the_final_layer_query_and_forces_memory_pad(llama):
         emb[0, pos] = vec
     with torch.no_grad():
         final = lm.model(inputs_embeds=emb, output_hidden_states=True).hidden_states[-1][0]  # [T, H]
+    keys = torch.stack([db.vector(i) for i in range(len(db))])
     for r in result.injections:
         assert seq[0, r.position] == lm.tokens.memory_pad and seq[0, r.position - 1] == lm.tokens.recall
-        cos = torch.cosine_similarity(final[r.position - 1][None], torch.stack([db.vector(i) for i in range(len(db))]))
-        assert r.memory_index == int(cos.argmax())  # greedy memory head on the FINAL layer's state
+        query = final[r.position - 1] if recall.query is None else recall.query(final[r.position - 1])
+        assert r.memory_index == int(torch.cosine_similarity(query[None], keys).argmax())  # the FINAL layer's state
     check_oracle(result, oracle_logits(lm.model, inputs_embeds=emb), bias={lm.tokens.recall: bias},
-                 forced={lm.tokens.memory_pad})
-    assert torch.equal(result.entropy.selected_token_ids, result.new_tokens)
-    assert_layer_events_follow_tokens(events, result.entropy, p)
+                 forced={lm.tokens.memory_pad, lm.tokens.recall_end}, suffix=len(recall.suffix))
+    assert_layer_events_follow_tokens(events, result.entropy)
 
 
 def test_stop_within_one_step_with_image(qwen3vl, small_image):
@@ -446,7 +457,7 @@ def test_stop_within_one_step_with_image(qwen3vl, small_image):
     assert after_stop == 0 and result.finish_reasons == ["interrupted"] and result.steps == 5
     assert result.entropy.selected_layer_indices.shape == (1, 5)
     assert result.entropy.entropies.shape == (1, 5, LAYERS) and result.entropy.per_layer_token_ids.shape == (1, 5, 4)
-    assert_layer_events_follow_tokens(events[:-2], result.entropy, result.prompt_length)
+    assert_layer_events_follow_tokens(events[:-2], result.entropy)
     assert isinstance(events[-2], FinishEvent) and isinstance(events[-1], DoneEvent)
 
 
@@ -476,7 +487,7 @@ def test_stop_right_after_recall_keeps_the_trace_aligned(llama):
     assert result.new_tokens[0].tolist() == [lm.tokens.recall, lm.tokens.memory_pad]
     assert result.entropy.selected_layer_indices.shape == (1, 2)
     assert torch.equal(result.entropy.selected_token_ids, result.new_tokens)
-    assert_layer_events_follow_tokens(events[:-2], result.entropy, result.prompt_length)
+    assert_layer_events_follow_tokens(events[:-2], result.entropy)
     assert not any(isinstance(e, (TokenEvent, LayerEvent)) and e.position == p + 2 for e in events)
 
 

@@ -40,7 +40,32 @@ def bank_for(lm, n: int = 12, seed: int = 0) -> MemoryVectorDB:
 
 
 def recall_of(lm, db, settings=RecallSettings()):
+    if db is not None and db.has_values:  # key/value memories: keys of their own space, `</recall>` after the slots
+        return kv_recall_of(lm, db, settings)
     return Recall(lm.tokens.recall, lm.tokens.memory_pad, db, settings)
+
+
+KEY_DIM = 24
+
+
+def kv_bank_for(lm, n: int = 12, seed: int = 0, max_slots: int = 5) -> MemoryVectorDB:
+    """Key/value memories: keys in a space of their own (as text embeddings are), 1..`max_slots` value
+    vectors each, at the scale of the model's token embeddings."""
+    g = torch.Generator().manual_seed(seed)
+    h, scale = lm.hidden_size, lm.model.get_input_embeddings().weight.std() * 3
+    db = MemoryVectorDB(KEY_DIM, value_dim=h)
+    slots = torch.randint(1, max_slots + 1, (n,), generator=g).tolist()
+    slots[0] = max_slots
+    db.add(torch.randn(n, KEY_DIM, generator=g), [f"fact number {i}" for i in range(n)],
+           values=[torch.randn(k, h, generator=g) * scale for k in slots])
+    return db
+
+
+def kv_recall_of(lm, db, settings=RecallSettings()):
+    """A recall over a key/value bank: a fixed random projection of the <recall> state is the query."""
+    proj = torch.randn(lm.hidden_size, KEY_DIM, generator=torch.Generator().manual_seed(7))
+    return Recall(lm.tokens.recall, lm.tokens.memory_pad, db, settings,
+                  query=lambda hidden: hidden.float().cpu() @ proj, suffix=(lm.tokens.recall_end,))
 
 
 def ids_of(lm):
@@ -124,11 +149,34 @@ def replay_embeds(lm, result):
     return seq, emb
 
 
-def check_replay(result, full_logits):
-    p = result.prompt_length
+def step_positions(result, row: int = 0, suffix: int = 0) -> list[int]:
+    """The position each step's logits were read at: the one before the step's first new column (a step
+    that injected a memory wrote its `length` slots and `suffix` forced tokens)."""
+    widths = {r.position: r.length + suffix for r in result.injections if r.row == row}
+    pos, out = result.prompt_length, []
+    for _ in range(result.logits.shape[1]):
+        out.append(pos - 1)
+        pos += widths.get(pos, 1)
+    return out
+
+
+def check_replay(result, full_logits, suffix: int = 0):
     cached = result.logits[0]  # [steps, V]
-    replayed = full_logits[0, p - 1: p - 1 + cached.shape[0]].float()
+    replayed = full_logits[0, step_positions(result, 0, suffix)].float()
     torch.testing.assert_close(cached, replayed, atol=1e-4, rtol=1e-4)
+
+
+def check_slots(lm, result, db, suffix: tuple[int, ...] = ()) -> None:
+    """Every injection's slots hold `<|memory_pad|>` with the memory's value vectors in order, after `<recall>`,
+    followed by the suffix; no slot is left without its vector."""
+    seq = result.sequences[0].tolist()
+    for r in result.injections:
+        assert seq[r.position - 1] == lm.tokens.recall and r.length == len(db.values(r.memory_index))
+        assert seq[r.position:r.position + r.length] == [lm.tokens.memory_pad] * r.length
+        assert seq[r.position + r.length:r.position + r.length + len(suffix)] == list(suffix)
+        got = torch.stack([result.memory_vectors[0][r.position + i] for i in range(r.length)])
+        torch.testing.assert_close(got, db.values(r.memory_index))
+    assert sorted(result.memory_vectors[0]) == [i for i, t in enumerate(seq) if t == lm.tokens.memory_pad]
 
 
 def test_replay_tiny_llama(tiny_llama):
@@ -144,6 +192,21 @@ def test_replay_tiny_llama(tiny_llama):
     with torch.no_grad():
         full = lm.model(inputs_embeds=emb).logits
     check_replay(result, full)
+
+
+def test_replay_k_slot_memories_tiny_llama(tiny_llama):
+    """Memories of 1..5 value slots and a `</recall>` after them: each recall forwards its slots at once, and a
+    full forward over the final sequence with the stored vectors gives the loop's logits."""
+    lm = tiny_llama
+    db = kv_bank_for(lm)
+    inputs = lm.tokenizer([CHAT.format("What do you remember?")], return_tensors="pt")
+    result = run_with_recalls(lm, inputs, db, steps=40)
+    assert len(result.injections) >= 2 and max(r.length for r in result.injections) > 1
+    check_slots(lm, result, db, (lm.tokens.recall_end,))
+    seq, emb = replay_embeds(lm, result)
+    with torch.no_grad():
+        full = lm.model(inputs_embeds=emb).logits
+    check_replay(result, full, suffix=1)
 
 
 def test_replay_tiny_qwen3vl_with_image(tiny_qwen3vl, small_image):
@@ -255,9 +318,13 @@ def test_wrong_dimension_bank_is_refused(tiny_llama):
 # --------------------------------------------------------------------------- batch
 
 
-def test_batch_rows_recall_on_their_own_step_and_match_single_runs(tiny_llama):
+@pytest.mark.parametrize("bank", [bank_for, kv_bank_for], ids=["one-slot", "k-slot"])
+def test_batch_rows_recall_on_their_own_step_and_match_single_runs(tiny_llama, bank):
+    """A padded batch: each row as it runs alone. With k-slot memories a row's span gives the other row masked
+    columns: the rows' sequences differ from their single runs only by those columns, which count towards
+    max_new_tokens like the row's own (so a row may end earlier than alone)."""
     lm = tiny_llama
-    db = bank_for(lm)
+    db = bank(lm)
     tok = lm.tokenizer
     a = tok(CHAT.format("First question, a long one about many things?"))["input_ids"] + [lm.tokens.recall]
     b = tok(CHAT.format("Second?"))["input_ids"]
@@ -268,13 +335,19 @@ def test_batch_rows_recall_on_their_own_step_and_match_single_runs(tiny_llama):
     ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in (a, b)])
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in (a, b)])
     batch = generate(lm.model, {"input_ids": ids, "attention_mask": mask}, s, **kwargs)
+    real = batch.attention_mask if batch.attention_mask is not None else torch.ones_like(batch.sequences)
     for row, single in enumerate(singles):
-        assert batch.new_tokens[row].tolist() == single.new_tokens[0].tolist()
-        offset = width - single.prompt_length
-        assert [(r.position - offset, r.memory_index) for r in batch.injections if r.row == row] == \
-               [(r.position, r.memory_index) for r in single.injections]
+        kept = real[row, width:].bool()
+        own = batch.new_tokens[row][kept].tolist()
+        assert own == single.new_tokens[0].tolist()[:len(own)] and len(own) > 1
+        columns = (width + kept.nonzero()[:, 0]).tolist()  # the row's own positions, in the batch's columns
+        assert [(columns.index(r.position) + single.prompt_length, r.memory_index, r.length)
+                for r in batch.injections if r.row == row] == \
+               [(r.position, r.memory_index, r.length) for r in single.injections
+                if r.position < single.prompt_length + len(own)]
     assert {r.row for r in batch.injections} == {0, 1} or len(singles[1].injections) == 0
     assert any(r.row == 0 and r.position == width for r in batch.injections)  # row 0 recalled at prefill
+    assert bool(real[:, width:].all()) == (bank is bank_for)  # spans gave the other row masked columns
 
 
 # --------------------------------------------------------------------------- interrupt and streaming
@@ -407,7 +480,7 @@ def test_debug_logs_each_recall_step(tiny_llama, caplog):
     text = caplog.text
     r = res.injections[0]
     assert f"at position {ids.shape[1] - 1}" in text and "3 candidates" in text
-    assert f"<|memory_pad|> at position {r.position} carries memory {r.memory_index}" in text
+    assert f"memory {r.memory_index} fills the 1 <|memory_pad|> slots from position {r.position}" in text
     caplog.clear()
     with caplog.at_level("INFO"):
         generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=recall_of(lm, bank_for(lm)),

@@ -584,6 +584,41 @@ def test_recall_injects_the_memory_into_both_models(pair2, peft_lm, head, gguf, 
     assert all(abs(alphas["both"] - alphas[w]) > 1e-3 for w in ("theta", "t", "none")), alphas
 
 
+@pytest.mark.parametrize("case", ["two", "peft"])
+@pytest.mark.parametrize("speculative", [False, True, "gguf"])
+def test_a_k_slot_memory_reaches_both_models_whole(pair2, peft_lm, gguf, case, speculative):
+    """A memory of three value slots and `</recall>`: the span follows <recall> whole, and the next token's α*
+    is that of both models reading all three vectors at their slots (a full forward over the sequence)."""
+    model_theta, model_t = models_of(case, pair2, peft_lm)
+    lm = peft_lm
+    torch.manual_seed(3)
+    db = MemoryVectorDB(8, value_dim=64)
+    db.add(torch.randn(2, 8), ["a", "b"], values=[torch.randn(3, 64), torch.randn(3, 64)])
+    proj = torch.randn(64, 8)
+    recall = Recall(lm.tokens.recall, lm.tokens.memory_pad, db, RecallSettings(),
+                    query=lambda h: h.float().cpu() @ proj, suffix=(lm.tokens.recall_end,))
+    prompt = lm.tokenizer("tell me what you remember").input_ids
+    L = len(prompt)
+    processors = LogitsProcessorList([Sharpen(), BiasAt(L, lm.tokens.recall, 1e4)])
+    result = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])},
+                              GenerationSettings(max_new_tokens=7),
+                              MixtureSettings(enabled=True, speculative=bool(speculative),
+                                              draft=speculative if isinstance(speculative, str) else "theta"),
+                              recall=recall, tokenizer=lm.tokenizer, eos_token_id=[], logits_processor=processors,
+                              draft_gguf=gguf)
+    seq = result.sequences[0].tolist()
+    pad, end = lm.tokens.memory_pad, lm.tokens.recall_end
+    assert seq[L:L + 5] == [lm.tokens.recall, pad, pad, pad, end] and len(seq) == L + 7
+    (r,) = result.injections
+    assert (r.position, r.length) == (L + 1, 3) and all(np.isnan(a) for a in result.alphas[1:5])
+    values = db.values(r.memory_index)
+    embeds = [embed_of(model_theta, model_t, which, seq[:L + 5]) for which in (0, 1)]
+    for which in (0, 1):
+        embeds[which][0, L + 1:L + 4] = values
+    logits = processors(torch.tensor([seq[:L + 5]]).expand(2, -1), full_logits(model_theta, model_t, None, embeds))
+    assert abs(result.alphas[5] - float(mixture_log_probs(logits[0], logits[1])[1])) < 1e-4
+
+
 def test_a_drafted_recall_cuts_the_round(pair2, peft_lm):
     """α = 1 makes θ's draft always right, so <recall> arrives inside a kept block of drafts."""
     model_theta, model_t = pair2[0].model, pair2[1].model

@@ -5,6 +5,7 @@ import torch
 
 from models import EMBEDDED_NAME, embedded_model_dir, ensure_special_tokens, load_model
 from decoding import GenerationSettings, generate
+from memory import MemoryVectorDB
 from models.modeling import backbone_and_head, check_bank_dim, unwrap_model
 
 
@@ -107,6 +108,11 @@ def test_peft_adapter_on_top_and_unwrapping(tiny_llama, tmp_path):
 
 
 def test_bank_dimension_mismatch_names_both_numbers(tiny_llama):
-    check_bank_dim(tiny_llama.model, 64)
+    check_bank_dim(tiny_llama.model, MemoryVectorDB(64))
+    check_bank_dim(tiny_llama.model, MemoryVectorDB(384, value_dim=64), query=lambda h: h)
     with pytest.raises(ValueError, match="dimension 576.*hidden size is 64"):
-        check_bank_dim(tiny_llama.model, 576)
+        check_bank_dim(tiny_llama.model, MemoryVectorDB(576))
+    with pytest.raises(ValueError, match="dimension 576.*hidden size is 64"):
+        check_bank_dim(tiny_llama.model, MemoryVectorDB(384, value_dim=576), query=lambda h: h)
+    with pytest.raises(ValueError, match="keys of dimension 384 .* no query maps the <recall> state"):
+        check_bank_dim(tiny_llama.model, MemoryVectorDB(384, value_dim=64))
