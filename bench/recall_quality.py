@@ -1,13 +1,21 @@
-"""Recall quality of the default model on held-out facts, through the real generation loop.
+"""Recall quality on held-out facts, through the app's own conversation path, for each value kind,
+beside the anchors a user has: the stock text retriever and plain RAG with the same model.
 
-    .venv/bin/python bench/recall_quality.py [--facts 100] [--chats 50] [--adapter auto|none|PATH]
+    .venv/bin/python bench/recall_quality.py [--facts 100] [--chats 50] [--kinds tokens,chunks:2,chunks:4,mean]
+                                             [--distractors 1000,10000] [--json out.json]
 
 Facts, questions and entities come from the evaluation split of `training.facts`, which training
-never saw; each question is asked in a fresh conversation against a bank written by the model's
-own memory encoder (see `training.evaluate` for the modes). Also: retrieval and accuracy with 1k
-and 10k distractor memories, false recalls on ordinary prompts, the example bank's hand-written
-questions, and perplexity on ordinary text with and without the adapter. `--adapter none` gives
-the untrained baseline. Prints a markdown table (and JSON with --json).
+never saw (distractors: other evaluation entities). Every question is asked in a fresh
+`chat.session.Conversation`, as the page asks it, greedy, 24 new tokens; an answer is right when it
+contains the fact's value. Modes: `forced` (recall first, a bank of the facts alone), `natural`
+(the model decides), `later` (natural, as the second turn after an ordinary prompt and its reply),
+`e2e` (recall first among the facts and all distractors). Keys are the key encoder's text
+embeddings whatever the value kind, so retrieval is measured once, from the keys. Anchors:
+all-MiniLM-L6-v2 without the trained adapter (retrieval), the base model answering with the fact
+that stock encoder retrieves among the distractors written into its user message (RAG, end to end),
+and the base model with recall first reading `tokens` memories (the mode for models never trained
+to recall). Also: false recalls on ordinary prompts, perplexity with and without the adapter, the
+example bank's 12 hand-written questions, and what one recall costs in decode steps at 16 slots.
 """
 
 from __future__ import annotations
@@ -16,11 +24,13 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def perplexity(lm, text: str, window: int = 256) -> float:
@@ -38,21 +48,109 @@ def perplexity(lm, text: str, window: int = 256) -> float:
     return math.exp(total / count)
 
 
+def ask(lm, question: str, bank, *, recall_first: bool, history: tuple[str, str] | None = None,
+        max_new_tokens: int = 24) -> tuple[str, list]:
+    """One question in a fresh conversation (after the earlier turn `history`), as the page asks it:
+    (answer text, recall events)."""
+    from chat.session import Conversation
+    from decoding.settings import GenerationSettings, RecallSettings
+
+    conv = Conversation(lm)
+    if history is not None:
+        conv.build_inputs(history[0])
+        conv.add_answer_text(history[1])
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, top_k=0, repetition_penalty=1.0)
+    for _ in conv.stream(question, (), settings, RecallSettings(enabled=bank is not None, top_k=1), bank,
+                         recall_first=recall_first and bank is not None):
+        pass
+    answer = conv.messages[-1]
+    return answer.text, answer.recalls
+
+
+def rate(outcomes: list[bool]) -> float:
+    return round(sum(outcomes) / len(outcomes), 3) if outcomes else float("nan")
+
+
+def retrieval(encoder, questions: list[str], texts: list[str], sizes: list[int]) -> list[float]:
+    """retrieval@1 of question i -> text i among the facts and the first n distractors, for each n."""
+    import numpy as np
+
+    keys, queries = encoder.encode(texts), encoder.encode(questions)
+    return [rate(list(np.argmax(queries @ keys[:len(questions) + n].T, axis=1) == np.arange(len(questions))))
+            for n in [0, *sizes]]
+
+
+def recall_cost(lm, bank, slots: int = 16, repeats: int = 20) -> float:
+    """One recall in decode steps: the memory head over `bank` plus one forward of `slots` slot positions,
+    against one decode step, on the same cache (medians; the eager path)."""
+    import torch
+    from transformers import DynamicCache
+
+    from decoding.compiled import crop
+    from decoding.forward import Forward
+    from decoding.memory import MemorySelector, Recall
+    from decoding.settings import RecallSettings
+
+    fwd = Forward(lm.merged())
+    selector = MemorySelector.of(Recall(lm.tokens.recall, lm.tokens.memory_pad, bank, RecallSettings(),
+                                        query=lambda h: torch.from_numpy(lm.encoder.keys.encode(["a question"])[0])))
+    ids = torch.arange(1000, 1060)[None]
+    step, recall = [], []
+    with torch.no_grad():
+        for _ in range(repeats):
+            cache = DynamicCache(config=fwd.base.config.get_text_config(decoder=True))
+            fwd.prefill(fwd.embed(ids), torch.arange(60)[None], cache, None, {})
+            t0 = time.perf_counter()
+            fwd.step(fwd.embed(ids[:, :1]), torch.tensor([[60]]), cache, None)
+            step.append(time.perf_counter() - t0)
+            crop(cache, 1)
+            t0 = time.perf_counter()
+            selector.choose(None)
+            fwd.step(fwd.embed(ids[:, :slots]), torch.arange(60, 60 + slots)[None], cache, None)
+            recall.append(time.perf_counter() - t0)
+    return round(statistics.median(recall) / statistics.median(step), 2)
+
+
 def example_bank(lm) -> dict:
     """The README's first minute: the example bank and its hand-written questions (recall first)."""
-    from training.evaluate import ask, build_bank
+    from models import build_bank
 
-    root = Path(__file__).resolve().parent.parent / "assets"
-    facts = [ln.strip() for ln in (root / "example_memories.txt").read_text().splitlines() if ln.strip()]
-    bank = build_bank(lm.model, lm.tokenizer, lm.encoder, facts)
+    facts = [ln.strip() for ln in (ROOT / "assets" / "example_memories.txt").read_text().splitlines() if ln.strip()]
+    bank = build_bank(lm.model, lm.tokenizer, facts, lm.encoder, progress=False)
     rows = []
-    for line in (root / "example_questions.jsonl").read_text().splitlines():
+    for line in (ROOT / "assets" / "example_questions.jsonl").read_text().splitlines():
         item = json.loads(line)
-        text, injections = ask(lm, lm.encoder, item["question"], bank, recall_first=True, recall=True,
-                               max_new_tokens=24)
-        rows.append({"question": item["question"], "answer": text, "correct": item["answer"].lower() in text.lower(),
-                     "memory": injections[0].text if injections else None})
-    return {"accuracy": sum(r["correct"] for r in rows) / len(rows), "rows": rows}
+        text, recalls = ask(lm, item["question"], bank, recall_first=True)
+        memory = recalls[0].text if recalls else None
+        rows.append({"question": item["question"], "answer": text, "memory": memory,
+                     "right_memory": memory is not None and item["answer"].lower() in memory.lower(),
+                     "correct": item["answer"].lower() in text.lower()})
+    return {"right_memory": sum(r["right_memory"] for r in rows), "right_answer": sum(r["correct"] for r in rows),
+            "questions": len(rows), "rows": rows}
+
+
+def kind_rows(lm, kind: str, facts, chats, pool: list[str], replies: list[str]) -> dict:
+    """The measures of one value kind: slots, bytes, forced / natural / later / end-to-end accuracy."""
+    from models import build_bank
+
+    lm.encoder = lm.encoder.with_values(kind)
+    small = build_bank(lm.model, lm.tokenizer, [f.text for f in facts], lm.encoder, progress=False)
+    big = build_bank(lm.model, lm.tokenizer, [f.text for f in facts] + pool, lm.encoder, progress=False)
+    out = {"slots": round(sum(e["slots"] for e in small.entries(0, len(small))) / len(small), 1),
+           "bytes": int(big.bytes_per_memory())}
+    modes = {"forced": (small, True, None), "natural": (small, False, None), "later": (small, False, "history"),
+             "e2e": (big, True, None)}
+    for mode, (bank, first, history) in modes.items():
+        right, recalled = [], []
+        for i, fact in enumerate(facts):
+            earlier = (chats[i % len(chats)], replies[i % len(chats)]) if history else None
+            text, recalls = ask(lm, fact.questions[0], bank, recall_first=first, history=earlier)
+            right.append(fact.value.lower() in text.lower())
+            recalled.append(bool(recalls))
+        out[f"accuracy_{mode}"] = rate(right)
+        if mode in ("natural", "later"):
+            out[f"recall_rate_{mode}"] = rate(recalled)
+    return out
 
 
 def main() -> None:
@@ -60,6 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--facts", type=int, default=100)
     parser.add_argument("--chats", type=int, default=50)
+    parser.add_argument("--kinds", default="tokens,chunks:2,chunks:4,mean")
     parser.add_argument("--distractors", default="1000,10000", help="comma-separated bank sizes to add")
     parser.add_argument("--adapter", default="auto")
     parser.add_argument("--json", help="also write the numbers to this file")
@@ -67,43 +166,71 @@ def main() -> None:
 
     import torch
 
-    from models.modeling import is_peft, set_adapter_merged
-    from models import load_model
-    from training.evaluate import evaluate
+    from models import build_bank, load_model
+    from models.modeling import set_adapter_merged
+    from models.text_keys import TextEncoder
     from training.facts import chat_prompts, make_facts
 
     torch.manual_seed(0)
-    lm = load_model(None, adapter=None if args.adapter == "none" else args.adapter, device="cpu")
-    print(f"model: {lm.name}; memory encoder: {lm.encoder.name}", file=sys.stderr)
     t0 = time.perf_counter()
+    sizes = [int(n) for n in args.distractors.split(",")]
+    lm = load_model(None, adapter=None if args.adapter == "none" else args.adapter, device="cpu")
+    base = load_model(None, adapter=None, device="cpu")
+    print(f"model: {lm.name}; keys: {lm.encoder.keys.name}", file=sys.stderr)
     facts = make_facts(args.facts, "eval", seed=1)
-    report = evaluate(lm, lm.encoder, facts, chat_prompts(args.chats, "eval", seed=1))
-    out = {"model": lm.name, "facts": args.facts, **report.rates()}
     asked = {f.questions[0] for f in facts}
-    pool = [f.text for f in make_facts(max(map(int, args.distractors.split(","))) + len(facts), "eval", seed=2)
-            if f.questions[0] not in asked]
-    for n in map(int, args.distractors.split(",")):
-        with_distractors = evaluate(lm, lm.encoder, facts, distractors=pool[:n], modes=("forced",))
-        rates = with_distractors.rates()
-        out[f"retrieval@1_{n}"], out[f"accuracy_forced_{n}"] = rates["retrieval@1"], rates["accuracy_forced"]
-    text = (Path(__file__).resolve().parent.parent / "assets" / "general_text.txt").read_text()
-    out["perplexity"] = perplexity(lm, text)
-    if is_peft(lm.model):
-        with lm.model.disable_adapter():  # (unmerges it)
-            out["perplexity_base"] = perplexity(lm, text)
-        set_adapter_merged(lm.model, True)
+    pool = [f.text for f in make_facts(max(sizes) + len(facts), "eval", seed=2) if f.questions[0] not in asked]
+    pool = pool[:max(sizes)]
+    questions, texts = [f.questions[0] for f in facts], [f.text for f in facts] + pool
+    chats = chat_prompts(args.chats, "eval", seed=1)
+    out: dict = {"model": lm.name, "facts": args.facts, "distractors": [0, *sizes]}
+    out["retrieval@1"] = retrieval(lm.encoder.keys, questions, texts, sizes)
+    stock = TextEncoder(adapter=None)
+    out["retrieval@1_minilm_stock"] = retrieval(stock, questions, texts, sizes)
+
+    # anchors: plain RAG with the base model (the stock retriever's top fact in the user message), and the
+    # base model never trained to recall, reading tokens memories with recall first
+    keys = stock.encode(texts)
+    top = (stock.encode(questions) @ keys.T).argmax(1)
+    out["rag_e2e"] = rate([f.value.lower() in ask(base, f"{f.questions[0]}\n{texts[j]}", None,
+                                                  recall_first=False)[0].lower() for f, j in zip(facts, top)])
+    out["rag_oracle"] = rate([f.value.lower() in ask(base, f"{f.questions[0]}\n{f.text}", None,
+                                                     recall_first=False)[0].lower() for f in facts])
+    small = build_bank(base.model, base.tokenizer, [f.text for f in facts], base.encoder, progress=False)
+    big = build_bank(base.model, base.tokenizer, texts, base.encoder, progress=False)
+    out["untrained_forced"] = rate([f.value.lower() in ask(base, f.questions[0], small, recall_first=True)[0].lower()
+                                    for f in facts])
+    out["untrained_e2e"] = rate([f.value.lower() in ask(base, f.questions[0], big, recall_first=True)[0].lower()
+                                 for f in facts])
+
+    replies = [ask(lm, c, None, recall_first=False, max_new_tokens=16)[0] for c in chats]
+    encoder = lm.encoder
+    out["kinds"] = {kind: kind_rows(lm, kind, facts, chats, pool, replies) for kind in args.kinds.split(",")}
+    lm.encoder = encoder
+    tokens_bank = build_bank(lm.model, lm.tokenizer, texts, lm.encoder, progress=False)
+    out["false_recall_chat"] = rate([bool(ask(lm, c, tokens_bank, recall_first=False, max_new_tokens=16)[1])
+                                     for c in chats])
+    out["recall_cost_steps_k16"] = recall_cost(lm, tokens_bank)
+    general = (ROOT / "assets" / "general_text.txt").read_text()
+    out["perplexity"] = round(perplexity(lm, general), 2)
+    with lm.model.disable_adapter():  # (unmerges it)
+        out["perplexity_base"] = round(perplexity(lm, general), 2)
+    set_adapter_merged(lm.model, True)
     example = example_bank(lm)
-    out["example_bank_accuracy"] = example["accuracy"]
-    out["seconds"] = round(time.perf_counter() - t0, 1)
+    out["example_right_memory"], out["example_right_answer"] = example["right_memory"], example["right_answer"]
+    out["minutes"] = round((time.perf_counter() - t0) / 60, 1)
+
     print("| measure | value |\n|---|---|")
     for key, value in out.items():
-        print(f"| {key} | {value:.3f} |" if isinstance(value, float) else f"| {key} | {value} |")
+        if key != "kinds":
+            print(f"| {key} | {value} |")
+    names = list(out["kinds"])
+    print("\n| value kind | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+    for measure in next(iter(out["kinds"].values())):
+        print(f"| {measure} | " + " | ".join(str(out["kinds"][k][measure]) for k in names) + " |")
     print("\nexample bank (recall first):")
     for row in example["rows"]:
         print(f"  {'✓' if row['correct'] else '✗'} {row['question']} -> {row['answer']!r} [memory: {row['memory']}]")
-    print("\nheld-out samples (recall first):")
-    for fact, outcome in list(zip(facts, report.forced))[:8]:
-        print(f"  {'✓' if outcome.correct else '✗'} {fact.questions[0]} -> {outcome.text!r}")
     if args.json:
         Path(args.json).write_text(json.dumps({**out, "example_rows": example["rows"]}, indent=1))
 

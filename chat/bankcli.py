@@ -49,23 +49,32 @@ def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None]:
     return texts, metadata
 
 
-def _load_model(args: argparse.Namespace, layer: int = -1, pooling: str = "last"):
+def _load_model(args: argparse.Namespace, values: str = "auto", layer: int = -1, pooling: str = "last"):
     from models import HiddenStateSpec, load_model  # imported after main() has set offline mode
 
     adapter = None if args.adapter == "none" else args.adapter
-    return load_model(args.model, adapter=adapter, device="cpu", hidden_state=HiddenStateSpec(layer, pooling))
+    return load_model(args.model, adapter=adapter, device="cpu", hidden_state=HiddenStateSpec(layer, pooling),
+                      values=values, keys=None if args.key_encoder == "none" else args.key_encoder)
 
 
 def cmd_build(args: argparse.Namespace) -> None:
     from models import build_bank
 
     texts, metadata = read_memories(Path(args.input))
-    loaded = _load_model(args, args.layer, args.pooling)
+    loaded = _load_model(args, args.values, args.layer, args.pooling)
     db = build_bank(loaded.model, loaded.tokenizer, texts, loaded.encoder, metadata=metadata,
-                    batch_size=args.batch_size)
+                    batch_size=args.batch_size, value_dtype=args.value_dtype)
     db.info["model"] = loaded.name
     db.save(args.out)
-    print(f"saved {len(db)} memories of dimension {db.dim} to {args.out}")
+    print(f"saved {len(db)} memories to {args.out}: {describe(db)}")
+
+
+def describe(db: MemoryVectorDB) -> str:
+    if not db.has_values:
+        return f"one vector of dimension {db.dim} each (key = value)"
+    slots = [e["slots"] for e in db.entries(0, len(db))]
+    return (f"{db.info.get('values', 'values')} values of dimension {db.value_dim}, {min(slots)}-{max(slots)} slots, "
+            f"keys of dimension {db.dim} ({db.info.get('keys')}), {db.bytes_per_memory() / 1024:.1f} KB a memory")
 
 
 def _short(text: Any, width: int = 80) -> str:
@@ -76,18 +85,21 @@ def _short(text: Any, width: int = 80) -> str:
 
 def cmd_show(args: argparse.Namespace) -> None:
     db = MemoryVectorDB.load(args.bank)
-    print(f"{args.bank}: {len(db)} memories, dimension {db.dim}")
+    print(f"{args.bank}: {len(db)} memories, {describe(db)}")
     if db.info:
         print("info: " + json.dumps(db.info))
     for e in db.entries(0, args.n):
-        print(f"  [{e['index']}] norm={e['norm']:.3f} {_short(e['text'])}")
+        print(f"  [{e['index']}] slots={e['slots']} key norm={e['norm']:.3f} {_short(e['text'])}")
 
 
 def cmd_search(args: argparse.Namespace) -> None:
     info = MemoryVectorDB.load(args.bank).info
-    loaded = _load_model(args, info.get("layer", -1), info.get("pooling", "last"))
-    db = MemoryVectorDB.load(args.bank, expected_dim=loaded.hidden_size, expected_encoder=loaded.encoder.name)
-    query = loaded.encoder.encode_texts(loaded.model, loaded.tokenizer, [args.query], progress=False)[0]
+    loaded = _load_model(args, info.get("values", "state"), info.get("layer", -1), info.get("pooling", "last"))
+    keys = loaded.encoder.keys
+    db = MemoryVectorDB.load(args.bank, expected_dim=loaded.hidden_size, expected_encoder=loaded.encoder.name,
+                             expected_key_dim=keys.dim if keys else None)
+    query = (loaded.encoder.query(args.query) if db.has_values else
+             loaded.encoder.encode_states(loaded.model, loaded.tokenizer, [args.query], progress=False)[0])
     for rank, hit in enumerate(db.search(query, args.k), 1):
         print(f"{rank}. score={hit['score']:.4f} [{hit['index']}] {_short(hit.get('text'))}")
 
@@ -101,8 +113,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--model", help="local model folder (default: the embedded SmolLM2)")
     b.add_argument("--adapter", default="auto", help="PEFT adapter folder, auto (the shipped recall adapter for "
                    "the embedded model) or none")
-    b.add_argument("--layer", type=int, default=-1, help="hidden-state index (-1 = final layer), for a model "
-                   "without a trained memory encoder")
+    b.add_argument("--key-encoder", default="auto", help="the text encoder of keys: auto (with the shipped adapter), "
+                   "none (stock) or an adapter folder")
+    b.add_argument("--values", default="auto", help="what a memory's value is: auto (the model's), tokens, "
+                   "chunks:N, mean, hidden:L or state")
+    b.add_argument("--value-dtype", choices=("float16", "float32"), default="float16")
+    b.add_argument("--layer", type=int, default=-1, help="hidden-state index (-1 = final layer) of state values")
     b.add_argument("--pooling", choices=("last", "mean"), default="last")
     b.add_argument("--batch-size", type=int, default=8)
     b.set_defaults(run=cmd_build)
@@ -115,6 +131,7 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("query")
     q.add_argument("--model", help="local model folder (default: the embedded SmolLM2)")
     q.add_argument("--adapter", default="auto", help="as for build: the bank's encoder must be this model's")
+    q.add_argument("--key-encoder", default="auto", help="as for build")
     q.add_argument("--k", type=int, default=5)
     q.set_defaults(run=cmd_search)
     return p

@@ -63,7 +63,7 @@ class Banks:
         self.shared: MemoryVectorDB | None = None
         self.shared_note = ""
         self.example: MemoryVectorDB | None = None
-        self.text_search = text_search or TextSearch()
+        self._text_search = text_search
 
     def load_shared(self, lm: LoadedModel) -> None:
         path = self.cfg.memory.bank
@@ -76,12 +76,20 @@ class Banks:
             self.shared_note = f"not loaded: {describe(e)}"
             log.error("memory.bank %s: %s", path, self.shared_note)
 
-    def _new(self, dim: int) -> MemoryVectorDB:
-        return MemoryVectorDB(dim, self.cfg.memory.index, hnsw_ef_search=self.cfg.memory.hnsw_ef_search)
+    def _new(self, lm: LoadedModel) -> MemoryVectorDB:
+        """An empty bank of the kind this model's encoder writes."""
+        keyed = lm.encoder.values.keyed
+        db = MemoryVectorDB(lm.encoder.keys.dim if keyed else lm.hidden_size, self.cfg.memory.index,
+                            value_dim=lm.hidden_size if keyed else None, value_dtype=self.cfg.memory.value_dtype,
+                            hnsw_ef_search=self.cfg.memory.hnsw_ef_search)
+        db.info = lm.encoder.describe()
+        return db
 
     def _load(self, lm: LoadedModel, path: str | Path) -> MemoryVectorDB:
+        keys = lm.encoder.keys
         return MemoryVectorDB.load(path, index=self.cfg.memory.index, expected_dim=lm.hidden_size,
-                                   max_bytes=self.cfg.memory.max_upload_mb * 2 ** 20,
+                                   expected_key_dim=keys.dim if keys is not None else None,
+                                   max_slots=self.cfg.memory.max_slots, max_bytes=self.cfg.memory.max_upload_mb * 2 ** 20,
                                    expected_encoder=lm.encoder.name, hnsw_ef_search=self.cfg.memory.hnsw_ef_search)
 
     def of(self, s: Session) -> MemoryVectorDB | None:
@@ -126,9 +134,9 @@ class Banks:
         def run(_: threading.Event) -> int:
             if self.example is None:
                 lines = [ln.strip() for ln in EXAMPLE_MEMORIES.read_text().splitlines() if ln.strip()]
-                db = self._new(self._model().hidden_size)
-                db.add(self._encode_texts(lines), lines)
-                db.info = {**self._model().encoder.describe(), "source": EXAMPLE_MEMORIES.name}
+                db = self._new(self._model())
+                db.add(*self._encode_texts(lines, lines))
+                db.info["source"] = EXAMPLE_MEMORIES.name
                 self.example = db
             s.bank_use = "example"
             return len(self.example)
@@ -147,14 +155,20 @@ class Banks:
             if images and not lm.is_vision:
                 raise ServiceError(f"{lm.name} reads text only: memories from images need a vision-language "
                                    "model (Qwen3-VL); nothing was written")
-            parts = [self._encode_texts(lines)] if lines else []
-            parts += [self._encode_image(p) for p in tqdm(images, desc="encoding images", unit="image")]
+            if images and lm.encoder.values.keyed:
+                raise ServiceError(f"memories from images are one hidden-state vector each, and this model writes "
+                                   f"{lm.encoder.values} values with text keys: set memory.values to state to write "
+                                   "image memories; nothing was written")
             texts = lines + [f"[image] {Path(p).name}" for p in images]
             bank, cap = self._writable(s), self.cfg.memory.max_memories_per_session
             if len(bank) + len(texts) > cap:
                 raise ServiceError(f"the bank would hold {len(bank) + len(texts)} memories, over the limit of {cap} "
                                    "(memory.max_memories_per_session); nothing was written")
-            return bank.add(torch.cat(parts), texts)
+            if images:
+                parts = [self._encode_texts(lines, lines)[0]] if lines else []
+                parts += [self._encode_image(p) for p in tqdm(images, desc="encoding images", unit="image")]
+                return bank.add(torch.cat(parts), texts)
+            return bank.add(*self._encode_texts(lines, texts))
 
         return self.worker.submit(Request("write_memories", run, s.id))
 
@@ -176,24 +190,30 @@ class Banks:
         if s.bank_use != "own":
             shared = self.of(s)
             if shared is None:
-                s.own_bank, s.own_label = (self._new(self._model().hidden_size),
-                                           "your own bank (written here)")
-                s.own_bank.info = self._model().encoder.describe()
+                s.own_bank, s.own_label = self._new(self._model()), "your own bank (written here)"
             else:
                 s.own_bank = shared.copy()
                 s.own_label = f"your copy of {self.label(s)}"
             s.bank_use = "own"
         return s.own_bank
 
-    def _encode_texts(self, lines: list[str]) -> torch.Tensor:
+    def _encode_texts(self, lines: list[str], texts: list[str]) -> tuple:
+        """`MemoryVectorDB.add`'s arguments for memories of `lines` labelled `texts`: keys, texts, metadata,
+        values (None: the keys are the values); a memory longer than `memory.max_slots` slots is refused."""
         lm = self._model()
-        return lm.encoder.encode_texts(lm.model, lm.tokenizer, lines, batch_size=8)
+        keys, values = lm.encoder.encode(lm.model, lm.tokenizer, lines, batch_size=8)
+        cap = self.cfg.memory.max_slots
+        long = [i for i, v in enumerate(values or []) if len(v) > cap]
+        if long:
+            raise ServiceError(f"memory {long[0] + 1} ({lines[long[0]][:40]!r}...) has {len(values[long[0]])} value "
+                               f"slots, over memory.max_slots={cap}: split it into shorter memories; nothing was written")
+        return keys, texts, None, values
 
     def _encode_image(self, path: str) -> torch.Tensor:
         lm = self._model()
         inputs = encode_with_images(lm.tokenizer, lm.image_processor, VISION_START + IMAGE_PAD + VISION_END, [path])
         with torch.no_grad():
-            return lm.encoder(lm.model, inputs).cpu()
+            return lm.encoder.state(lm.model, inputs).cpu()
 
     def save(self, s: Session, fmt: str = ".pt") -> Path:
         db = self.of(s)
@@ -210,4 +230,6 @@ class Banks:
         db = self.of(s)
         if db is None:
             raise ServiceError("there is no bank to search: build the example bank or upload one")
-        return self.text_search.search(db, query, int(top_k))
+        if self._text_search is None:  # the model's own key encoder, when it has one
+            self._text_search = TextSearch(self._wait_model().encoder.keys)
+        return self._text_search.search(db, query, int(top_k))

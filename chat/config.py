@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from decoding.settings import GenerationSettings, RecallSettings
-from models.encoder import HiddenStateSpec
+from models.encoder import HiddenStateSpec, ValueKind
 from models.quantize import QUANTIZE
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "config_qwen3vl.yaml"
@@ -57,13 +57,23 @@ class MemoryConfig:
     bank: str | None = None  # a bank file (.pt, .safetensors, .npy) loaded at start
     index: str = "flat"  # flat = exact cosine; hnsw / ivf = approximate, for large banks
     hnsw_ef_search: int = 128  # HNSW candidates per search (higher: closer to exact, slower)
-    hidden_state: HiddenStateSpec = field(default_factory=HiddenStateSpec)  # what a written memory stores
+    values: str = "auto"  # what a written memory's value is: auto (the adapter's, else tokens) | tokens | chunks:N
+                          # | mean | hidden:L | state (one hidden-state vector, also the key)
+    key_encoder: str | None = "auto"  # the text encoder's adapter: auto (the shipped one) | none (stock) | a folder
+    max_slots: int = 128  # the most value slots one memory may have (a memory of `tokens` has one a token)
+    value_dtype: str = "float16"  # how values are stored: float16 | float32
+    hidden_state: HiddenStateSpec = field(default_factory=HiddenStateSpec)  # the state of `state` values
     max_upload_mb: int = 64  # any upload (bank, conversation, image): refused before it is stored
     max_memories_per_session: int = 50_000  # a session's own bank (50k x 576 floats x 2 copies = 230 MB)
     autoregressive_recall: RecallSettings = field(default_factory=RecallSettings)
 
     def __post_init__(self):
         _check(self.index in ("flat", "hnsw", "ivf"), "index", self.index, "flat, hnsw, ivf")
+        if self.values != "auto":
+            ValueKind.parse(self.values)  # names the value and the kinds allowed
+        _check(self.value_dtype in ("float16", "float32"), "value_dtype", self.value_dtype, "float16, float32")
+        _check(isinstance(self.max_slots, int) and not isinstance(self.max_slots, bool) and 1 <= self.max_slots
+               <= 100_000, "max_slots", self.max_slots, "an integer from 1 to 100000")
         for key in ("max_upload_mb", "max_memories_per_session", "hnsw_ef_search"):
             value = getattr(self, key)
             _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, key, value,

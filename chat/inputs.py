@@ -62,6 +62,7 @@ class RecallRecord(BaseModel):
     score: float = Field(ge=-1.001, le=1.001)
     memory_index: int = Field(ge=0, lt=2 ** 62)
     text: Text | None = None
+    length: int = Field(1, ge=1, le=100_000)  # value slots (files written before key/value memories have none: 1)
 
 
 class MessageRecord(BaseModel):
@@ -164,10 +165,12 @@ def check_conversation(data: ConversationFile, *, vocab: int, context: int | Non
         raise ValueError(f"memory: expected a vector for every <|memory_pad|> position, missing {missing}")
     for i, m in enumerate(data.messages):
         end = starts[i + 1] if i + 1 < len(starts) else n
+        begin = starts[i - 1] if i else m.start  # a memory read at the end of the user's message belongs to the answer
         for r in m.recalls:
-            if not (m.role == "assistant" and m.start <= r.position < end and r.position in pads):
-                raise ValueError(f"messages.{i}.recalls: expected positions of <|memory_pad|> inside the "
-                                 f"message ({m.start}..{end - 1}), got {r.position}")
+            slots = range(r.position, r.position + r.length)
+            if not (m.role == "assistant" and begin <= r.position and slots[-1] < end and all(p in pads for p in slots)):
+                raise ValueError(f"messages.{i}.recalls: expected {r.length} <|memory_pad|> position(s) from "
+                                 f"{r.position} inside the turn ({begin}..{end - 1})")
         if not all(math.isfinite(r.score) for r in m.recalls):
             raise ValueError(f"messages.{i}.recalls: expected finite scores")
     return memory

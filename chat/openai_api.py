@@ -286,8 +286,8 @@ class StopText:
 
 
 def _recall(event: RecallEvent) -> dict:
-    return {"position": event.position, "score": round(event.score, 6), "memory_index": event.memory_index,
-            "text": event.text}
+    return {"position": event.position, "slots": event.length, "score": round(event.score, 6),
+            "memory_index": event.memory_index, "text": event.text}
 
 
 def mount(app, service: Service) -> None:

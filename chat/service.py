@@ -83,7 +83,9 @@ class Service:
         self._loader = loader or (lambda: load_model(cfg.model.path, adapter=cfg.model.adapter,
                                                      device=cfg.model.device, dtype=cfg.model.dtype,
                                                      hidden_state=cfg.memory.hidden_state,
-                                                     quantize=cfg.model.quantize))
+                                                     quantize=cfg.model.quantize, values=cfg.memory.values,
+                                                     keys=None if cfg.memory.key_encoder == "none"
+                                                     else cfg.memory.key_encoder))
         self.files = Path(tempfile.mkdtemp(prefix="recall-chat-"))
         self.limits = Limits(cfg.app.max_message_chars, cfg.app.max_input_tokens, cfg.app.max_new_tokens_cap,
                              cfg.memory.max_memories_per_session)
@@ -392,5 +394,5 @@ class Service:
             model = f"**{Path(self.cfg.model.path).name if self.cfg.model.path else EMBEDDED_NAME}** · loading…"
         else:
             model = " · ".join(filter(None, [f"**{lm.name}**", str(lm.device),
-                                             "" if lm.recall_trained else "recall untrained", self._compile_state()]))
+                                             "" if lm.recall_trained else "recall untrained: recall first reads memories into your message", self._compile_state()]))
         return status_line(model, self.banks.of(s), s.bank_use, s.last_speed, " · ".join(filter(None, [s.last_note, state])))

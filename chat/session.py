@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from pydantic import ValidationError
@@ -29,7 +29,8 @@ from decoding.events import DoneEvent, Event, GenerationResult, RecallEvent
 from decoding.batch import Batch
 from decoding.draft_head import draft_head_for
 from decoding.loop import stream_generate
-from decoding.memory import Recall
+from decoding.memory import MemorySelector, Recall, recall_step
+from decoding.request import generators
 from decoding.mixture import stream_mixture
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
@@ -83,6 +84,7 @@ class Conversation:
         self.messages: list[Message] = []
         self.ids: list[int] = []
         self.memory: dict[int, torch.Tensor] = {}
+        self.placed: list[RecallEvent] = []  # memories read in the prompt of the answer to come
         self.pixels: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pixel_values, grid [1, 3]) per image
         self.cache = None  # KV cache over self.ids[:-1]
 
@@ -108,8 +110,11 @@ class Conversation:
             delta = delta[len(eos):]  # the answer already ended with the template's end-of-turn token
         return delta
 
-    def build_inputs(self, text: str, images: Sequence[str] = (), recall_first: bool = False) -> dict:
-        """Append a user turn; return the model inputs for the whole conversation."""
+    def build_inputs(self, text: str, images: Sequence[str] = (), recall_first: bool = False,
+                     place: Callable[[int], tuple[list[int], dict, RecallEvent]] | None = None) -> dict:
+        """Append a user turn; return the model inputs for the whole conversation. `recall_first` starts the
+        answer with `<recall>`; `place` instead reads a memory at the end of the user's message: called with
+        the position after `<recall>`, it gives the memory's tokens, vectors and event (`decoding.recall_step`)."""
         if images and not self.lm.is_vision:
             raise TextOnlyModelError(text_only_message(self.lm, len(images)))
         user = Message("user", text, [str(p) for p in images], start=len(self.ids))
@@ -127,8 +132,14 @@ class Conversation:
             new_ids = tok(before, add_special_tokens=False)["input_ids"]
         # the user's text is text: a typed "<|im_start|>" or "<recall>" stays literal, never a control token
         new_ids += tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if place is not None:  # the message, a new line, then the memory, as a model never trained reads best
+            new_ids += tok("\n", add_special_tokens=False)["input_ids"] + [self.lm.tokens.recall]
+            span, vectors, event = place(len(self.ids) + len(new_ids))
+            new_ids += span
+            self.memory = {**self.memory, **vectors}
+            self.placed.append(event)
         new_ids += tok(after, add_special_tokens=False)["input_ids"]
-        if recall_first:
+        if recall_first and place is None:
             new_ids = new_ids + [self.lm.tokens.recall]
         self.messages.append(user)
         self.ids = self.ids + new_ids
@@ -166,15 +177,28 @@ class Conversation:
         self.system_prompt = system
         for i, m in enumerate(kept):
             if m.role == "user":
-                self.build_inputs(m.text, m.images)
+                answer = kept[i + 1] if i + 1 < len(kept) else None
+                read = [r for r in answer.recalls if r.position < answer.start] if answer else []
+                self.placed = []
+                self.build_inputs(m.text, m.images, place=self._again(read[0], old_ids, old_memory) if read else None)
                 continue
             end = kept[i + 1].start if i + 1 < len(kept) else len(old_ids)
             shift = len(self.ids) - m.start
             self.ids = self.ids + old_ids[m.start:end]
             self.memory.update({p + shift: v for p, v in old_memory.items() if m.start <= p < end})
-            self.messages.append(Message("assistant", m.text, [], [
-                RecallEvent(r.row, r.position + shift, r.score, r.memory_index, r.text) for r in m.recalls],
-                m.finish_reason, m.start + shift))
+            self.messages.append(Message("assistant", m.text, [], [*self.placed, *(
+                RecallEvent(r.row, r.position + shift, r.score, r.memory_index, r.text, r.length)
+                for r in m.recalls if r.position >= m.start)], m.finish_reason, m.start + shift))
+
+    def _again(self, event: RecallEvent, ids: list[int], memory: dict[int, torch.Tensor]):
+        """`build_inputs`'s `place` for a memory read in an earlier prompt: the same tokens and vectors, moved."""
+        def place(position: int):
+            shift = position - event.position
+            span = ids[event.position:event.position + event.length]
+            vectors = {p + shift: memory[p] for p in range(event.position, event.position + event.length)}
+            return span, vectors, RecallEvent(event.row, position, event.score, event.memory_index, event.text,
+                                              event.length)
+        return place
 
     def inputs(self) -> dict:
         input_ids = torch.tensor([self.ids], dtype=torch.long)
@@ -199,10 +223,18 @@ class Conversation:
         interrupt_event=None,
         recall_first: bool = False,
     ) -> Iterator[Event]:
-        """Add a user message and stream the answer's events; the turn is stored when it ends."""
-        inputs = self.build_inputs(text, images, recall_first)
-        prompt_len = len(self.ids)
-        yield from self._run(inputs, prompt_len, settings, recall, memory_db, interrupt_event)
+        """Add a user message and stream the answer's events; the turn is stored when it ends. With
+        `recall_first` a model trained to recall starts its answer with `<recall>`; any other model reads
+        the memory at the end of the user's message (its encoder's `placement`)."""
+        context = self.recall(memory_db, recall, text)
+        place = None
+        if recall_first and self.lm.encoder.placement == "user" and context.active and memory_db.has_values:
+            selector = MemorySelector.of(context, generators(settings.seed, "cpu")[1])
+            place = lambda position: recall_step(selector, context, None, 0, position)  # noqa: E731
+        self.placed = []
+        inputs = self.build_inputs(text, images, recall_first, place)
+        yield from self.placed
+        yield from self._run(inputs, len(self.ids), settings, context, interrupt_event)
 
     def regenerate(self, settings, recall, memory_db=None, interrupt_event=None) -> Iterator[Event]:
         """Drop the last answer and answer the last user message again."""
@@ -210,7 +242,10 @@ class Conversation:
             raise ValueError("there is no answer to regenerate")
         answer = self.messages.pop()
         self._truncate(answer.start)
-        yield from self._run(self.inputs(), len(self.ids), settings, recall, memory_db, interrupt_event)
+        self.placed = [r for r in answer.recalls if r.position < answer.start]  # read in the prompt: kept
+        yield from self.placed
+        context = self.recall(memory_db, recall, self.messages[-1].text if self.messages else "")
+        yield from self._run(self.inputs(), len(self.ids), settings, context, interrupt_event)
 
     def _truncate(self, length: int) -> None:
         self.ids = self.ids[:length]
@@ -218,19 +253,30 @@ class Conversation:
         if self.cache is not None:
             crop(self.cache, seq_length(self.cache) - (length - 1))  # keep the cache short of the last token
 
-    def recall(self, memory_db, settings: RecallSettings) -> Recall:
-        """The loop's recall context: this model's tokens, the bank, and its memory embedding."""
-        tokens = self.lm.tokens
-        embedding = self.lm.encoder.embedding if self.lm.encoder.trained else None
-        return Recall(tokens.recall, tokens.memory_pad, memory_db, settings, embedding)
+    def recall(self, memory_db, settings: RecallSettings, text: str = "") -> Recall:
+        """The loop's recall context: this model's tokens, the bank, its memory embedding and, for a bank keyed
+        by text embeddings, the query (the key encoder's embedding of `text`, the user's message) and the
+        token that closes a memory (`</recall>` for a model trained to read memories between the two)."""
+        tokens, encoder = self.lm.tokens, self.lm.encoder
+        query, suffix = None, ()
+        if memory_db is not None and memory_db.has_values:
+            if encoder.keys is None:
+                raise ValueError(f"this bank's keys are text embeddings ({memory_db.info.get('keys')}) but {self.lm.name} "
+                                 "writes one hidden-state vector a memory (memory.values: state): use a bank it wrote")
+            vector = encoder.query(text or " ")
+            query = lambda hidden: vector  # noqa: E731 - the message, not the <recall> state, is the query
+            if encoder.close is not None:
+                suffix = (self.lm.tokenizer.convert_tokens_to_ids(encoder.close),)
+        embedding = encoder.embedding_for(memory_db) if memory_db is not None else None
+        return Recall(tokens.recall, tokens.memory_pad, memory_db, settings, embedding, query, suffix)
 
-    def _run(self, inputs, prompt_len, settings, recall, memory_db, interrupt_event) -> Iterator[Event]:
+    def _run(self, inputs, prompt_len, settings, recall: Recall, interrupt_event) -> Iterator[Event]:
         past = self.cache if self.cache is not None and seq_length(self.cache) < prompt_len else None
         answer = Message("assistant", "", start=prompt_len)
         result: GenerationResult | None = None
         try:
-            common = dict(recall=self.recall(memory_db, recall), tokenizer=self.lm.tokenizer,
-                          interrupt=interrupt_event, memory_vectors=self.memory)
+            common = dict(recall=recall, tokenizer=self.lm.tokenizer, interrupt=interrupt_event,
+                          memory_vectors=self.memory)
             if settings.mixture.enabled:  # q* of this model and its target (its own base by default)
                 target = self.lm.mixture_target(settings.mixture.target)  # (made once)
                 mix = settings.mixture
@@ -252,7 +298,7 @@ class Conversation:
                 self.memory = result.memory_vectors[0]
                 self.cache = result.cache
                 answer.text = self.lm.tokenizer.decode(self.ids[prompt_len:], skip_special_tokens=True)
-                answer.recalls = list(result.injections)
+                answer.recalls = [*self.placed, *result.injections]
                 answer.finish_reason = result.finish_reasons[0]
                 self.messages.append(answer)
             else:  # failed or abandoned before the end: forget the user turn's tokens

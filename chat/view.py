@@ -15,12 +15,12 @@ from chat.worker import Failed, Notice, Waiting
 from decoding.events import FinishEvent, RecallEvent, TokenEvent
 
 Segment = tuple[str, str | None]  # (text, highlight label or None)
-RECALL_COLUMNS = ["turn", "position", "score", "memory", "text"]
+RECALL_COLUMNS = ["turn", "position", "slots", "score", "memory", "text"]
 _MARKER_HEAD = re.compile(r"⟨memory #\d+")
 
 
 def marker(recall: RecallEvent) -> Segment:
-    """A `<|memory_pad|>` as a highlight segment: (text, label "memory 0.84")."""
+    """A memory's injected span (its `<|memory_pad|>` slots) as one highlight segment: (text, label "memory 0.84")."""
     body = f"memory #{recall.memory_index}" + (f": {recall.text}" if recall.text else "")
     return f"⟨{body}⟩", f"memory {recall.score:.2f}"
 
@@ -85,11 +85,11 @@ def answer_segments(conv: Conversation, i: int) -> list[Segment]:
     decode = lambda a, b: conv.lm.tokenizer.decode(conv.ids[a:b], skip_special_tokens=True)  # noqa: E731
     segments: list[Segment] = []
     cursor = msg.start
-    for recall in sorted(msg.recalls, key=lambda r: r.position):
+    for recall in sorted(msg.recalls, key=lambda r: r.position):  # (a recall read in the prompt comes first)
         if (text := decode(cursor, recall.position)):
             segments.append((text, None))
         segments.append(marker(recall))
-        cursor = recall.position + 1
+        cursor = max(cursor, recall.position + recall.length)
     if (text := decode(cursor, end)):
         segments.append((text, None))
     return segments
@@ -121,7 +121,7 @@ def recall_table(conv: Conversation | None, live: TurnView | None = None) -> pd.
     answers = [m.recalls for m in conv.messages if m.role == "assistant"] if conv is not None else []
     if live is not None and not live.done:
         answers.append(live.recalls)
-    rows = [(turn, r.position, round(r.score, 4), r.memory_index, r.text or "")
+    rows = [(turn, r.position, r.length, round(r.score, 4), r.memory_index, r.text or "")
             for turn, recalls in enumerate(answers, 1) for r in recalls]
     return pd.DataFrame(rows, columns=RECALL_COLUMNS)
 
@@ -130,13 +130,23 @@ def bank_summary(db, label: str) -> str:
     if db is None:
         return f"**Bank:** {label}. No memories: recall is off. Build the example bank or upload one."
     index = f", {db.index} index" if db.index != "flat" else ""
-    return f"**Bank:** {label} · **{len(db)}** memories · dimension **{db.dim}**{index}"
+    return (f"**Bank:** {label} · **{len(db)}** memories · {memory_kind(db)} · "
+            f"{db.bytes_per_memory() / 1024:.1f} KB a memory{index}")
+
+
+def memory_kind(db) -> str:
+    """How a bank's memories are read and found, in words."""
+    if not db.has_values:
+        return f"one {db.dim}-d hidden-state vector each, found by the <recall> state"
+    values = db.info.get("values", "values")
+    return (f"**{values}** values of dimension {db.value_dim}, found by the {db.dim}-d text embedding of your "
+            f"message ({db.info.get('keys', 'a text encoder')})")
 
 
 def bank_sample(db, count: int = 8) -> pd.DataFrame:
     rows = db.entries(0, count) if db is not None else []
-    return pd.DataFrame([(e["index"], e["text"] or "", round(e["norm"], 2)) for e in rows],
-                        columns=["memory", "text", "norm"])
+    return pd.DataFrame([(e["index"], e["text"] or "", e["slots"], round(e["norm"], 2)) for e in rows],
+                        columns=["memory", "text", "slots", "key norm"])
 
 
 def found_table(hits: Sequence[dict]) -> pd.DataFrame:

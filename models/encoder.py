@@ -1,12 +1,20 @@
-"""The memory encoder: which hidden state of a text becomes its memory vector.
+"""The memory encoder: how a model writes memories (keys and values) and reads them back.
 
-A memory vector is a hidden state of the model itself, pooled over the memory's tokens
-(`HiddenStateSpec`: layer and pooling); it is what a bank stores and what the memory head scores.
-A model trained to recall adds a small `MemoryProjector` (xRAG style) as its memory embedding: it
-maps the chosen vector into the model's input-embedding space, where it is injected at
-`<|memory_pad|>`. Without a projector the vector is injected as it is. The same `MemoryEncoder`
-writes banks and is trained with the adapter, and its `name` is stamped into every bank it writes,
-so a bank from another encoder is refused instead of being recalled from silently wrong vectors.
+A memory is a key (one vector, what the bank indexes and the memory head scores) and a value (k >= 1
+vectors, injected in order at k `<|memory_pad|>` slots). What a text's value is, is its `ValueKind`:
+  tokens      the text's own input embeddings, a slot a token (lossless: any model reads them)
+  chunks:N    the mean of N consecutive token embeddings a slot
+  mean        one slot: the mean of all of them
+  hidden:L    layer L's hidden states of the text, a slot a token (for a model trained on them)
+  state       one slot: a pooled hidden state (`HiddenStateSpec`), which is also the key (the seeds' memory)
+Keys of every kind but `state` are the text encoder's embedding of the memory's text
+(`models/text_keys.py`), and the memory head's query the same encoder's embedding of the user's
+message. A model trained to recall may bring a `MemoryProjector` (applied per slot to every kind but
+`tokens`, which already are input embeddings), reads memories between `<recall>` and `</recall>` at
+the start of its answer (`placement: answer`), and has its own `name`; a model never trained reads
+them where it reads best, at the end of the user's message (`placement: user`). The name (with the
+value kind and the key encoder's) is stamped into every bank written, so a bank from another
+encoder is refused instead of being recalled from silently wrong vectors.
 
 Texts are encoded as plain text (no chat template): a memory is a piece of content, not a chat
 turn, and the same text always gives the same vector whatever conversation it came from.
@@ -18,7 +26,7 @@ import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,8 +35,10 @@ from tqdm.auto import tqdm
 
 from memory import MemoryVectorDB
 from models.modeling import decoder_layers
+from models.text_keys import TextEncoder
 
 POOLINGS = ("last", "mean")
+PLACEMENTS = ("answer", "user")
 ENCODER_CONFIG = "memory_encoder.json"
 PROJECTOR_WEIGHTS = "memory_projector.safetensors"
 
@@ -156,33 +166,90 @@ def hidden_state(model: nn.Module, inputs: dict[str, Any], layer: int) -> torch.
     return caught[0]
 
 
-class MemoryEncoder:
-    """Texts or prepared inputs -> memory vectors [B, H], as stored in a bank and scored by the memory head.
+@dataclass(frozen=True)
+class ValueKind:
+    """What a memory's value is (see the module docstring): `tokens`, `chunks:N`, `mean`, `hidden:L`, `state`."""
 
-    `center` and `scale` ([H], optional) standardise the pooled state per dimension. A trained
-    encoder sets them from its training facts: middle-layer states share a few huge dimensions
-    (SmolLM2 layer 10: dimensions 507 and 247 hold most of every token's norm), so raw vectors of
-    different texts have cosine ~0.9 and the memory head could hardly tell them apart.
+    kind: str = "tokens"
+    size: int = 0  # the chunk length of chunks:N, the layer of hidden:L
+
+    @classmethod
+    def parse(cls, text: str) -> "ValueKind":
+        name, _, arg = str(text).partition(":")
+        allowed = "tokens, chunks:N (N >= 1), mean, hidden:L (a layer index), state"
+        if name in ("tokens", "mean", "state") and not arg:
+            return cls(name)
+        if name in ("chunks", "hidden") and arg.lstrip("-").isdigit():
+            value = cls(name, int(arg))
+            if name == "hidden" or value.size >= 1:
+                return value
+        raise ValueError(f"memory value kind {text!r}; allowed: {allowed}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.size}" if self.kind in ("chunks", "hidden") else self.kind
+
+    @property
+    def keyed(self) -> bool:
+        """Whether memories of this kind have keys of their own (text embeddings), not their value."""
+        return self.kind != "state"
+
+
+def windows(embeds: torch.Tensor, size: int) -> torch.Tensor:
+    """Means of `size` consecutive rows of [T, H] (the last window may be shorter) -> [ceil(T / size), H]."""
+    chunks = [embeds[i:i + size].mean(0) for i in range(0, len(embeds), size)]
+    return torch.stack(chunks)
+
+
+class MemoryEncoder:
+    """Texts -> memories (keys [N, D_key] and values [k_i, H] each), and values -> input embeddings.
+
+    `values`: the value kind; `keys`: the text encoder of keys (None for `state`, whose key is its
+    value); `spec`, `center`, `scale`: the pooled hidden state of `state` values (standardised per
+    dimension when given); `projector`: the trained memory embedding; `placement` and `close`: where
+    recall first puts a memory and the token forced after its slots.
     """
 
-    def __init__(self, spec: HiddenStateSpec = HiddenStateSpec(), projector: MemoryProjector | None = None,
-                 name: str = "plain", center: torch.Tensor | None = None, scale: torch.Tensor | None = None):
-        self.spec, self.projector, self.name = spec, projector, name
+    def __init__(self, values: ValueKind | str = "state", keys: TextEncoder | None = None, *,
+                 spec: HiddenStateSpec = HiddenStateSpec(), projector: MemoryProjector | None = None,
+                 name: str = "plain", center: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                 placement: str = "answer", close: str | None = None):
+        self.values = values if isinstance(values, ValueKind) else ValueKind.parse(values)
+        if self.values.keyed and keys is None:
+            raise ValueError(f"memory values {self.values} have keys of their own: give the text encoder of keys")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement is {placement!r}; allowed: {', '.join(PLACEMENTS)}")
+        self.keys = keys if self.values.keyed else None
+        self.spec, self.projector, self.base_name = spec, projector, name
         self.center, self.scale = center, scale
+        self.placement, self.close = placement, close
+
+    @property
+    def name(self) -> str:
+        """What a bank records about the encoder that wrote it: the model's, the value kind, the key encoder."""
+        if not self.values.keyed:
+            return f"{self.base_name}/{self.spec.layer}-{self.spec.pooling}"
+        return f"{self.base_name}/{self.values}/{self.keys.name}"
 
     @property
     def trained(self) -> bool:
         return self.projector is not None
 
+    def with_values(self, values: ValueKind | str) -> "MemoryEncoder":
+        """The same encoder writing another kind of value."""
+        return MemoryEncoder(values, self.keys, spec=self.spec, projector=self.projector, name=self.base_name,
+                             center=self.center, scale=self.scale, placement=self.placement, close=self.close)
+
     def describe(self) -> dict[str, Any]:
         """What a bank records about the encoder that wrote it."""
-        out = {"encoder": self.name, **self.spec.as_dict()}
-        if self.projector is not None:
-            out["projector"] = [self.projector.hidden, self.projector.inner]
+        out = {"encoder": self.name, "values": str(self.values), "keys": self.keys.name if self.keys else "value"}
+        if not self.values.keyed:
+            out.update(self.spec.as_dict())
         return out
 
-    def __call__(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        """Memory vectors [B, H] of prepared inputs (input_ids, attention_mask, vision inputs), differentiable.
+    # ----------------------------------------------------------------- writing
+
+    def state(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """The `state` value of prepared inputs (input_ids, attention_mask, vision inputs) [B, H], differentiable.
 
         With left padding and no explicit `position_ids`, positions are counted from each row's
         first real token (as `generate` does), so a padded row encodes like the row alone. Inputs
@@ -198,57 +265,93 @@ class MemoryEncoder:
         multimodal = kwargs.get("image_grid_thw") is not None or kwargs.get("video_grid_thw") is not None
         if "position_ids" not in kwargs and not multimodal and bool((mask[:, 0] == 0).any()):
             kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, S]
+        states = self._hidden(model, kwargs, self.spec.layer)  # [B, S, H]
+        pooled = pool(states.float(), mask, self.spec.pooling)  # [B, H]
+        if self.center is not None:
+            pooled = (pooled - self.center.to(pooled.device)) / self.scale.to(pooled.device)
+        return pooled
+
+    @staticmethod
+    def _hidden(model: nn.Module, kwargs: dict[str, Any], layer: int) -> torch.Tensor:
         device = next(model.parameters()).device
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         stateful = [m for m in model.modules() if hasattr(m, "rope_deltas")]  # Qwen3-VL's per-request mRoPE state
         try:
             for m in stateful:
                 m.rope_deltas = None
-            states = hidden_state(model, kwargs, self.spec.layer)  # [B, S, H]
+            return hidden_state(model, kwargs, layer)
         finally:
             for m in stateful:
                 m.rope_deltas = None
-        pooled = pool(states.float(), mask, self.spec.pooling)  # [B, H]
-        if self.center is not None:
-            pooled = (pooled - self.center.to(pooled.device)) / self.scale.to(pooled.device)
-        return pooled
 
-    def embedding(self, vectors: torch.Tensor) -> torch.Tensor:
-        """The memory embedding: memory vectors [N, H] as input embeddings (the projector, if any)."""
-        if self.projector is None:
+    def token_values(self, model: nn.Module, ids: Sequence[int]) -> torch.Tensor:
+        """The value [k, H] float32 of one text's token ids, for every kind but `state` (differentiable)."""
+        if not ids:
+            raise ValueError("a memory text must give at least one token")
+        kind = self.values
+        if kind.kind == "hidden":
+            states = self._hidden(model, {"input_ids": torch.tensor([list(ids)])}, kind.size)[0]
+            return states.float()
+        embed = model.get_input_embeddings()
+        emb = embed(torch.tensor(list(ids), device=embed.weight.device)).float()  # [T, H]
+        if kind.kind == "tokens":
+            return emb
+        return windows(emb, kind.size if kind.kind == "chunks" else len(ids))
+
+    def embedding(self, vectors: torch.Tensor, kind: ValueKind | None = None) -> torch.Tensor:
+        """The memory embedding: value vectors [N, H] of `kind` (default: this encoder's) as input embeddings,
+        through the projector for every kind but `tokens`."""
+        kind = kind or self.values
+        if self.projector is None or kind.kind == "tokens":
             return vectors
         return self.projector.to(vectors.device)(vectors.float())
 
+    def embedding_for(self, bank: MemoryVectorDB) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The memory embedding of a bank's values (its `values` kind, `state` for banks that record none);
+        None when the vectors are injected as they are."""
+        kind = ValueKind.parse(bank.info.get("values", "state")) if bank is not None else self.values
+        if self.projector is None or kind.kind == "tokens":
+            return None
+        return lambda vectors: self.embedding(vectors, kind)
+
     @torch.no_grad()
-    def encode_texts(self, model: nn.Module, tokenizer: Any, texts: Sequence[str], batch_size: int = 8,
-                     progress: bool = True) -> torch.Tensor:
-        """Encode texts as plain text in length-sorted, right-padded batches -> float32 CPU [N, H].
+    def encode_states(self, model: nn.Module, tokenizer: Any, texts: Sequence[str], batch_size: int = 8,
+                      progress: bool = True) -> torch.Tensor:
+        """`state` values of texts, in length-sorted, right-padded batches -> float32 CPU [N, H].
 
         The tokenizer is not modified: padding is done here, with its pad id (or EOS, or 0 when it
         has neither; the value never matters since pads are masked and come after the real tokens).
         """
-        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
-            raise ValueError("texts: expected a list of strings")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        ids = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
-        empty = [i for i, s in enumerate(ids) if not s]
-        if empty:
-            raise ValueError(f"texts: expected each text to give at least one token, got none for rows {empty[:5]}")
+        ids = _token_ids(tokenizer, texts, special=True)
         pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-        out: torch.Tensor | None = None
+        out = torch.empty(len(ids), 0)
         with tqdm(total=len(ids), desc="encoding memories", unit="text", disable=not progress) as bar:
             for s in range(0, len(order), batch_size):
                 rows = order[s:s + batch_size]
-                vecs = self(model, right_pad([ids[i] for i in rows], pad_id)).float().cpu()  # [b, H]
-                if out is None:
+                vecs = self.state(model, right_pad([ids[i] for i in rows], pad_id)).float().cpu()  # [b, H]
+                if not out.numel():
                     out = torch.empty(len(ids), vecs.shape[1], dtype=torch.float32)
                 out[rows] = vecs
                 bar.update(len(rows))
-        if out is None:
-            raise ValueError("texts: expected at least one text, got none")
         return out
+
+    @torch.no_grad()
+    def encode(self, model: nn.Module, tokenizer: Any, texts: Sequence[str], batch_size: int = 8,
+               progress: bool = True) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Memories of texts: (keys [N, D_key] float32, values: a [k_i, H] float32 tensor each; None for
+        `state`, whose keys are its values)."""
+        if not self.values.keyed:
+            return self.encode_states(model, tokenizer, texts, batch_size, progress), None
+        ids = _token_ids(tokenizer, texts, special=False)
+        keys = torch.from_numpy(self.keys.encode(list(texts)))
+        values = [self.token_values(model, i).cpu() for i in tqdm(ids, desc="encoding memories", unit="text",
+                                                                   disable=not progress)]
+        return keys, values
+
+    def query(self, text: str) -> torch.Tensor:
+        """The memory head's query for a user message: its text encoder embedding [D_key]."""
+        return torch.from_numpy(self.keys.encode([text])[0])
 
     # ----------------------------------------------------------------- files
 
@@ -256,7 +359,8 @@ class MemoryEncoder:
         """Write `memory_encoder.json` (and the projector's safetensors) into `folder`."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        config = {"name": self.name, **self.spec.as_dict()}
+        config = {"name": self.base_name, "values": str(self.values), "placement": self.placement,
+                  "close": self.close, **({} if self.values.keyed else self.spec.as_dict())}
         tensors = {}
         if self.projector is not None:
             config["projector"] = {"hidden": self.projector.hidden, "inner": self.projector.inner}
@@ -269,12 +373,14 @@ class MemoryEncoder:
         (folder / ENCODER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
     @classmethod
-    def load(cls, folder: str | Path, hidden_size: int) -> MemoryEncoder:
-        """The encoder saved in `folder` by `save`; a clear error when it does not fit the model."""
+    def load(cls, folder: str | Path, hidden_size: int, keys: TextEncoder | None = None) -> MemoryEncoder:
+        """The encoder saved in `folder` by `save` (a `state` encoder when the file names no value kind);
+        a clear error when it does not fit the model."""
         folder = Path(folder)
         try:
             config = json.loads((folder / ENCODER_CONFIG).read_text())
-            spec = HiddenStateSpec(config["layer"], config["pooling"])
+            values = ValueKind.parse(config.get("values", "state"))
+            spec = HiddenStateSpec(config.get("layer", -1), config.get("pooling", "last"))
             weights = load_file(str(folder / PROJECTOR_WEIGHTS)) if (folder / PROJECTOR_WEIGHTS).exists() else {}
             center, scale = weights.pop("standardize.center", None), weights.pop("standardize.scale", None)
             projector = None
@@ -285,18 +391,32 @@ class MemoryEncoder:
                 projector = MemoryProjector(hidden, inner)
                 projector.load_state_dict(weights)
                 projector.eval().requires_grad_(False)
-            return cls(spec, projector, str(config["name"]), center, scale)
+            return cls(values, (keys or TextEncoder()) if values.keyed else None, spec=spec, projector=projector,
+                       name=str(config["name"]), center=center, scale=scale,
+                       placement=config.get("placement", "answer"), close=config.get("close"))
         except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{folder}: not a usable memory encoder ({e})") from None
 
 
-def build_bank(model: nn.Module, tokenizer: Any, texts: Sequence[str], encoder: MemoryEncoder | None = None,
+def _token_ids(tokenizer: Any, texts: Sequence[str], special: bool) -> list[list[int]]:
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("texts: expected a list of strings")
+    if not texts:
+        raise ValueError("texts: expected at least one text, got none")
+    ids = tokenizer(list(texts), add_special_tokens=special)["input_ids"]
+    empty = [i for i, s in enumerate(ids) if not s]
+    if empty:
+        raise ValueError(f"texts: expected each text to give at least one token, got none for rows {empty[:5]}")
+    return ids
+
+
+def build_bank(model: nn.Module, tokenizer: Any, texts: Sequence[str], encoder: MemoryEncoder,
                index: str = "flat", metadata: Sequence[dict | None] | None = None, *, batch_size: int = 8,
-               progress: bool = True) -> MemoryVectorDB:
+               progress: bool = True, value_dtype: str = "float16", **index_options: Any) -> MemoryVectorDB:
     """Encode texts and put them, with their texts and metadata, into a new bank stamped with the encoder."""
-    encoder = encoder or MemoryEncoder()
-    vectors = encoder.encode_texts(model, tokenizer, texts, batch_size=batch_size, progress=progress)
-    db = MemoryVectorDB(vectors.shape[1], index)
-    db.add(vectors, list(texts), metadata)
+    keys, values = encoder.encode(model, tokenizer, texts, batch_size=batch_size, progress=progress)
+    db = MemoryVectorDB(keys.shape[1], index, value_dim=None if values is None else values[0].shape[1],
+                        value_dtype=value_dtype, **index_options)
+    db.add(keys, list(texts), metadata, values)
     db.info = encoder.describe()
     return db

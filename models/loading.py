@@ -23,6 +23,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from models.encoder import ENCODER_CONFIG, HiddenStateSpec, MemoryEncoder
+from models.text_keys import TextEncoder
 from models.modeling import hidden_size, is_peft, set_adapter_merged, unwrap_model
 from models.quantize import QUANTIZE, quantize_int8
 
@@ -263,11 +264,15 @@ def load_model(
     dtype: str = "float32",
     hidden_state: HiddenStateSpec = HiddenStateSpec(),
     quantize: str = "none",
+    values: str = "auto",
+    keys: str | os.PathLike | None = "auto",
 ) -> LoadedModel:
     """Load a model folder (or the embedded default when `path` is None) ready for generation.
 
     `adapter`: a PEFT folder, `auto` (the shipped recall adapter for the embedded model) or None.
-    `hidden_state`: the memory encoding of a model whose adapter brings no memory encoder.
+    `values`: the memory value kind written (`models/encoder.py`); `auto`: the adapter's, else `tokens`.
+    `keys`: the key encoder's adapter folder (`auto`: the shipped one, None: the stock encoder).
+    `hidden_state`: the pooled hidden state of `state` values.
     `quantize`: `none`, or `int8` (models/quantize.py; the adapter is merged into the int8 weights).
     """
     if path is None:
@@ -296,7 +301,9 @@ def load_model(
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[dtype])
     tokens = ensure_special_tokens(model, tokenizer)
-    encoder = MemoryEncoder(hidden_state, name=f"{name}/layer{hidden_state.layer}-{hidden_state.pooling}")
+    text_keys = TextEncoder(keys)
+    encoder = MemoryEncoder("tokens" if values == "auto" else values, text_keys, spec=hidden_state, name=name,
+                            placement="user")  # a model never trained to recall reads memories best in the message
     adapter = resolve_adapter(adapter, path)
     if adapter is not None:
         from peft import PeftModel
@@ -305,8 +312,10 @@ def load_model(
             raise FileNotFoundError(f"adapter path {str(adapter)!r} has no adapter_config.json")
         model = PeftModel.from_pretrained(model, adapter)
         if (adapter / ENCODER_CONFIG).is_file():
-            encoder = MemoryEncoder.load(adapter, hidden_size(model))
-            encoder.name = f"{encoder.name}@{_digest(adapter)}"
+            encoder = MemoryEncoder.load(adapter, hidden_size(model), text_keys)
+            encoder.base_name = f"{encoder.base_name}@{_digest(adapter)}"
+            if values != "auto":
+                encoder = encoder.with_values(values)
         name = f"{name} + {adapter.name}"
     model.to(resolve_device(device)).eval()
     loaded = LoadedModel(model=model, tokenizer=tokenizer, tokens=tokens, name=name, encoder=encoder,

@@ -221,7 +221,7 @@ def test_example_bank_and_recall_first_show_a_highlighted_memory(client):
     first = highlight["value"][0]
     assert first["token"].startswith("⟨memory #") and first["class_or_confidence"].startswith("memory 0.")
     assert highlight["color_map"] == {first["class_or_confidence"]: app.MEMORY_COLOR}
-    assert log["headers"] == ["turn", "position", "score", "memory", "text"] and len(log["data"]) == 1
+    assert log["headers"] == ["turn", "position", "slots", "score", "memory", "text"] and len(log["data"]) == 1
     assert log["data"][0][4] in (app.ASSETS / "example_memories.txt").read_text()
     assert last_text((chatbot,)).startswith("`⟨memory #")
 

@@ -1,13 +1,14 @@
 """Training examples as token ids, laid out exactly as the chat app and the generation loop see them.
 
-A fact question (positive):
+A fact question (positive), its memory read through k value slots:
 
-    <chat template: user question, generation prompt> <recall> <|memory_pad|> answer <|im_end|>
-                                                    ^ learn to say <recall>     ^ the memory vector is
-                                                                                  this position's input
+    <chat template: user question, generation prompt> <recall> <|memory_pad|> x k </recall> answer <|im_end|>
+                                                    ^ learn to say <recall>   ^ the memory's     ^ read the
+                                                                                value vectors    answer out
 
-A request to repeat a memory (autoencoding, the dense reading signal of ICAE, Ge et al. 2024): the
-same layout with the fact's whole text as the answer.
+k is the number of value slots of the fact's memory in the example's value kind (a slot a token for
+`tokens`, one for `mean`). A request to repeat a memory (autoencoding, the dense reading signal of
+ICAE, Ge et al. 2024): the same layout with the fact's whole text as the answer.
 
 An ordinary prompt (negative): the template, then the base model's own answer (learn not to recall,
 and keep answering as before).
@@ -35,9 +36,10 @@ class Example:
     ids: list[int]
     labels: list[int]  # IGNORE where nothing is predicted
     decision: int  # the position whose label says "recall or not" (the last prompt token)
-    recall_at: int | None  # position of <recall> (positives): its final hidden state is the query
-    fact_ids: list[int] | None  # the memory's text (positives)
+    recall_at: int | None  # position of <recall> (positives)
+    fact_ids: list[int] | None  # the memory's text as tokens (positives), whose value fills the slots
     value_at: tuple[int, ...] = ()  # label positions of the answer's value tokens (what only the memory knows)
+    kind: str | None = None  # the memory's value kind (positives)
 
 
 History = tuple[str, Sequence[int]]  # an earlier turn: (prompt, the base model's reply ids)
@@ -68,21 +70,32 @@ def value_tokens(tokenizer, answer: str, value: str) -> list[int]:
     return [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
 
 
-def positive(tokenizer, tokens, fact: Fact, question: str, repeat: bool = False,
+def slots(kind: str, tokens: int) -> int:
+    """Value slots of a memory of `tokens` tokens in value kind `kind` (tokens, chunks:N, mean)."""
+    if kind == "mean":
+        return 1
+    size = int(kind.partition(":")[2]) if kind.startswith("chunks:") else 1
+    return -(-tokens // size)
+
+
+def positive(tokenizer, tokens, fact: Fact, question: str, kind: str = "tokens", repeat: bool = False,
              history: History | None = None) -> Example:
-    """A fact question answered through a recall of the fact (or, with `repeat`, the fact repeated)."""
+    """A fact question answered through a recall of the fact (or, with `repeat`, the fact repeated), its
+    memory's value in `kind`."""
     prompt = prompt_ids(tokenizer, REPEAT if repeat else question, history)
     answer = answer_ids(tokenizer, fact.text if repeat else fact.answer)
-    ids = prompt + [tokens.recall, tokens.memory_pad] + answer
+    fact_ids = tokenizer(fact.text, add_special_tokens=False)["input_ids"]
+    k = slots(kind, len(fact_ids))
+    ids = prompt + [tokens.recall] + [tokens.memory_pad] * k + [tokens.recall_end] + answer
     labels = [IGNORE] * len(ids)
     p = len(prompt)
     labels[p - 1] = tokens.recall  # decide to recall
-    # labels[p] stays IGNORE: after <recall> the loop forces <|memory_pad|>
+    # the slots and </recall> are forced by the loop: nothing to predict there
+    start = p + k + 1  # the </recall> position predicts the first answer token
     for i, tid in enumerate(answer):
-        labels[p + 1 + i] = tid  # the answer, read from the injected memory
-    fact_ids = tokenizer(fact.text, add_special_tokens=True)["input_ids"]
-    value = () if repeat else tuple(p + 1 + i for i in value_tokens(tokenizer, fact.answer, fact.value))
-    return Example(ids, labels, p - 1, p, fact_ids, value)
+        labels[start + i] = tid  # the answer, read from the injected memory
+    value = () if repeat else tuple(start + i for i in value_tokens(tokenizer, fact.answer, fact.value))
+    return Example(ids, labels, p - 1, p, fact_ids, value, kind)
 
 
 def negative(tokenizer, prompt: str, reply_ids: Sequence[int], history: History | None = None) -> Example:
@@ -109,45 +122,34 @@ class Batch:
     input_ids: torch.Tensor  # [B, S] right-padded: P questions, A repeats, then negatives
     labels: torch.Tensor  # [B, S]
     decision: torch.Tensor  # [B] position of the recall-or-not decision
-    recall_rows: torch.Tensor  # [P] the question rows, whose <recall> state is a memory query
-    recall_at: torch.Tensor  # [P] their <recall> positions
-    memory_rows: torch.Tensor  # [P + A] rows that read a memory
-    memory_of: torch.Tensor  # [P + A] which fact's memory each of them reads
-    fact_ids: torch.Tensor  # [P, F] right-padded memory texts
-    fact_mask: torch.Tensor  # [P, F]
-    question_ids: torch.Tensor  # [P, Q] the questions as plain text (their encoding: the query's target)
-    question_mask: torch.Tensor  # [P, Q]
     value: torch.Tensor  # [B, S] True at the label positions of answer values
+    memories: list[tuple[list[int], str]]  # per memory-reading row (questions, then repeats): (fact ids, value kind)
 
 
-def collate(questions: Sequence[Example], repeats: Sequence[tuple[int, Example]], negatives: Sequence[Example],
-            question_texts: Sequence[Sequence[int]], pad_id: int) -> Batch:
-    """Right-pad (a causal model's real tokens never see right padding). `repeats` pairs an example
-    with the index of the question row whose fact it repeats."""
-    examples = [*questions, *(e for _, e in repeats), *negatives]
+def collate(questions: Sequence[Example], repeats: Sequence[Example], negatives: Sequence[Example],
+            pad_id: int) -> Batch:
+    """Right-pad (a causal model's real tokens never see right padding)."""
+    examples = [*questions, *repeats, *negatives]
     ids, _ = _padded([e.ids for e in examples], pad_id)
     labels, _ = _padded([e.labels for e in examples], pad_id, fill=IGNORE)
-    fact_ids, fact_mask = _padded([e.fact_ids for e in questions], pad_id)
-    question_ids, question_mask = _padded(question_texts, pad_id)
-    p, a = len(questions), len(repeats)
     value = torch.zeros_like(labels, dtype=torch.bool)
     for row, e in enumerate(examples):
         value[row, list(e.value_at)] = True
-    return Batch(ids, labels, torch.tensor([e.decision for e in examples]), torch.arange(p),
-                 torch.tensor([e.recall_at for e in questions], dtype=torch.long), torch.arange(p + a),
-                 torch.tensor(list(range(p)) + [i for i, _ in repeats], dtype=torch.long),
-                 fact_ids, fact_mask, question_ids, question_mask, value)
+    return Batch(ids, labels, torch.tensor([e.decision for e in examples]), value,
+                 [(e.fact_ids, e.kind) for e in (*questions, *repeats)])
 
 
 def batches(tokenizer, tokens, replies: dict[str, list[int]], facts_per_batch: int, chats_per_batch: int,
-            seed: int, repeats_per_batch: int = 0, history: float = 0.0) -> Iterator[tuple[Batch, list[Fact]]]:
+            seed: int, repeats_per_batch: int = 0, history: float = 0.0,
+            kinds: Sequence[tuple[str, float]] = (("tokens", 1.0),)) -> Iterator[tuple[Batch, list[Fact]]]:
     """Endless batches: new training facts each time (no two asked the same way), the first few of
     them also to repeat, then ordinary prompts; a question or prompt comes after an earlier ordinary
-    turn with probability `history`."""
+    turn with probability `history`; each memory's value kind is drawn from `kinds` (kind, weight)."""
     rng = random.Random(f"batches:{seed}")
     stream = fact_stream("train", seed)
     prompts = sorted(replies)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    names, weights = zip(*kinds)
     while True:
         facts: list[Fact] = []
         asked: set[str] = set()
@@ -156,16 +158,16 @@ def batches(tokenizer, tokens, replies: dict[str, list[int]], facts_per_batch: i
             if fact.questions[0] not in asked:
                 asked.add(fact.questions[0])
                 facts.append(fact)
+
         def earlier() -> History | None:
             if rng.random() >= history:
                 return None
             p = rng.choice(prompts)
             return p, replies[p]
 
-        asked_as = [rng.choice(f.questions) for f in facts]
-        questions = [positive(tokenizer, tokens, f, q, history=earlier()) for f, q in zip(facts, asked_as)]
-        repeats = [(i, positive(tokenizer, tokens, facts[i], "", repeat=True)) for i in range(repeats_per_batch)]
+        kind = lambda: rng.choices(names, weights)[0]  # noqa: E731
+        questions = [positive(tokenizer, tokens, f, rng.choice(f.questions), kind(), history=earlier()) for f in facts]
+        repeats = [positive(tokenizer, tokens, facts[i], "", kind(), repeat=True) for i in range(repeats_per_batch)]
         negatives = [negative(tokenizer, p, replies[p], earlier())
                      for p in rng.sample(prompts, min(chats_per_batch, len(prompts)))]
-        texts = [tokenizer(q, add_special_tokens=True)["input_ids"] for q in asked_as]
-        yield collate(questions, repeats, negatives, texts, pad), facts
+        yield collate(questions, repeats, negatives, pad), facts

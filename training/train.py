@@ -1,23 +1,21 @@
 """Train the embedded SmolLM2 to recall: a LoRA adapter, the new tokens' rows and a memory projector.
 
-    python -m training.train --out assets/recall-smollm2            # the shipped adapter (CPU, < 1 h)
+    python -m training.train --out assets/recall-smollm2            # the shipped adapter (CPU, about 1 h)
     python -m training.train --out /tmp/a --set steps=50            # any recipe field, as KEY=VALUE
 
-The base weights stay frozen. One step: encode the batch's facts into memory vectors (the memory
-encoder, adapter on, projector), inject each at its `<|memory_pad|>` exactly as the generation loop
-does, and minimise
-  (a) cross-entropy of the answer read from the injected memory,
+The base weights stay frozen. One step: each fact question's memory is the fact's value in a value
+kind drawn per example (`tokens`: the text's own token embeddings, a slot a token; `chunks:N`: the
+mean of N token embeddings a slot; `mean`: one slot), the compressed kinds through the memory
+projector; the k slots follow `<recall>` and `</recall>` closes them, exactly as the generation loop
+injects them; and the losses are
+  (a) cross-entropy of the answer read from the injected memory (its value tokens weighted more),
   (b) cross-entropy of the recall decision: `<recall>` after a fact question, the base model's own
       first token after an ordinary prompt; on the rest of that reply, the KL divergence from the
-      base model's own next-token distribution (adapter off), to keep general quality,
-  (c) InfoNCE between the final hidden state at `<recall>` (the memory head's query) and the
-      memory vectors: in-batch negatives plus the last batches' memories.
+      base model's own next-token distribution (adapter off), to keep general quality.
 Questions and prompts sometimes follow an earlier ordinary turn (`history`), so recall is learnt in
-the middle of a conversation too. The memory encoder is the token embeddings' mean (layer 0): a
-memory then carries its words in the very space the model reads its input from, which it learns to
-read within tens of steps (a final-layer state was not read at all after 300 steps), and writing a
-bank costs an embedding lookup. A fixed seed makes a run repeatable on the same machine; the losses
-go to `training_log.csv`.
+the middle of a conversation too. Which memory to recall is the key encoder's job
+(`training/keys.py`), not the adapter's. A fixed seed makes a run repeatable on the same machine;
+the losses go to `training_log.csv`, with held-out measures every `eval_every` steps and at step 0.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ import math
 import os
 import random
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,39 +37,37 @@ import yaml
 from tqdm.auto import tqdm
 
 from decoding.memory import inject_memories
+from models.encoder import MemoryEncoder, MemoryProjector, ValueKind
 from models.modeling import backbone_and_head, head_logits
-from models.encoder import HiddenStateSpec, MemoryEncoder, MemoryProjector
-from training.data import IGNORE, Batch, batches, positive, prompt_ids, value_tokens
+from models.text_keys import TextEncoder
+from training.data import IGNORE, Batch, answer_ids, batches, prompt_ids, value_tokens
 from training.facts import chat_prompts, make_facts
-from training.losses import info_nce, masked_means
+from training.losses import masked_means
 
 
 @dataclass(frozen=True)
 class Recipe:
     seed: int = 0
     steps: int = 450  # ~7 s a step on 2 CPU cores: under an hour
-    facts_per_batch: int = 16  # positives, and the InfoNCE batch
-    chats_per_batch: int = 4  # negatives
-    repeats_per_batch: int = 4  # facts of the batch also asked to be repeated whole (autoencoding)
+    facts_per_batch: int = 12  # fact questions a step
+    chats_per_batch: int = 5  # negatives
+    repeats_per_batch: int = 1  # facts of the batch also asked to be repeated whole (autoencoding)
     chat_prompts: int = 400  # distinct ordinary prompts, answered once by the base model
     history: float = 0.3  # share of questions and prompts that follow an earlier ordinary turn
     reply_tokens: int = 32  # length of those answers
-    lr: float = 1e-3
+    values: tuple[str, ...] = ("tokens", "chunks:2", "chunks:4", "mean")  # value kinds a memory is read in
+    value_weights: tuple[float, ...] = (0.3, 0.1, 0.2, 0.4)  # how often each (tokens are read almost untrained)
+    lr: float = 8e-4
+    projector_lr: float = 2.4e-3
     warmup: int = 30
     lora_r: int = 16
     lora_alpha: int = 32
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    encoder_layer: int = 0  # the token embeddings (see the module docstring)
-    encoder_pooling: str = "mean"
     projector_inner: int = 1152
-    tau: float = 0.05
-    queue: int = 256  # earlier memories kept as extra InfoNCE negatives
     w_answer: float = 1.0
-    w_value: float = 4.0  # weight of the answer's value tokens within the answer loss (only the memory knows them)
+    w_value: float = 3.0  # weight of the answer's value tokens within the answer loss (only the memory knows them)
     w_decision: float = 1.0
-    w_reply: float = 1.0  # KL from the base model on ordinary replies
-    w_nce: float = 1.0
-    w_align: float = 1.0  # cosine distance of the query to the encoding of the question text
+    w_reply: float = 2.0  # KL from the base model on ordinary replies
     eval_every: int = 100
     eval_facts: int = 64
 
@@ -82,9 +77,14 @@ class Recipe:
                 raise ValueError(f"{name} is {getattr(self, name)}: must be >= 1")
         if not 0 <= self.history <= 1:
             raise ValueError(f"history is {self.history}: must be in [0, 1]")
-        if not 0 < self.tau <= 1:
-            raise ValueError(f"tau is {self.tau}: must be in (0, 1]")
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        object.__setattr__(self, "values", tuple(self.values))
+        object.__setattr__(self, "value_weights", tuple(float(w) for w in self.value_weights))
+        if len(self.values) != len(self.value_weights) or not self.values:
+            raise ValueError(f"values {self.values} and value_weights {self.value_weights}: one weight a kind")
+        for kind in self.values:
+            if ValueKind.parse(kind).kind not in ("tokens", "chunks", "mean"):
+                raise ValueError(f"values: {kind!r} is not trained here; kinds: tokens, chunks:N, mean")
 
 
 def lr_at(step: int, recipe: Recipe) -> float:
@@ -120,49 +120,48 @@ def base_replies(lm, prompts: list[str], max_new_tokens: int, batch_size: int = 
                                      do_sample=False, bad_words_ids=banned)))
 
 
-def step_losses(model, encoder: MemoryEncoder, batch: Batch, memory_pad: int, recipe: Recipe,
-                queue: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The losses of one batch (see the module docstring); also returns the batch's memory vectors."""
+def memory_values(model, encoder: MemoryEncoder, memories: list[tuple[list[int], str]]) -> torch.Tensor:
+    """The input embeddings of every memory slot of a batch, in row order [sum k, H] (differentiable in the
+    projector): each memory's value in its kind, through the memory embedding."""
+    parts = []
+    for ids, kind in memories:
+        kind = ValueKind.parse(kind)
+        parts.append(encoder.embedding(encoder.with_values(kind).token_values(model, ids), kind))
+    return torch.cat(parts)
+
+
+def step_losses(model, encoder: MemoryEncoder, batch: Batch, memory_pad: int,
+                recipe: Recipe) -> dict[str, torch.Tensor]:
+    """The losses of one batch (see the module docstring)."""
     device = next(model.parameters()).device
     backbone, head = backbone_and_head(model)
-    b = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)})
-    memories = encoder(model, {"input_ids": b.fact_ids, "attention_mask": b.fact_mask})  # [P, H]
+    b = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+                                      if isinstance(getattr(batch, f.name), torch.Tensor)})
     embeds = inject_memories(model.get_input_embeddings()(b.input_ids), b.input_ids, memory_pad,
-                             encoder.embedding(memories[b.memory_of]))
+                             memory_values(model, encoder, b.memories))
     hidden = backbone(inputs_embeds=embeds, use_cache=False).last_hidden_state  # [B, S, H]
 
     rows = torch.arange(len(b.input_ids), device=device)
+    reads = len(b.memories)  # the first rows read a memory, the others are ordinary replies
     kind = torch.full_like(b.labels, -1)  # 0 decision, 1 answer from memory, 2 ordinary reply
     kind[b.labels != IGNORE] = 2
-    kind[b.memory_rows] = torch.where(b.labels[b.memory_rows] != IGNORE, 1, -1)
+    kind[:reads] = torch.where(b.labels[:reads] != IGNORE, 1, -1)
     kind[rows, b.decision] = 0
     sel = kind >= 0
     logits = head_logits(model, head, hidden[sel])  # [N, V] only where a token is predicted
     token_loss = F.cross_entropy(logits, b.labels[sel], reduction="none")  # [N]
     decision, _, _ = masked_means(token_loss, kind[sel], 3)
-    reply = _base_kl(model, backbone, head, b.input_ids, kind == 2, logits[kind[sel] == 2])
+    reply = _base_kl(model, backbone, b.input_ids, kind == 2, logits[kind[sel] == 2], head)
     weight = (1 + (recipe.w_value - 1) * b.value[sel].float()) * (kind[sel] == 1)  # [N]
     answer = (token_loss * weight).sum() / weight.sum().clamp_min(1)
     with torch.no_grad():
         correct = logits.argmax(-1) == b.labels[sel]
-        recall_ok = correct[kind[sel] == 0]
-    queries = hidden[b.recall_rows, b.recall_at]  # [P, H]
-    nce, nce_acc = info_nce(queries, memories, recipe.tau, queue)
-    with torch.no_grad():  # where the question's own text lands in memory space: the query's target
-        target = encoder(model, {"input_ids": b.question_ids, "attention_mask": b.question_mask})
-    align = 1 - F.cosine_similarity(queries.float(), target, dim=-1).mean()
-    total = (recipe.w_decision * decision + recipe.w_answer * answer + recipe.w_reply * reply
-             + recipe.w_nce * nce + recipe.w_align * align)
-    with torch.no_grad():
-        q = F.normalize(queries.float(), dim=-1)
-        spread = ((q @ q.T).sum() - len(q)) / max(1, len(q) * (len(q) - 1))  # mean cosine between queries
-    return {"loss": total, "decision": decision, "answer": answer, "reply": reply, "nce": nce, "align": align,
-            "query_cos": spread,
-            "nce_acc": nce_acc, "decision_acc": recall_ok.float().mean(),
-            "answer_acc": correct[kind[sel] == 1].float().mean()}, memories.detach()
+    total = recipe.w_decision * decision + recipe.w_answer * answer + recipe.w_reply * reply
+    return {"loss": total, "decision": decision, "answer": answer, "reply": reply,
+            "decision_acc": correct[kind[sel] == 0].float().mean(), "answer_acc": correct[kind[sel] == 1].float().mean()}
 
 
-def _base_kl(model, backbone, head, input_ids: torch.Tensor, where: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+def _base_kl(model, backbone, input_ids: torch.Tensor, where: torch.Tensor, logits: torch.Tensor, head) -> torch.Tensor:
     """Mean KL(base ‖ adapted) of the next-token distributions at the positions `where` [B, S] (ordinary
     replies, whose adapted logits [N, V] are given): the base model is the PEFT model, adapter off."""
     rows = where.any(dim=1)
@@ -175,63 +174,68 @@ def _base_kl(model, backbone, head, input_ids: torch.Tensor, where: torch.Tensor
 
 
 @torch.no_grad()
-def value_nll(model, tokenizer, tokens, encoder: MemoryEncoder, facts, shuffle: bool) -> float:
-    """Mean NLL of the answers' value tokens, read with each fact's own memory (or, with `shuffle`,
-    another fact's): the gap between the two says how much the model reads from memory."""
+def value_reading(model, tokenizer, tokens, encoder: MemoryEncoder, facts, kind: str) -> dict[str, float]:
+    """How well the answers' value tokens are read from memories of `kind`, teacher-forced: their mean NLL
+    with each fact's own memory (`right`) and with another fact's (`wrong`: the gap is what the model reads
+    from memory), and the share of facts whose value tokens are all the argmax (`exact`)."""
     device = next(model.parameters()).device
     backbone, head = backbone_and_head(model)
-    memories = encoder.embedding(encoder.encode_texts(model, tokenizer, [f.text for f in facts], 16, False).to(device))
-    if shuffle:
-        memories = memories.roll(1, dims=0)
-    total, count = 0.0, 0
-    for fact, memory in zip(facts, memories):
-        example = positive(tokenizer, tokens, fact, fact.questions[0])
-        ids = torch.tensor([example.ids], device=device)
-        embeds = inject_memories(model.get_input_embeddings()(ids), ids, tokens.memory_pad, memory[None])
-        logp = head_logits(model, head, backbone(inputs_embeds=embeds).last_hidden_state[0]).log_softmax(-1)
-        first = example.recall_at + 1  # the <|memory_pad|> position predicts the first answer token
-        answer = tokenizer(fact.answer, add_special_tokens=False)["input_ids"]
-        for i in value_tokens(tokenizer, fact.answer, fact.value):
-            total -= float(logp[first + i, answer[i]])
-            count += 1
-    return total / max(count, 1)
+    out = {}
+    for wrong in (False, True):
+        nll, count, exact = 0.0, 0, 0
+        for i, fact in enumerate(facts):
+            memory = facts[(i + 1) % len(facts)] if wrong else fact
+            values = memory_values(model, encoder, [(tokenizer(memory.text, add_special_tokens=False)["input_ids"],
+                                                     kind)])
+            prompt, answer = prompt_ids(tokenizer, fact.questions[0]), answer_ids(tokenizer, fact.answer)
+            ids = torch.tensor([prompt + [tokens.recall] + [tokens.memory_pad] * len(values) + [tokens.recall_end]
+                                + answer], device=device)
+            embeds = inject_memories(model.get_input_embeddings()(ids), ids, tokens.memory_pad, values)
+            logp = head_logits(model, head, backbone(inputs_embeds=embeds).last_hidden_state[0]).log_softmax(-1)
+            start = len(prompt) + len(values) + 1  # the </recall> position predicts the first answer token
+            hits = []
+            for j in value_tokens(tokenizer, fact.answer, fact.value):
+                nll -= float(logp[start + j, answer[j]])
+                hits.append(int(logp[start + j].argmax()) == answer[j])
+            count += len(hits)
+            exact += bool(hits) and all(hits)
+        out["wrong" if wrong else "right"] = nll / max(count, 1)
+        if not wrong:
+            out["exact"] = exact / len(facts)
+    return out
 
 
 @torch.no_grad()
-def quick_eval(model, tokenizer, tokens, encoder: MemoryEncoder, n: int, seed: int) -> dict[str, float]:
-    """Held-out facts: retrieval@1 of the <recall> query among their n memories, p(<recall>)
-    after fact questions vs ordinary prompts, and the value tokens' NLL with the right memory vs a
-    wrong one (evaluation entities and templates are never trained on)."""
+def quick_eval(model, tokenizer, tokens, encoder: MemoryEncoder, n: int, seed: int,
+               kinds: tuple[str, ...] = ("tokens", "mean")) -> dict[str, float]:
+    """Held-out facts (entities and templates never trained on): p(<recall>) after fact questions vs
+    ordinary prompts, and for each value kind in `kinds` how well 32 of them are read (`value_reading`)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     backbone, head = backbone_and_head(model)
     facts = make_facts(n, "eval", seed)
-    memories = encoder.encode_texts(model, tokenizer, [f.text for f in facts], batch_size=16, progress=False)
-    queries, p_fact = [], []
-    for f in facts:
-        ids = torch.tensor([prompt_ids(tokenizer, f.questions[0]) + [tokens.recall]], device=device)
-        h = backbone(input_ids=ids).last_hidden_state[0]  # [S, H]
-        queries.append(h[-1].float().cpu())
-        p_fact.append(float(head_logits(model, head, h[-2]).softmax(-1)[tokens.recall]))
-    p_chat = []
-    for prompt in chat_prompts(n, "eval", seed):
-        ids = torch.tensor([prompt_ids(tokenizer, prompt)], device=device)
-        h = backbone(input_ids=ids).last_hidden_state[0, -1]
-        p_chat.append(float(head_logits(model, head, h).softmax(-1)[tokens.recall]))
-    sims = F.normalize(torch.stack(queries), dim=-1) @ F.normalize(memories, dim=-1).T  # [n, n]
-    out = {"eval_retrieval@1": float((sims.argmax(-1) == torch.arange(n)).float().mean()),
-           "eval_p_recall_fact": sum(p_fact) / n, "eval_p_recall_chat": sum(p_chat) / len(p_chat),
-           "eval_value_nll": value_nll(model, tokenizer, tokens, encoder, facts[:32], shuffle=False),
-           "eval_value_nll_wrong": value_nll(model, tokenizer, tokens, encoder, facts[:32], shuffle=True)}
+    p = {}
+    for name, prompts in (("fact", [f.questions[0] for f in facts]), ("chat", chat_prompts(n, "eval", seed))):
+        probs = []
+        for prompt in prompts:
+            h = backbone(input_ids=torch.tensor([prompt_ids(tokenizer, prompt)], device=device)).last_hidden_state[0, -1]
+            probs.append(float(head_logits(model, head, h).softmax(-1)[tokens.recall]))
+        p[name] = sum(probs) / len(probs)
+    out = {"eval_p_recall_fact": p["fact"], "eval_p_recall_chat": p["chat"]}
+    for kind in kinds:
+        reading = value_reading(model, tokenizer, tokens, encoder, facts[:32], kind)
+        out.update({f"eval_{kind}_nll": reading["right"], f"eval_{kind}_nll_wrong": reading["wrong"],
+                    f"eval_{kind}_exact": reading["exact"]})
     model.train(was_training)
     return out
 
 
-def train(lm, recipe: Recipe, out: Path, log_every: int = 10):
+def train(lm, recipe: Recipe, out: Path, log_every: int = 10, keys: TextEncoder | None = None):
     """Train on `lm` (a loaded model with the recall tokens, no adapter); write the adapter to `out`.
 
-    Returns (the PEFT model, wrapping `lm.model` in place, and the trained memory encoder)."""
+    Returns (the PEFT model, wrapping `lm.model` in place, and the trained memory encoder, whose keys come
+    from `keys`, the shipped key encoder by default)."""
     from peft import LoraConfig, get_peft_model
 
     random.seed(recipe.seed)
@@ -244,65 +248,52 @@ def train(lm, recipe: Recipe, out: Path, log_every: int = 10):
                         target_modules=list(recipe.lora_targets),
                         trainable_token_indices=[tokens.recall, tokens.recall_end, tokens.memory_pad])
     model = get_peft_model(lm.model, config)
-    hidden = lm.hidden_size
     embedding_norm = float(lm.model.get_input_embeddings().weight.detach().norm(dim=-1).mean())
-    projector = MemoryProjector(hidden, recipe.projector_inner, embedding_norm).to(lm.device)
-    spec = HiddenStateSpec(recipe.encoder_layer, recipe.encoder_pooling)
-    with torch.no_grad():  # per-dimension standardisation, from facts of the training split
-        sample = MemoryEncoder(spec).encode_texts(model, tok, [f.text for f in make_facts(512, "train", recipe.seed + 1)],
-                                                  batch_size=32, progress=False)
-    encoder = MemoryEncoder(spec, projector, center=sample.mean(0).to(lm.device),
-                            scale=sample.std(0).clamp_min(1e-3).to(lm.device))
-    model.train()  # (before the first encoder call, whose hook must see the trained model)
+    projector = MemoryProjector(lm.hidden_size, recipe.projector_inner, embedding_norm).to(lm.device)
+    encoder = MemoryEncoder("tokens", keys or TextEncoder(), projector=projector, name=f"recall-smollm2-s{recipe.seed}",
+                            placement="answer", close="</recall>")
     params = [p for p in model.parameters() if p.requires_grad] + list(projector.parameters())
-    optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([{"params": params[:-len(list(projector.parameters()))], "scale": 1.0},
+                                   {"params": list(projector.parameters()), "scale": recipe.projector_lr / recipe.lr}],
+                                  lr=recipe.lr, weight_decay=0.0)
     model.train()
 
     stream = batches(tok, tokens, replies, recipe.facts_per_batch, recipe.chats_per_batch, recipe.seed,
-                     recipe.repeats_per_batch, recipe.history)
-    queue: deque[torch.Tensor] = deque(maxlen=max(1, recipe.queue // recipe.facts_per_batch))
-    log_path = out / "training_log.csv"
+                     recipe.repeats_per_batch, recipe.history, list(zip(recipe.values, recipe.value_weights)))
+    evaluate = lambda: {k: round(v, 4) for k, v in  # noqa: E731
+                        quick_eval(model, tok, tokens, encoder, recipe.eval_facts, recipe.seed).items()}
     started = time.perf_counter()
-    with open(log_path, "w", newline="") as fh:
+    with open(out / "training_log.csv", "w", newline="") as fh:
         writer = None
-        if recipe.eval_every:  # step 0: the held-out measures before any update, the baseline of the curve
-            before = {k: round(v, 4) for k, v in
-                      quick_eval(model, tok, tokens, encoder, recipe.eval_facts, recipe.seed).items()}
+        before = evaluate() if recipe.eval_every else {}  # step 0: the held-out measures before any update
         bar = tqdm(range(recipe.steps), desc="training", unit="step")
         for step in bar:
             batch, _ = next(stream)
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, recipe)
-            extra = torch.cat(list(queue)) if queue and recipe.queue else None
-            losses, memories = step_losses(model, encoder, batch, tokens.memory_pad, recipe, extra)
+                group["lr"] = lr_at(step, recipe) * group["scale"]
+            losses = step_losses(model, encoder, batch, tokens.memory_pad, recipe)
             optimizer.zero_grad(set_to_none=True)
             losses["loss"].backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
-            queue.append(memories)
             row = {"step": step + 1, "seconds": round(time.perf_counter() - started, 1), "lr": lr_at(step, recipe),
                    **{k: round(float(v.detach()), 4) for k, v in losses.items()}}
             if recipe.eval_every and ((step + 1) % recipe.eval_every == 0 or step + 1 == recipe.steps):
-                row.update({k: round(v, 4) for k, v in
-                            quick_eval(model, tok, tokens, encoder, recipe.eval_facts, recipe.seed).items()})
+                row.update(evaluate())
+                tqdm.write(f"step {step + 1}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k.startswith("eval")))
             if writer is None:
-                fields = list(row) + ["eval_retrieval@1", "eval_p_recall_fact", "eval_p_recall_chat",
-                                      "eval_value_nll", "eval_value_nll_wrong"]
-                writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(fields)))
+                writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys([*row, *before])))
                 writer.writeheader()
-                if recipe.eval_every:
+                if before:
                     writer.writerow({"step": 0, "seconds": 0.0, **before})
             writer.writerow(row)
             fh.flush()
             if (step + 1) % log_every == 0:
-                bar.set_postfix(loss=f"{row['loss']:.3f}", ans=f"{row['answer']:.3f}", nce=f"{row['nce']:.3f}",
-                                dec=f"{row['decision']:.3f}")
-            if "eval_retrieval@1" in row:
-                tqdm.write(f"step {step + 1}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k.startswith("eval")))
+                bar.set_postfix(loss=f"{row['loss']:.3f}", ans=f"{row['answer']:.3f}", dec=f"{row['decision']:.3f}",
+                                kl=f"{row['reply']:.3f}")
     minutes = (time.perf_counter() - started) / 60
     model.eval()
     projector.eval().requires_grad_(False)
-    encoder = MemoryEncoder(encoder.spec, projector, f"recall-smollm2-s{recipe.seed}", encoder.center, encoder.scale)
     model.save_pretrained(out, save_embedding_layers=False)  # the new rows are saved as trainable tokens
     encoder.save(out)
     (out / "recipe.json").write_text(json.dumps({**dataclasses.asdict(recipe), "train_minutes": round(minutes, 1),
@@ -311,15 +302,20 @@ def train(lm, recipe: Recipe, out: Path, log_every: int = 10):
     return model, encoder
 
 
-def parse_recipe(items: list[str]) -> Recipe:
-    fields = {f.name for f in dataclasses.fields(Recipe)}
+def parse_fields(cls, items: list[str]):
+    """A recipe dataclass `cls` with `--set KEY=VALUE` items (YAML values) over its defaults."""
+    fields = {f.name for f in dataclasses.fields(cls)}
     values = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or key not in fields:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(fields))}")
         values[key] = yaml.safe_load(raw)
-    return Recipe(**values)
+    return cls(**values)
+
+
+def parse_recipe(items: list[str]) -> Recipe:
+    return parse_fields(Recipe, items)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -362,7 +362,7 @@ def test_recall_first_injects_a_memory_and_the_view_matches_the_stored_answer(se
     assert answer_segments(s.conv, 1) == view.segments
     assert inline_text(view.segments).startswith(f"`⟨memory #{view.recalls[0].memory_index} · ")
     table = recall_table(s.conv)
-    assert list(table.columns) == ["turn", "position", "score", "memory", "text"]
+    assert list(table.columns) == ["turn", "position", "slots", "score", "memory", "text"]
     assert table.iloc[0]["memory"] == view.recalls[0].memory_index and table.iloc[0]["text"]
 
 

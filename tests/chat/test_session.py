@@ -164,3 +164,93 @@ def test_a_mixture_answer_drafts_with_the_configured_head(smollm2_dir, tmp_path)
     with pytest.raises(ValueError, match="names no folder"):
         run(Conversation(lm), "Hello", settings=GenerationSettings(
             max_new_tokens=2, mixture=MixtureSettings(enabled=True, speculative=True, draft="head")))
+
+
+# --------------------------------------------------------------------------- key/value memories
+
+
+@pytest.fixture(scope="module")
+def text_keys():
+    from models.text_keys import TextEncoder
+    return TextEncoder(adapter=None)
+
+
+def kv_model(lm, text_keys, placement: str):
+    """`lm` writing `tokens` memories with text keys: as a model never trained (placement user) or as one
+    trained to read them between <recall> and </recall> at the start of its answer (placement answer)."""
+    import dataclasses
+    from models.encoder import MemoryEncoder
+    encoder = MemoryEncoder("tokens", text_keys, name="tiny", placement=placement,
+                            close="</recall>" if placement == "answer" else None)
+    return dataclasses.replace(lm, encoder=encoder)
+
+
+FACTS = ["Mira Castellan is the lighthouse keeper of Port Avel.", "The ferry to Lune Island leaves at seven.",
+         "The baker of Port Avel is called Tomas."]
+
+
+def kv_bank(lm):
+    from models import build_bank
+    return build_bank(lm.model, lm.tokenizer, FACTS, lm.encoder, progress=False)
+
+
+def test_a_model_never_trained_reads_the_memory_at_the_end_of_the_message(tiny_llama, text_keys, tmp_path):
+    lm = kv_model(tiny_llama, text_keys, "user")
+    bank = kv_bank(lm)
+    conv = Conversation(lm)
+    events = run(conv, "Who keeps the lighthouse?", settings=GREEDY, recall=RecallSettings(), memory_db=bank,
+                 recall_first=True)
+    (recall,) = [e for e in events if isinstance(e, RecallEvent)]
+    assert events[0] == recall and recall.memory_index == 0  # read before the answer: the message is the query
+    answer = conv.messages[-1]
+    p, k = recall.position, recall.length
+    assert k == len(lm.tokenizer(FACTS[0], add_special_tokens=False).input_ids) and p + k < answer.start
+    assert conv.ids[p - 1] == lm.tokens.recall and conv.ids[p:p + k] == [lm.tokens.memory_pad] * k
+    assert lm.tokenizer.decode(conv.ids[p + k:answer.start]).startswith("<|im_end|>")  # the message ends after it
+    torch.testing.assert_close(torch.stack([conv.memory[p + i] for i in range(k)]), bank.values(0))
+    assert answer.recalls == [recall] and lm.tokens.recall not in conv.ids[answer.start:]
+    # the file keeps the span; another conversation continues it exactly
+    path = tmp_path / "c.json"
+    path.write_text(conv.to_json())
+    again = Conversation(lm)
+    again.load_json(path.read_text(), tmp_path)
+    assert again.ids == conv.ids and again.messages[-1].recalls == [recall] and sorted(again.memory) == sorted(conv.memory)
+    run(again, "And the ferry?", settings=GREEDY, memory_db=bank, recall_first=True)
+    second = again.messages[-1].recalls[0]
+    assert second.memory_index == 1 and again.ids[second.position - 1] == lm.tokens.recall
+    # dropping the first turn moves the second turn's memory with it
+    again.drop_oldest_turn()
+    kept = again.messages[-1].recalls[0]
+    assert kept.length == second.length and again.ids[kept.position:kept.position + kept.length] == \
+        [lm.tokens.memory_pad] * kept.length
+    torch.testing.assert_close(again.memory[kept.position], bank.values(1)[0])
+    path.write_text(again.to_json())
+    Conversation(lm).load_json(path.read_text(), tmp_path)  # still a valid file
+
+
+def test_a_trained_model_reads_the_memory_between_recall_and_its_close(tiny_llama, text_keys):
+    lm = kv_model(tiny_llama, text_keys, "answer")
+    bank = kv_bank(lm)
+    conv = Conversation(lm)
+    run(conv, "When does the ferry leave?", settings=GREEDY, recall=RecallSettings(), memory_db=bank,
+        recall_first=True)
+    answer = conv.messages[-1]
+    recall = answer.recalls[0]
+    p, k = recall.position, recall.length
+    assert recall.memory_index == 1 and p == answer.start  # <recall> ends the prompt, the slots start the answer
+    assert conv.ids[p - 1] == lm.tokens.recall and conv.ids[p:p + k] == [lm.tokens.memory_pad] * k
+    assert conv.ids[p + k] == lm.tokens.recall_end
+    torch.testing.assert_close(torch.stack([conv.memory[p + i] for i in range(k)]), bank.values(1))
+
+
+def test_a_conversation_file_from_before_key_value_memories_loads(tiny_llama, bank, tmp_path):
+    conv = Conversation(tiny_llama)
+    run(conv, "Who am I?", settings=GREEDY, recall=RecallSettings(), memory_db=bank, recall_first=True)
+    import json
+    data = json.loads(conv.to_json())
+    for m in data["messages"]:
+        for r in m["recalls"]:
+            del r["length"]  # files written before had no length: one slot
+    again = Conversation(tiny_llama)
+    again.load_json(json.dumps(data), tmp_path)
+    assert again.messages[-1].recalls == conv.messages[-1].recalls and again.ids == conv.ids

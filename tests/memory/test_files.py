@@ -282,3 +282,96 @@ def test_unknown_extension_and_missing_file(tmp_path):
         labelled_db().save(tmp_path / "bank.json")
     with pytest.raises(FileNotFoundError):
         MemoryVectorDB.load(tmp_path / "missing.pt")
+
+
+# --------------------------------------------------------------------------- key/value memories
+
+
+def kv_db(dtype: str = "float16") -> MemoryVectorDB:
+    """Five memories with 8-d keys and 1..5 value slots of dimension 6."""
+    rng = np.random.default_rng(4)
+    db = MemoryVectorDB(8, value_dim=6, value_dtype=dtype)
+    db.add(vectors(5), [f"memory {i}" for i in range(5)],
+           values=[rng.standard_normal((k, 6)).astype(np.float32) for k in (1, 2, 3, 4, 5)])
+    db.info = {"values": "tokens", "keys": "a text encoder"}
+    return db
+
+
+@pytest.mark.parametrize("ext", [".pt", ".safetensors"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_key_value_round_trip_keeps_keys_values_and_their_dtype(tmp_path, ext, dtype):
+    db = kv_db(dtype)
+    db.remove([1])  # compacted: the other memories keep their values
+    db.save(tmp_path / f"kv{ext}")
+    back = MemoryVectorDB.load(tmp_path / f"kv{ext}", expected_dim=6, expected_key_dim=8, max_slots=5)
+    assert back.has_values and back.value_dim == 6 and back.info == db.info and len(back) == 4
+    assert [e["slots"] for e in back.entries(0, 4)] == [1, 3, 4, 5]
+    for new, old in enumerate((0, 2, 3, 4)):
+        assert torch.equal(back.values(new), db.values(old)) and torch.equal(back.vector(new), db.vector(old))
+        assert back.memory(new, 0.5).slots == len(db.values(old))
+    per_memory = 2 * 4 * 8 + (1 + 3 + 4 + 5) * 6 * (2 if dtype == "float16" else 4) / 4
+    assert back.bytes_per_memory() == pytest.approx(per_memory)
+
+
+def test_a_bank_without_values_loads_as_key_equals_value_one_slot(tmp_path):
+    db = labelled_db()
+    db.save(tmp_path / "old.pt")
+    back = MemoryVectorDB.load(tmp_path / "old.pt", expected_dim=8, max_slots=1)
+    assert not back.has_values and back.value_dim == 8
+    assert torch.equal(back.values(2), back.vector(2)[None]) and back.entries(0, 1)[0]["slots"] == 1
+
+
+def test_values_cannot_go_to_npy(tmp_path):
+    with pytest.raises(BankError, match="a .npy bank holds keys only.*save as .pt or .safetensors"):
+        kv_db().save(tmp_path / "kv.npy")
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def kv_file(tmp_path, ext=".pt", **change):
+    """A key/value bank file whose tensors are replaced by `change`."""
+    db = kv_db()
+    tensors = {"embeddings": torch.from_numpy(vectors(5)), "values": torch.from_numpy(db._snap.values.copy()),
+               "value_offsets": torch.from_numpy(db._snap.offsets.copy())}
+    tensors.update(change)
+    path = tmp_path / f"bad{ext}"
+    if ext == ".pt":
+        torch.save({k: v for k, v in tensors.items() if v is not None}, path)
+    else:
+        safetensors.torch.save_file({k: v for k, v in tensors.items() if v is not None}, str(path))
+    return path
+
+
+@pytest.mark.parametrize("ext", [".pt", ".safetensors"])
+@pytest.mark.parametrize("change, message", [
+    ({"value_offsets": torch.tensor([0, 1, 3, 6, 10, 99])}, "offsets from 0 to 15 .* got 0 to 99"),
+    ({"value_offsets": torch.tensor([0, 3, 1, 6, 10, 15])}, "strictly increasing .* rows 1"),
+    ({"value_offsets": torch.tensor([0, 1, 3, 6, 15])}, "expected 6 value offsets .* got 5"),
+    ({"value_offsets": torch.tensor([0.0, 1, 3, 6, 10, 15])}, "1-D integer array"),
+    ({"value_offsets": None}, "'values' and 'value_offsets' together, got only values"),
+    ({"values": torch.full((15, 6), float("nan"))}, "finite values, got NaN/inf in the values of memories 0, 1, 2, 3, 4"),
+    ({"values": torch.zeros(15, 7)}, "value vectors of dimension 6, got dimension 7"),
+    ({"embeddings": torch.zeros(5, 9) + 1}, "dimension 8, got dimension 9"),
+])
+def test_bad_key_value_files_are_refused_by_name(tmp_path, ext, change, message):
+    path = kv_file(tmp_path, ext, **change)
+    with pytest.raises(BankError, match=message):
+        MemoryVectorDB.load(path, expected_dim=6, expected_key_dim=8)
+
+
+def test_too_many_slots_are_refused_with_the_cap(tmp_path):
+    kv_db().save(tmp_path / "kv.pt")
+    with pytest.raises(BankError, match=r"at most 4 value slots per memory \(memory.max_slots\), got 5 at rows 4"):
+        MemoryVectorDB.load(tmp_path / "kv.pt", max_slots=4)
+
+
+def test_add_checks_values():
+    db = MemoryVectorDB(8, value_dim=6)
+    with pytest.raises(BankError, match="expected values for every memory"):
+        db.add(vectors(2))
+    with pytest.raises(BankError, match="expected 2 value arrays"):
+        db.add(vectors(2), values=[np.ones((1, 6))])
+    with pytest.raises(BankError, match="value vectors of dimension 6, got dimension 5"):
+        db.add(vectors(2), values=[np.ones((1, 5)), np.ones((2, 5))])
+    with pytest.raises(BankError, match="expected no values"):
+        MemoryVectorDB(8).add(vectors(1), values=[np.ones((1, 8))])
+    assert len(db) == 0  # nothing half-added

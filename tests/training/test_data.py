@@ -2,30 +2,37 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from training.data import IGNORE, REPEAT, batches, negative, positive, prompt_ids
+from training.data import IGNORE, REPEAT, batches, negative, positive, prompt_ids, slots
 from training.facts import make_facts
 
 
-def test_a_positive_learns_to_recall_then_reads_the_answer(tiny_llama):
+@pytest.mark.parametrize("kind", ["tokens", "chunks:4", "mean"])
+def test_a_positive_learns_to_recall_then_reads_the_answer(tiny_llama, kind):
     lm = tiny_llama
     tok, tokens = lm.tokenizer, lm.tokens
     fact = make_facts(1, "train", 0)[0]
-    e = positive(tok, tokens, fact, fact.questions[1])
+    e = positive(tok, tokens, fact, fact.questions[1], kind)
     prompt = prompt_ids(tok, fact.questions[1])
-    assert e.ids[:len(prompt)] == prompt and e.ids[len(prompt):len(prompt) + 2] == [tokens.recall, tokens.memory_pad]
-    assert tok.decode(e.ids[len(prompt) + 2:], skip_special_tokens=True) == fact.answer
-    assert e.ids[-1] == tok.eos_token_id
-    assert e.decision == len(prompt) - 1 and e.labels[e.decision] == tokens.recall
-    assert e.recall_at == len(prompt) and e.labels[e.recall_at] == IGNORE  # the loop forces <|memory_pad|>
-    assert e.labels[e.recall_at + 1:-1] == e.ids[e.recall_at + 2:]  # each position predicts the next token
+    k = slots(kind, len(e.fact_ids))
+    assert k == {"tokens": len(e.fact_ids), "chunks:4": -(-len(e.fact_ids) // 4), "mean": 1}[kind]
+    p = len(prompt)
+    assert e.ids[:p] == prompt and e.ids[p:p + k + 2] == [tokens.recall] + [tokens.memory_pad] * k + [tokens.recall_end]
+    assert tok.decode(e.ids[p + k + 2:], skip_special_tokens=True) == fact.answer
+    assert e.ids[-1] == tok.eos_token_id and e.kind == kind
+    assert e.decision == p - 1 and e.labels[e.decision] == tokens.recall
+    assert e.recall_at == p and all(label == IGNORE for label in e.labels[p:p + k + 1])  # the loop forces these
+    assert e.labels[p + k + 1:-1] == e.ids[p + k + 2:]  # from </recall> on each position predicts the next token
     assert all(label == IGNORE for label in e.labels[:e.decision])
     assert tok.decode(e.fact_ids) == fact.text
+    assert [tok.decode([e.labels[i]]).strip() for i in e.value_at] and \
+        fact.value.lower().startswith(tok.decode([e.labels[e.value_at[0]]]).strip().lower())
     # the chat template is the one the app uses: the prompt ends with the generation prompt
     assert tok.decode(prompt).endswith("<|im_start|>assistant\n")
-    repeat = positive(tok, tokens, fact, "", repeat=True)
-    assert tok.decode(repeat.ids[repeat.recall_at + 2:], skip_special_tokens=True) == fact.text
+    repeat = positive(tok, tokens, fact, "", kind, repeat=True)
+    assert tok.decode(repeat.ids[repeat.recall_at + k + 2:], skip_special_tokens=True) == fact.text
     assert REPEAT in tok.decode(repeat.ids)
 
 
@@ -41,18 +48,18 @@ def test_batches_put_questions_repeats_then_negatives(tiny_llama):
     lm = tiny_llama
     tok = lm.tokenizer
     replies = {p: tok(p.upper(), add_special_tokens=False)["input_ids"] for p in ("Hi!", "Thanks.", "Why?")}
-    batch, facts = next(batches(tok, lm.tokens, replies, 4, 2, seed=0, repeats_per_batch=1))
+    kinds = [("tokens", 1.0), ("mean", 1.0)]
+    batch, facts = next(batches(tok, lm.tokens, replies, 4, 2, seed=0, repeats_per_batch=1, kinds=kinds))
     assert batch.input_ids.shape[0] == 4 + 1 + 2 == len(batch.decision)
-    assert batch.recall_rows.tolist() == [0, 1, 2, 3] and batch.memory_rows.tolist() == [0, 1, 2, 3, 4]
-    assert batch.memory_of.tolist() == [0, 1, 2, 3, 0]  # the repeat reads the first fact's memory
-    assert (batch.input_ids == lm.tokens.memory_pad).sum() == 5
-    assert batch.fact_ids.shape[0] == 4 and batch.question_ids.shape[0] == 4
-    for row, fact in enumerate(facts):
-        n = int(batch.fact_mask[row].sum())
-        assert tok.decode(batch.fact_ids[row, :n]) == fact.text
-        assert int(batch.input_ids[row, batch.recall_at[row]]) == lm.tokens.recall
+    assert len(batch.memories) == 5  # the four questions', then the repeat's (of the first fact)
+    assert [tok.decode(ids) for ids, _ in batch.memories] == [f.text for f in facts] + [facts[0].text]
+    assert {kind for _, kind in batch.memories} <= {"tokens", "mean"}
+    assert (batch.input_ids == lm.tokens.memory_pad).sum() == sum(slots(k, len(i)) for i, k in batch.memories)
+    for row in range(5):
+        assert (batch.input_ids[row] == lm.tokens.recall).sum() == 1 and (batch.input_ids[row] == lm.tokens.recall_end).sum() == 1
+    assert (batch.input_ids[5:] == lm.tokens.memory_pad).sum() == 0
     assert len({f.questions[0] for f in facts}) == 4
-    again, _ = next(batches(tok, lm.tokens, replies, 4, 2, seed=0, repeats_per_batch=1))
+    again, _ = next(batches(tok, lm.tokens, replies, 4, 2, seed=0, repeats_per_batch=1, kinds=kinds))
     assert torch.equal(again.input_ids, batch.input_ids)  # seeded
 
 

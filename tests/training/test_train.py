@@ -10,11 +10,12 @@ import torch
 from memory import MemoryVectorDB
 from memory.validate import BankError
 from models import MemoryEncoder, load_model
+from models.encoder import ValueKind
+from models.text_keys import TextEncoder
 from training.train import Recipe, train
 
 TINY = dict(steps=80, facts_per_batch=6, chats_per_batch=2, repeats_per_batch=1, chat_prompts=6, reply_tokens=4,
-            lr=3e-2, warmup=5, lora_r=8, lora_alpha=16, encoder_layer=1, projector_inner=32, queue=12,
-            eval_every=40, eval_facts=8)
+            lr=3e-2, warmup=5, lora_r=8, lora_alpha=16, projector_inner=32, eval_every=40, eval_facts=8)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def trained(tmp_path_factory, smollm2_dir):
     torch.manual_seed(0)
     lm = load_model(folder, adapter=None, device="cpu")
     out = tmp_path_factory.mktemp("adapter")
-    model, encoder = train(lm, Recipe(**TINY), out)
+    model, encoder = train(lm, Recipe(**TINY), out, keys=TextEncoder(adapter=None))
     return folder, out, model, encoder, lm
 
 
@@ -50,7 +51,7 @@ def test_training_lowers_the_loss_and_logs_it(trained):
     assert float(before["eval_p_recall_fact"]) < 0.01
     assert float(steps[-1]["eval_p_recall_fact"]) > 0.1  # it learned to say <recall> (held-out questions)
     # (a random tiny model cannot learn its 49k-token answers in 80 steps; SmolLM2's run is in the README)
-    assert steps[39]["eval_retrieval@1"] != "" and steps[38]["eval_retrieval@1"] == ""
+    assert steps[39]["eval_tokens_exact"] != "" and steps[38]["eval_tokens_exact"] == ""
 
 
 def test_the_adapter_loads_back_with_its_encoder(trained, tmp_path):
@@ -58,33 +59,37 @@ def test_the_adapter_loads_back_with_its_encoder(trained, tmp_path):
     assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors",
                                                "memory_encoder.json", "memory_projector.safetensors",
                                                "training_log.csv", "recipe.json"}
-    loaded = load_model(folder, adapter=out, device="cpu")
-    assert loaded.recall_trained and loaded.encoder.spec == encoder.spec
-    assert loaded.encoder.name.startswith(encoder.name + "@")
+    loaded = load_model(folder, adapter=out, device="cpu", keys=None)
+    assert loaded.recall_trained and str(loaded.encoder.values) == "tokens" and loaded.encoder.close == "</recall>"
+    assert loaded.encoder.base_name.startswith(encoder.base_name + "@") and loaded.encoder.placement == "answer"
     ids = torch.tensor([[1, 2, 3, lm.tokens.recall, lm.tokens.memory_pad]])
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(input_ids=ids).logits, model(input_ids=ids).logits)
         texts = ["Mira keeps the lighthouse.", "The ferry leaves at seven."]
-        torch.testing.assert_close(loaded.encoder.encode_texts(loaded.model, loaded.tokenizer, texts, progress=False),
-                                   encoder.encode_texts(model, lm.tokenizer, texts, progress=False),
-                                   rtol=1e-4, atol=1e-3)  # loaded merged: fp32 rounding, amplified by standardising
+        (k1, v1), (k2, v2) = (e.encode(m, lm.tokenizer, texts, progress=False)
+                              for e, m in ((loaded.encoder, loaded.model), (encoder, model)))
+        torch.testing.assert_close(k1, k2)
+        for a, b in zip(v1, v2):
+            torch.testing.assert_close(a, b)
         vec = torch.randn(2, loaded.hidden_size)
-        torch.testing.assert_close(loaded.encoder.embedding(vec), encoder.embedding(vec))
+        for kind in (ValueKind("mean"), ValueKind("chunks", 2)):  # the projector came back
+            torch.testing.assert_close(loaded.encoder.embedding(vec, kind), encoder.embedding(vec, kind))
+        assert torch.equal(loaded.encoder.embedding(vec, ValueKind("tokens")), vec)  # tokens are input embeddings
 
 
 def test_a_bank_from_another_encoder_is_refused(trained, tmp_path):
     folder, out, *_ = trained
-    loaded = load_model(folder, adapter=out, device="cpu")
+    loaded = load_model(folder, adapter=out, device="cpu", keys=None)
     from models import build_bank
 
     db = build_bank(loaded.model, loaded.tokenizer, ["a fact"], loaded.encoder, progress=False)
     db.save(tmp_path / "mine.pt")
     assert len(MemoryVectorDB.load(tmp_path / "mine.pt", expected_encoder=loaded.encoder.name)) == 1
-    plain = load_model(folder, adapter=None, device="cpu")
+    plain = load_model(folder, adapter=None, device="cpu", keys=None)
     with pytest.raises(BankError, match="written by .*rebuild it from its texts"):
         MemoryVectorDB.load(tmp_path / "mine.pt", expected_encoder=plain.encoder.name)
     other = build_bank(plain.model, plain.tokenizer, ["a fact"], plain.encoder, progress=False)
     other.save(tmp_path / "plain.pt")
     with pytest.raises(BankError, match=f"expected memories written by this model's encoder '{loaded.encoder.name}'"):
         MemoryVectorDB.load(tmp_path / "plain.pt", expected_encoder=loaded.encoder.name)
-    assert isinstance(plain.encoder, MemoryEncoder) and not plain.recall_trained
+    assert isinstance(plain.encoder, MemoryEncoder) and not plain.recall_trained and plain.encoder.placement == "user"
