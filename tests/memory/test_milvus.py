@@ -1,0 +1,107 @@
+"""The bank in Milvus (real milvus-lite): same search as FAISS, values whole, persistent, errors named."""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("pymilvus")
+
+from memory import BankError, MemoryVectorDB  # noqa: E402
+from memory.milvus import MilvusBank, StoreError, load_into  # noqa: E402
+
+
+@pytest.fixture
+def uri(tmp_path):
+    return str(tmp_path / "bank.db")
+
+
+def test_topk_matches_faiss_exact_search_over_10k(uri):
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((10_000, 384)).astype(np.float32)
+    store = MilvusBank.open(uri, "m", dim=384)
+    ids = store.add(keys, [f"fact {i}" for i in range(len(keys))])
+    assert len(store) == 10_000
+    unit = keys / np.linalg.norm(keys, axis=1, keepdims=True)
+    flat = faiss.IndexFlatIP(384)
+    flat.add(unit)
+    queries = rng.standard_normal((5, 384)).astype(np.float32)
+    want_scores, want_rows = flat.search(queries / np.linalg.norm(queries, axis=1, keepdims=True), 10)
+    for q, ws, wr in zip(queries, want_scores, want_rows):
+        scores, got = store.topk(torch.from_numpy(q), 10)
+        assert got.tolist() == [ids[r] for r in wr]
+        np.testing.assert_allclose(scores.numpy(), ws, atol=1e-5)
+    assert store.text(ids[7]) == "fact 7"
+
+
+def test_values_read_back_as_the_file_bank_holds_them(uri):
+    rng = np.random.default_rng(1)
+    keys = torch.from_numpy(rng.standard_normal((4, 16)).astype(np.float32))
+    values = [torch.from_numpy(rng.standard_normal((k, 8)).astype(np.float32)) for k in (1, 3, 2, 5)]
+    db = MemoryVectorDB(16, value_dim=8, value_dtype="float16")
+    db.add(keys, ["a", "b", "c", "d"], [None, {"tag": 1}, None, None], values)
+    db.info = {"encoder": "enc-1", "values": "tokens"}
+    store = load_into(db, uri, "kv")
+    assert store.has_values and store.value_dim == 8 and store.dim == 16 and len(store) == 4
+    ids = [e["index"] for e in store.entries(0, 10)]
+    assert [e["slots"] for e in store.entries(0, 10)] == [1, 3, 2, 5]
+    for row, i in enumerate(ids):
+        assert torch.equal(store.values(i), db.values(row))  # float16 numbers, exactly
+    scores, got = store.topk(keys[2], 1)
+    memory = store.memory(int(got[0]), float(scores[0]))
+    assert memory.text == "c" and memory.slots == 2 and store.metadata(ids[1]) == {"tag": 1}
+    assert store.remove([ids[0], ids[3]]) == 2
+    with pytest.raises(KeyError, match="not in the bank"):
+        store.remove([ids[0]])
+    back = store.to_bank()
+    assert back.info == {"encoder": "enc-1", "values": "tokens"} and len(back) == 2
+    assert torch.equal(back.values(1), db.values(2))
+
+
+def test_a_memory_written_by_one_client_is_found_by_another_and_survives_a_restart(uri):
+    from milvus_lite.server_manager import server_manager_instance
+
+    first = MilvusBank.open(uri, "shared", dim=8)
+    shared_uri = server_manager_instance.start_and_get_uri(uri)  # what a second process connects to
+    second = MilvusBank.open(shared_uri, "shared")
+    (i,) = first.add(torch.eye(8)[3:4], ["written by the first"])
+    scores, ids = second.topk(torch.eye(8)[3], 1)
+    assert ids.tolist() == [i] and second.text(i) == "written by the first"
+    first.close()
+    second.close()
+    server_manager_instance.release_server(uri)  # the app stops
+    again = MilvusBank.open(uri, "shared")
+    assert len(again) == 1 and again.text(i) == "written by the first"
+
+
+def test_missing_and_unreachable_stores_are_named(uri):
+    with pytest.raises(StoreError, match="expected a collection, found none"):
+        MilvusBank.open(uri, "nothing-here")
+    with pytest.raises(StoreError, match=r"memory.milvus_uri='http://127.0.0.1:9'.*unreachable"):
+        MilvusBank.open("http://127.0.0.1:9", "m")
+
+
+def test_a_store_that_goes_away_later_fails_the_call_with_a_named_error(uri):
+    from milvus_lite.server_manager import server_manager_instance
+
+    MilvusBank.open(uri, "m", dim=8).add(torch.eye(8), None)
+    remote = MilvusBank.open(server_manager_instance.start_and_get_uri(uri), "m")
+    server_manager_instance.release_server(uri)
+    with pytest.raises(StoreError, match="memory.milvus_uri='http://127.0.0.1:.*failed to search"):
+        remote.topk(torch.eye(8)[0], 1)
+
+
+def test_checks_as_for_files(uri):
+    store = MilvusBank.open(uri, "m", dim=8, value_dim=4, info={"encoder": "enc-1"})
+    with pytest.raises(BankError, match="expected values for every memory"):
+        store.add(torch.randn(2, 8))
+    with pytest.raises(BankError, match="dimension 8"):
+        store.add(torch.randn(2, 5), values=[torch.randn(1, 4)] * 2)
+    with pytest.raises(BankError, match="written by 'enc-1'"):
+        MilvusBank.open(uri, "m", expected_encoder="enc-2")
+    with pytest.raises(BankError, match="dimension 6"):
+        MilvusBank.open(uri, "m", expected_dim=6)
+    with pytest.raises(StoreError, match="already has a collection"):
+        load_into(MemoryVectorDB(8), uri, "m")
