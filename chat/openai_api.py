@@ -198,7 +198,7 @@ class OpenAIRoutes:
         """The answer's events; a disconnected client stops it; the session is freed at the end."""
         req = turn.request
         try:
-            while (event := await self.service.worker.next_event(req, 0.5)) is not END:
+            while (event := await self.service.next_event(req, 0.5)) is not END:
                 if event is None:
                     if await request.is_disconnected():
                         return
@@ -206,7 +206,7 @@ class OpenAIRoutes:
                 yield event
         finally:
             if not req.done.is_set():
-                self.service.worker.withdraw(req)
+                self.service.withdraw(req)
             self.service.end_session(session)
 
     async def chunks(self, request: Request, session: Session, turn, body: ChatRequest) -> AsyncIterator[str]:

@@ -160,6 +160,14 @@ class Service:
         """Await a request's end: its result, or `ServiceError` with its message."""
         return await self.worker.wait_for(req)
 
+    async def next_event(self, req: Request, timeout: float | None) -> Any:
+        """A streamed request's next event, or None after `timeout` seconds without one."""
+        return await self.worker.next_event(req, timeout)
+
+    def withdraw(self, req: Request) -> None:
+        """Stop `req`: a running one ends within one decoding step, a waiting one leaves the queue now."""
+        self.worker.withdraw(req)
+
     def _wait_model(self) -> LoadedModel:
         if self._lm is None:
             req = self.ready()

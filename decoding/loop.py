@@ -56,11 +56,14 @@ def _prefill_embeds(fwd: Forward, input_ids: torch.Tensor, past_len: int, rows: 
     return emb
 
 
+Span = tuple[list[int], dict[int, torch.Tensor]]  # a recalling row's forced tokens, and its slots' value vectors
+
+
 def _recall(rows: Rows, recall_rows: list[int], hidden: torch.Tensor, selector: MemorySelector,
-            recall: Recall) -> tuple[dict[int, list[int]], list[Event]]:
+            recall: Recall) -> tuple[dict[int, Span], list[Event]]:
     """The recall step for each row whose newest input is <recall>: the tokens it is forced to next (its
-    memory's slots and the suffix, from position `rows.cur` on), with the value vectors recorded."""
-    spans: dict[int, list[int]] = {}
+    memory's slots and the suffix, from position `rows.cur` on) and the slots' value vectors."""
+    spans: dict[int, Span] = {}
     events: list[Event] = []
     for row in recall_rows:
         if row in rows.held:  # the <recall> token is streamed together with its recall
@@ -69,41 +72,46 @@ def _recall(rows: Rows, recall_rows: list[int], hidden: torch.Tensor, selector: 
         if recall.settings.debug:
             log.info("[recall] row %d: newest input is <recall> (id %d) at position %d; its hidden state %s is "
                      "the query", row, recall.recall_id, rows.cur - 1, tuple(hidden[row].shape))
-        spans[row], vectors, event = recall_step(selector, recall, hidden[row], row, rows.cur)
-        rows.pending[row] = vectors  # placed at their columns once the step's width is known
+        tokens, vectors, event = recall_step(selector, recall, hidden[row], row, rows.cur)
+        spans[row] = tokens, vectors
         rows.injections.append(event)
         events.append(event)
     return spans, events
 
 
-def _columns(rows: Rows, next_tokens: torch.Tensor, spans: dict[int, list[int]], filler: int) -> torch.Tensor:
+def _widths(spans: dict[int, Span], batch: int) -> list[int]:
+    """New positions of each row this step: its span's length, or 1 (its sampled token)."""
+    return [len(spans[r][0]) if r in spans else 1 for r in range(batch)]
+
+
+def _columns(rows: Rows, next_tokens: torch.Tensor, spans: dict[int, Span], filler: int) -> torch.Tensor:
     """Write the step's new columns [B, W] into the rows and return them: each row's sampled token, or its
-    forced span, right-aligned; rows with fewer tokens than W get masked `filler` columns first."""
-    width = max((len(t) for t in spans.values()), default=1)
+    forced span, right-aligned (its slots' vectors recorded at their columns); rows with fewer tokens than
+    W get masked `filler` columns first."""
+    widths = _widths(spans, len(next_tokens))
+    width = max(widths)
     block = next_tokens[:, None].repeat(1, width)
-    if width > 1:
-        block[:, :-1] = filler
-    for row, tokens in spans.items():
-        block[row, width - len(tokens):] = torch.tensor(tokens, device=block.device)
+    block[:, :-1] = filler
+    for row, (tokens, vectors) in spans.items():
         shift = width - len(tokens)
-        rows.memory[row].update({p + shift: v for p, v in rows.pending.pop(row).items()})
-    rows.write(block, [width - len(spans.get(r, (0,))) for r in range(block.shape[0])])
+        block[row, shift:] = torch.tensor(tokens, device=block.device)
+        rows.memory[row].update({p + shift: v for p, v in vectors.items()})
+    rows.write(block, [width - w for w in widths])
     return block
 
 
 def _step_inputs(fwd: Forward, rows: Rows, recall: Recall | None, block: torch.Tensor, position: torch.Tensor,
-                 spans: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                 spans: dict[int, Span]) -> tuple[torch.Tensor, torch.Tensor]:
     """(input embeddings [B, W, H], position ids [B, W] or [4, B, W]) of the step's columns: memory
     slots carry their value vectors, every row's positions continue its own, right-aligned."""
     width = block.shape[1]
     emb = fwd.embed(block)  # [B, W, H]
     start = rows.cur - width
     for row in spans:
-        for col in range(width):
-            vec = rows.memory[row].get(start + col)
-            if vec is not None:
-                emb[row, col] = recall.embed(vec[None], fwd.device, fwd.dtype)[0]
-    counts = torch.tensor([len(spans.get(r, (0,))) for r in range(block.shape[0])], device=position.device)
+        slots = [c for c in range(width) if start + c in rows.memory[row]]
+        vectors = torch.stack([rows.memory[row][start + c] for c in slots])  # [k, H]
+        emb[row, slots] = recall.embed(vectors, fwd.device, fwd.dtype)
+    counts = torch.tensor(_widths(spans, block.shape[0]), device=position.device)
     steps = torch.arange(1, width + 1, device=position.device) - (width - counts)[:, None]  # [B, W]
     return emb, position + steps.clamp(min=1).to(position.dtype)  # fillers (masked) repeat the first position
 
@@ -240,11 +248,10 @@ def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrup
 
             # 4. events and finish reasons; a <recall> token is streamed with its recall, next step
             alive = list(rows.alive)
-            events += _step_events(rows, tokens, spans, still, unfinished, recall if req.recall_on else None, req.eos,
-                                   req.limit, req.settings, req.t0)
+            events += _step_events(rows, tokens, _widths(spans, req.batch), still, unfinished,
+                                   recall if req.recall_on else None, req.eos, req.limit, req.settings, req.t0)
             if layer_step is not None:  # a LayerEvent after each token (one more host copy, after the sync)
-                events = entropy.annotate(events, layer_step, alive,
-                                          [rows.cur - len(spans.get(r, (0,))) for r in range(req.batch)])
+                events = entropy.annotate(events, layer_step, alive, [rows.cur - w for w in _widths(spans, req.batch)])
             yield from events
             if not any(rows.alive):
                 break
@@ -279,7 +286,7 @@ def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrup
     req.decode_s = time.perf_counter() - t1
 
 
-def _step_events(rows: Rows, tokens: list[list[int]], spans: dict[int, list[int]], still: list[int],
+def _step_events(rows: Rows, tokens: list[list[int]], widths: list[int], still: list[int],
                  unfinished: torch.Tensor, recall: Recall | None, eos: list[int], max_len: int,
                  settings: GenerationSettings, t0: float) -> list[Event]:
     """Token and finish events of one step (a recalling row's whole span), for the rows still running."""
@@ -287,7 +294,7 @@ def _step_events(rows: Rows, tokens: list[list[int]], spans: dict[int, list[int]
     for row, columns in enumerate(tokens):
         if not rows.alive[row]:
             continue
-        new = columns[len(columns) - len(spans.get(row, (0,))):]
+        new = columns[len(columns) - widths[row]:]
         token = new[-1]
         start = rows.cur - len(new)
         events += [TokenEvent(row, t, start + i, rows.text(row, t)) for i, t in enumerate(new[:-1])]

@@ -72,7 +72,6 @@ class Rows:
     alive: list[bool] = field(default_factory=list)
     held: dict[int, TokenEvent] = field(default_factory=dict)  # <recall> tokens waiting for their recall
     injections: list[RecallEvent] = field(default_factory=list)
-    pending: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # a step's recalled vectors, unplaced
 
     def write(self, block: torch.Tensor, fillers: list[int]) -> None:
         """Append columns [B, W] (growing the buffers when a memory's span needs room); the first

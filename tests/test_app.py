@@ -185,7 +185,7 @@ def test_invalid_settings_show_the_engine_message(client):
 def test_bank_upload_and_bad_uploads_leave_the_bank_untouched(client, tmp_path):
     good = bank_file(tmp_path / "good.pt", 576)
     md, sample, status, _ = client.predict(handle_file(str(good)), api_name="/upload_bank")
-    assert "your upload good.pt" in md and "**3** memories" in md and "dimension **576**" in md
+    assert "your upload good.pt" in md and "**3** memories" in md and "576-d" in md
     assert [row[1] for row in sample["data"]] == ["fact 0", "fact 1", "fact 2"]
     marker = tmp_path / "pwned"
     torch.save({"embeddings": Evil(marker)}, tmp_path / "payload.pt")
@@ -222,7 +222,7 @@ def test_example_bank_and_recall_first_show_a_highlighted_memory(client):
     assert first["token"].startswith("⟨memory #") and first["class_or_confidence"].startswith("memory 0.")
     assert highlight["color_map"] == {first["class_or_confidence"]: app.MEMORY_COLOR}
     assert log["headers"] == ["turn", "position", "slots", "score", "memory", "text"] and len(log["data"]) == 1
-    assert log["data"][0][4] in (app.ASSETS / "example_memories.txt").read_text()
+    assert log["data"][0][5] in (app.ASSETS / "example_memories.txt").read_text()
     assert last_text((chatbot,)).startswith("`⟨memory #")
 
 
@@ -256,7 +256,7 @@ def test_a_vision_model_sees_the_attached_image(vl_server, tmp_path, small_image
     assert user[1]["text"] == "What is in this picture?"
     assert vl_server.service.worker.history[-1].steps >= 1
     md, *_ = c.predict("", [handle_file(str(small_image))], api_name="/write_memories")
-    assert "**1** memories" in md and "dimension **64**" in md
+    assert "**1** memories" in md and "64-d" in md
 
 
 def test_a_page_load_copies_no_model_parameters(server, monkeypatch):

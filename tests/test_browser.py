@@ -124,7 +124,7 @@ def test_chat_with_an_image_stream_stop_upload_and_recall(page, vl_page_server, 
 def test_first_minute_with_the_trained_model(page, smollm2):
     """The README's first minute on the embedded SmolLM2 with its recall adapter: build the example
     bank, ask about Port Avel without "recall first"; the model recalls by itself, the memory it
-    picks is the fact that answers the question, and the ferry's answer is read from that memory."""
+    picks is the fact that answers the question, and both answers are read from that memory."""
     with serve(smollm2, "generation.max_new_tokens=32") as server:
         page.goto(server.url)
         page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
@@ -132,7 +132,7 @@ def test_first_minute_with_the_trained_model(page, smollm2):
         page.wait_for_function("document.querySelector('#bank-info').innerText.includes('36 memories')")
         page.get_by_role("tab", name="Conversation").click()  # where Clear is
         for question, memory, value in [
-                ("Who keeps the lighthouse of Port Avel?", "Mira Castellan is the lighthouse keeper", None),
+                ("Who keeps the lighthouse of Port Avel?", "Mira Castellan is the lighthouse keeper", "Mira Castellan"),
                 ("When does the ferry to Lune Island leave?", "The ferry to Lune Island leaves at seven", "seven")]:
             page.locator("#clear").click()
             page.wait_for_function("!document.querySelector('#answer').innerText.includes('⟨memory')")

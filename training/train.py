@@ -48,7 +48,7 @@ from training.losses import masked_means
 @dataclass(frozen=True)
 class Recipe:
     seed: int = 0
-    steps: int = 450  # ~7 s a step on 2 CPU cores: under an hour
+    steps: int = 320  # 7-12 s a step on 2 CPU cores: about an hour
     facts_per_batch: int = 12  # fact questions a step
     chats_per_batch: int = 5  # negatives
     repeats_per_batch: int = 1  # facts of the batch also asked to be repeated whole (autoencoding)
@@ -68,7 +68,7 @@ class Recipe:
     w_value: float = 3.0  # weight of the answer's value tokens within the answer loss (only the memory knows them)
     w_decision: float = 1.0
     w_reply: float = 2.0  # KL from the base model on ordinary replies
-    eval_every: int = 100
+    eval_every: int = 80
     eval_facts: int = 64
 
     def __post_init__(self):

@@ -34,19 +34,35 @@ def test_build_show_search_with_jsonl(tmp_path, tiny_dir, capsys):
     src = tmp_path / "memories.jsonl"
     src.write_text("\n".join(json.dumps({"text": t, "metadata": {"n": i}}) for i, t in enumerate(MEMORIES)) + "\n\n")
     bank = tmp_path / "bank.pt"
-    code, out, _ = run(capsys, "build", src, bank, "--model", tiny_dir, "--pooling", "mean", "--batch-size", "2")
-    assert code == 0 and "saved 3 memories of dimension 64" in out
+    code, out, _ = run(capsys, "build", src, bank, "--model", tiny_dir, "--values", "state", "--pooling", "mean",
+                       "--batch-size", "2")
+    assert code == 0 and "saved 3 memories" in out and "one vector of dimension 64 each (key = value)" in out
     db = MemoryVectorDB.load(bank)
     assert db.metadata(1) == {"n": 1} and db.info["pooling"] == "mean" and db.info["model"] == tiny_dir.name
 
     code, out, _ = run(capsys, "show", bank, "--n", "2")
     assert code == 0
-    assert "3 memories, dimension 64" in out and "[0] norm=" in out and MEMORIES[1] in out and MEMORIES[2] not in out
+    assert "3 memories, one vector of dimension 64" in out and "[0] slots=1 key norm=" in out and MEMORIES[1] in out and MEMORIES[2] not in out
 
     code, out, _ = run(capsys, "search", bank, MEMORIES[2], "--model", tiny_dir, "--k", "2")
     lines = out.strip().splitlines()
     assert code == 0 and len(lines) == 2
     assert lines[0] == f"1. score=1.0000 [2] {MEMORIES[2]}"  # same text, same spec (mean, read from the bank)
+
+
+def test_build_and_search_key_value_memories(tmp_path, tiny_dir, capsys):
+    """The default for a model never trained to recall: tokens values, keys from the text encoder."""
+    src = tmp_path / "memories.txt"
+    src.write_text("\n".join(MEMORIES) + "\n")
+    bank = tmp_path / "bank.safetensors"
+    code, out, _ = run(capsys, "build", src, bank, "--model", tiny_dir, "--value-dtype", "float32")
+    assert code == 0 and "tokens values of dimension 64" in out and "keys of dimension 384" in out
+    db = MemoryVectorDB.load(bank)
+    assert db.has_values and (db.dim, db.value_dim) == (384, 64) and db.info["values"] == "tokens"
+    ids = [len(t) for t in (db.values(i) for i in range(3))]
+    assert ids == [e["slots"] for e in db.entries(0, 3)] and min(ids) > 1  # a slot a token
+    code, out, _ = run(capsys, "search", bank, "Who is Miso?", "--model", tiny_dir, "--k", "1")
+    assert code == 0 and out.strip().endswith(f"[1] {MEMORIES[1]}")
 
 
 def test_errors_are_one_line_and_exit_2(tmp_path, tiny_dir, capsys):
@@ -82,7 +98,7 @@ def test_cli_with_embedded_smollm2(tmp_path, smollm2_dir):
     env_run = dict(capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     built = subprocess.run([*cli, "build", str(src), str(bank)], **env_run)
     assert built.returncode == 0, built.stderr
-    assert "saved 3 memories of dimension 576" in built.stdout
+    assert "saved 3 memories" in built.stdout and "tokens values of dimension 576" in built.stdout
     found = subprocess.run([*cli, "search", str(bank), MEMORIES[1], "--k", "3"], **env_run)
     assert found.returncode == 0, found.stderr
     lines = found.stdout.strip().splitlines()
@@ -90,5 +106,5 @@ def test_cli_with_embedded_smollm2(tmp_path, smollm2_dir):
     scores = [float(line.split("score=")[1].split()[0]) for line in lines]
     assert scores == sorted(scores, reverse=True) and scores[2] < 0.99
     shown = subprocess.run([*cli, "show", str(bank)], **env_run)
-    assert "3 memories, dimension 576" in shown.stdout
+    assert "3 memories, tokens values of dimension 576" in shown.stdout and "keys of dimension 384" in shown.stdout
     assert '"model": "SmolLM2-135M-Instruct + recall-smollm2"' in shown.stdout  # the shipped adapter's encoder

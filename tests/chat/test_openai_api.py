@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from memory import MemoryVectorDB
+from models import build_bank
 from test_app import serve
 
 pytestmark = pytest.mark.slow
@@ -22,10 +22,7 @@ PROMPTS = ["What is the capital of France?", "Name three colours.", "Write one s
 def bank_path(smollm2, tmp_path_factory):
     path = tmp_path_factory.mktemp("bank") / "facts.pt"
     texts = ["Mira Castellan is the lighthouse keeper of Port Avel.", "Biscuit is Mira's grey cat."]
-    db = MemoryVectorDB(smollm2.hidden_size)
-    db.add(smollm2.encoder.encode_texts(smollm2.model, smollm2.tokenizer, texts, progress=False), texts)
-    db.info = smollm2.encoder.describe()
-    db.save(path)
+    build_bank(smollm2.model, smollm2.tokenizer, texts, smollm2.encoder, progress=False).save(path)
     return path
 
 

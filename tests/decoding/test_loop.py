@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from models.vision import IMAGE_PAD, encode_with_images
 from decoding import (
-    DoneEvent, FinishEvent, GenerationSettings, MemorySelector, Recall, RecallSettings, TokenEvent,
+    DoneEvent, FinishEvent, GenerationSettings, MemorySelector, Recall, RecallEvent, RecallSettings, TokenEvent,
     custom_generate, generate, memory_embedding, memory_head, stream_generate,
 )
 from decoding.processors import to_generation_config
@@ -505,3 +505,37 @@ def test_stop_right_after_recall_drops_the_unanswered_recall_token(tiny_llama):
     streamed = [e.token_id for e in events if isinstance(e, TokenEvent)]
     assert streamed == seq[result.prompt_length:]  # the dropped <recall> was never streamed
     assert result.cache.get_seq_length() == len(seq) - 1
+
+
+@pytest.mark.parametrize("stop_on", ["recall", "slot"])
+def test_a_stop_in_the_middle_of_a_k_slot_recall_leaves_no_partial_memory(tiny_llama, stop_on):
+    """A stop that arrives while a memory's span is being streamed (right at its RecallEvent, or at one of
+    its slot tokens) ends the answer after the whole span: every slot has its vector, the suffix follows,
+    and a next turn on the cache reads it all."""
+    lm = tiny_llama
+    db = kv_bank_for(lm)
+    inputs = lm.tokenizer([CHAT.format("Go")], return_tensors="pt")
+    s = GenerationSettings(max_new_tokens=30, sequence_bias=(((lm.tokens.recall,), 50.0),))
+    stop, events = threading.Event(), []
+    for e in stream_generate(lm.model, inputs, s, recall=recall_of(lm, db), interrupt=stop, tokenizer=lm.tokenizer,
+                             **ids_of(lm)):
+        events.append(e)
+        if stop_on == "recall" and isinstance(e, RecallEvent) or \
+                stop_on == "slot" and isinstance(e, TokenEvent) and e.token_id == lm.tokens.memory_pad:
+            stop.set()
+    result = events[-1].result
+    assert result.finish_reasons == ["interrupted"] and len(result.injections) == 1
+    check_slots(lm, result, db, (lm.tokens.recall_end,))
+    seq = result.sequences[0].tolist()
+    assert seq[-1] == lm.tokens.recall_end  # the answer ends with the whole span
+    streamed = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    assert streamed == seq[result.prompt_length:]
+    # the next turn continues from the cache (which has not read the span yet) and places the vectors
+    more = torch.tensor([seq + lm.tokenizer(CHAT.format("More"))["input_ids"]])
+    nxt = generate(lm.model, {"input_ids": more}, GenerationSettings(max_new_tokens=4), cache=result.cache,
+                   memory_vectors=result.memory_vectors[0], recall=recall_of(lm, db), output_logits=True, **ids_of(lm))
+    fresh = generate(lm.model, {"input_ids": more}, GenerationSettings(max_new_tokens=4),
+                     memory_vectors=result.memory_vectors[0], recall=recall_of(lm, db), output_logits=True,
+                     **ids_of(lm))
+    assert nxt.sequences.tolist() == fresh.sequences.tolist()
+    torch.testing.assert_close(nxt.logits, fresh.logits, atol=1e-4, rtol=1e-4)

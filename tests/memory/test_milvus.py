@@ -7,10 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("pymilvus")
-
-from memory import BankError, MemoryVectorDB  # noqa: E402
-from memory.milvus import MilvusBank, StoreError, load_into  # noqa: E402
+from memory import BankError, MemoryVectorDB
+from memory.milvus import MilvusBank, StoreError, load_into
 
 
 @pytest.fixture

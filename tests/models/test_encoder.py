@@ -14,12 +14,12 @@ from models.encoder import pool, right_pad
 
 
 def encode_texts(model, tokenizer, texts, spec=HiddenStateSpec(), **kw):
-    return MemoryEncoder(spec).encode_texts(model, tokenizer, texts, **kw)
+    return MemoryEncoder(spec=spec).encode_states(model, tokenizer, texts, **kw)
 
 
 def encode_inputs(model, inputs, spec=HiddenStateSpec()):
     with torch.no_grad():
-        return MemoryEncoder(spec)(model, inputs)
+        return MemoryEncoder(spec=spec).state(model, inputs)
 
 TEXTS = [
     "I like green tea in the morning.",
@@ -142,7 +142,7 @@ def test_bad_texts(tiny_llama):
 
 def test_build_bank_finds_each_text_by_its_own_vector(tiny_llama):
     m = tiny_llama
-    db = build_bank(m.model, m.tokenizer, TEXTS, MemoryEncoder(HiddenStateSpec(pooling="mean")), index="hnsw",
+    db = build_bank(m.model, m.tokenizer, TEXTS, MemoryEncoder(spec=HiddenStateSpec(pooling="mean")), index="hnsw",
                     metadata=[{"n": i} for i in range(len(TEXTS))], progress=False)
     assert (len(db), db.dim, db.index) == (len(TEXTS), m.hidden_size, "hnsw")
     assert db.info["pooling"] == "mean" and db.info["layer"] == -1

@@ -45,11 +45,13 @@ def test_training_lowers_the_loss_and_logs_it(trained):
     assert len(steps) == TINY["steps"] and steps[-1]["step"] == str(TINY["steps"])
     mean = lambda key, part: sum(float(r[key]) for r in part) / len(part)  # noqa: E731
     # Per-batch losses swing by 3x from step to step, so the bounds leave room measured over 1 and 2
-    # threads and recipe seeds 0 and 1: last/first ten steps' total loss 0.68-0.73 (bound 0.9); held-out
-    # p(<recall>) after fact questions 0.0000 before training in all four, 0.29-0.40 after (bounds 0.01, 0.1).
+    # threads and recipe seeds 0 and 1 (this recipe): last/first ten steps' total loss 0.74-0.81 (bound 0.9);
+    # held-out p(<recall>) after fact questions 0.0000 before training in all four, 0.074-0.23 after
+    # (bounds 0.01 and 0.02; the tiny random model says <recall> after ordinary prompts too, which only
+    # the real model learns apart: README, "The recall model").
     assert mean("loss", steps[-10:]) < 0.9 * mean("loss", steps[:10])
     assert float(before["eval_p_recall_fact"]) < 0.01
-    assert float(steps[-1]["eval_p_recall_fact"]) > 0.1  # it learned to say <recall> (held-out questions)
+    assert float(steps[-1]["eval_p_recall_fact"]) > 0.02  # it learned to say <recall> (held-out questions)
     # (a random tiny model cannot learn its 49k-token answers in 80 steps; SmolLM2's run is in the README)
     assert steps[39]["eval_tokens_exact"] != "" and steps[38]["eval_tokens_exact"] == ""
 
