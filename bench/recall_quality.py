@@ -51,7 +51,9 @@ def perplexity(lm, text: str, window: int = 256) -> float:
 def ask(lm, question: str, bank, *, recall_first: bool, history: tuple[str, str] | None = None,
         max_new_tokens: int = 24) -> tuple[str, list]:
     """One question in a fresh conversation (after the earlier turn `history`), as the page asks it:
-    (answer text, recall events)."""
+    (answer text, recall events). `max_new_tokens` counts the answer's own tokens: a memory recalled in
+    the answer adds its span (`<recall>`, its slots, `</recall>`) to the budget, as the longest
+    memory of `bank` would (a memory read in the user's message is in the prompt)."""
     from chat.session import Conversation
     from decoding.settings import GenerationSettings, RecallSettings
 
@@ -59,12 +61,24 @@ def ask(lm, question: str, bank, *, recall_first: bool, history: tuple[str, str]
     if history is not None:
         conv.build_inputs(history[0])
         conv.add_answer_text(history[1])
+    if bank is not None and bank.has_values and lm.encoder.placement == "answer":
+        max_new_tokens += room(bank)
     settings = GenerationSettings(max_new_tokens=max_new_tokens, top_k=0, repetition_penalty=1.0)
     for _ in conv.stream(question, (), settings, RecallSettings(enabled=bank is not None, top_k=1), bank,
                          recall_first=recall_first and bank is not None):
         pass
     answer = conv.messages[-1]
     return answer.text, answer.recalls
+
+
+def room(bank) -> int:
+    """The longest span a memory of `bank` takes in an answer: its slots, `<recall>` and `</recall>`."""
+    if id(bank) not in _ROOM:
+        _ROOM[id(bank)] = (bank, max(e["slots"] for e in bank.entries(0, len(bank))) + 2)
+    return _ROOM[id(bank)][1]
+
+
+_ROOM: dict[int, tuple] = {}  # (the bank, kept alive so its id stays its own; its room)
 
 
 def rate(outcomes: list[bool]) -> float:
@@ -153,6 +167,25 @@ def kind_rows(lm, kind: str, facts, chats, pool: list[str], replies: list[str]) 
     return out
 
 
+def anchors(out: dict, base, stock, facts, texts: list[str]) -> None:
+    """Plain RAG with the base model (the stock retriever's top fact in the user message), and the base
+    model never trained to recall, reading tokens memories with recall first."""
+    from models import build_bank
+
+    keys = stock.encode(texts)
+    top = (stock.encode([f.questions[0] for f in facts]) @ keys.T).argmax(1)
+    out["rag_e2e"] = rate([f.value.lower() in ask(base, f"{f.questions[0]}\n{texts[j]}", None,
+                                                  recall_first=False)[0].lower() for f, j in zip(facts, top)])
+    out["rag_oracle"] = rate([f.value.lower() in ask(base, f"{f.questions[0]}\n{f.text}", None,
+                                                     recall_first=False)[0].lower() for f in facts])
+    small = build_bank(base.model, base.tokenizer, [f.text for f in facts], base.encoder, progress=False)
+    big = build_bank(base.model, base.tokenizer, texts, base.encoder, progress=False)
+    out["untrained_forced"] = rate([f.value.lower() in ask(base, f.questions[0], small, recall_first=True)[0].lower()
+                                    for f in facts])
+    out["untrained_e2e"] = rate([f.value.lower() in ask(base, f.questions[0], big, recall_first=True)[0].lower()
+                                 for f in facts])
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -162,6 +195,8 @@ def main() -> None:
     parser.add_argument("--distractors", default="1000,10000", help="comma-separated bank sizes to add")
     parser.add_argument("--adapter", default="auto")
     parser.add_argument("--json", help="also write the numbers to this file")
+    parser.add_argument("--no-anchors", dest="anchors", action="store_false",
+                        help="skip the anchors (stock retriever, RAG, the untrained model): the value kinds only")
     args = parser.parse_args()
 
     import torch
@@ -186,21 +221,8 @@ def main() -> None:
     out["retrieval@1"] = retrieval(lm.encoder.keys, questions, texts, sizes)
     stock = TextEncoder(adapter=None)
     out["retrieval@1_minilm_stock"] = retrieval(stock, questions, texts, sizes)
-
-    # anchors: plain RAG with the base model (the stock retriever's top fact in the user message), and the
-    # base model never trained to recall, reading tokens memories with recall first
-    keys = stock.encode(texts)
-    top = (stock.encode(questions) @ keys.T).argmax(1)
-    out["rag_e2e"] = rate([f.value.lower() in ask(base, f"{f.questions[0]}\n{texts[j]}", None,
-                                                  recall_first=False)[0].lower() for f, j in zip(facts, top)])
-    out["rag_oracle"] = rate([f.value.lower() in ask(base, f"{f.questions[0]}\n{f.text}", None,
-                                                     recall_first=False)[0].lower() for f in facts])
-    small = build_bank(base.model, base.tokenizer, [f.text for f in facts], base.encoder, progress=False)
-    big = build_bank(base.model, base.tokenizer, texts, base.encoder, progress=False)
-    out["untrained_forced"] = rate([f.value.lower() in ask(base, f.questions[0], small, recall_first=True)[0].lower()
-                                    for f in facts])
-    out["untrained_e2e"] = rate([f.value.lower() in ask(base, f.questions[0], big, recall_first=True)[0].lower()
-                                 for f in facts])
+    if args.anchors:
+        anchors(out, base, stock, facts, texts)
 
     replies = [ask(lm, c, None, recall_first=False, max_new_tokens=16)[0] for c in chats]
     encoder = lm.encoder
