@@ -63,7 +63,33 @@ def exact_topk(normed: np.ndarray, query: np.ndarray, k: int | None) -> tuple[np
     return scores[order], order
 
 
-class MemoryVectorDB:
+class BankShape:
+    """What every bank says about its vectors, from `_dim`, `_kind` and `_value_dim` (None: value = key)."""
+
+    _dim: int
+    _kind: str
+    _value_dim: int | None
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def index(self) -> str:
+        return self._kind
+
+    @property
+    def value_dim(self) -> int:
+        """The dimension of what is injected: the values', or the keys' when a value is its key."""
+        return self._dim if self._value_dim is None else self._value_dim
+
+    @property
+    def has_values(self) -> bool:
+        """Whether memories have values of their own (else value = key, one slot)."""
+        return self._value_dim is not None
+
+
+class MemoryVectorDB(BankShape):
     """A bank of memories searched by the cosine similarity of their keys, exactly or through FAISS HNSW/IVF.
 
     Keys are kept twice: raw float32 as added (returned as `embedding`) and L2-normalised (scored).
@@ -109,24 +135,6 @@ class MemoryVectorDB:
         self.info: dict[str, Any] = {}  # bank-level JSON-compatible notes (e.g. how it was built), saved with it
 
     # ----------------------------------------------------------------------- properties
-
-    @property
-    def dim(self) -> int:
-        return self._dim
-
-    @property
-    def index(self) -> str:
-        return self._kind
-
-    @property
-    def value_dim(self) -> int:
-        """The dimension of what is injected: the values', or the keys' when a value is its key."""
-        return self._dim if self._value_dim is None else self._value_dim
-
-    @property
-    def has_values(self) -> bool:
-        """Whether memories have values of their own (else value = key, one slot)."""
-        return self._value_dim is not None
 
     def __len__(self) -> int:
         return self._snap.n

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from memory.bank import Memory, MemoryVectorDB
+from memory.bank import BankShape, Memory, MemoryVectorDB
 from memory.validate import VALUE_DTYPES, BankError, as_query, check_labels, prepare_values, prepare_vectors
 
 INFO = "recall_chat.info"
@@ -48,7 +48,7 @@ def _group() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 2  # below 2**62: a valid INT64
 
 
-class MilvusBank:
+class MilvusBank(BankShape):
     """A bank of memories in Milvus. Thread-safe (the client is); several processes may share it."""
 
     def __init__(self, client: Any, uri: str, name: str, *, dim: int, value_dim: int | None, value_dtype: str,
@@ -148,22 +148,6 @@ class MilvusBank:
                              f"{_message(e)}") from None
 
     # ----------------------------------------------------------------------- properties
-
-    @property
-    def dim(self) -> int:
-        return self._dim
-
-    @property
-    def index(self) -> str:
-        return self._kind
-
-    @property
-    def value_dim(self) -> int:
-        return self._dim if self._value_dim is None else self._value_dim
-
-    @property
-    def has_values(self) -> bool:
-        return self._value_dim is not None
 
     def __len__(self) -> int:
         rows = self._call("count memories", self._client.query, self.name, filter="", output_fields=["count(*)"])
