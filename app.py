@@ -29,9 +29,7 @@ from chat.banks import BANK_TYPES
 from chat.config import Config, ConfigError, load_config, request_settings, setting_value
 from chat.service import ASSETS, EXAMPLE_IMAGES, Service, Turn
 from chat.session import Session
-from chat.view import (
-    RECALL_COLUMNS, bank_sample, answer_figure, bank_summary, chat_messages, found_table, inline_text, recall_table,
-)
+from chat.view import RECALL_COLUMNS, answer_figure, found_table, inline_text
 from chat.worker import ServiceError
 from decoding.settings import DRAFTS
 
@@ -130,11 +128,11 @@ class Handlers:
         """chatbot, highlight, recall log, status for a session (and the turn it is answering)."""
         view = turn.view if turn else None
         if turn is None or turn.view.done:
-            messages = chat_messages(s.conv)
+            messages = self.service.messages(s)
         else:
             live = {"role": "assistant", "content": inline_text(view.segments) or "…"}
             messages = turn.history + ([turn.user] if turn.user else []) + [live]
-        return (messages, _highlight(view.segments if view else []), recall_table(s.conv, view),
+        return (messages, _highlight(view.segments if view else []), self.service.recall_log(s, view),
                 self.service.status(s, state or (view.state if view else "")))
 
     async def follow(self, s: Session, turn: Turn):
@@ -203,9 +201,8 @@ class Handlers:
     # ----------------------------------------------------------------- memory banks
 
     def bank_view(self, s: Session, state: str = "") -> tuple:
-        banks = self.service.banks
-        return (bank_summary(banks.of(s), banks.label(s)), bank_sample(banks.of(s)), self.service.status(s, state),
-                s.bank_use)
+        summary, sample, use = self.service.bank_view(s)
+        return summary, sample, self.service.status(s, state), use
 
     async def _bank_job(self, s: Session, make_request, done: str) -> tuple[tuple, bool]:
         try:
@@ -402,6 +399,7 @@ def launch(demo: gr.Blocks, service: Service, **kwargs: Any) -> Any:
     block = not kwargs.pop("prevent_thread_lock", False)
     out = demo.queue(default_concurrency_limit=8).launch(**{**options, **kwargs, "prevent_thread_lock": True})
     openai_api.mount(demo.app, service)
+    demo.app.add_api_route("/health", service.health, methods=["GET"])
     if block:
         demo.block_thread()
     return out
@@ -416,16 +414,30 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
     parser.add_argument("--adapter", help="PEFT adapter folder, auto or none (model.adapter)")
     parser.add_argument("--device", help="auto | cpu | cuda | cuda:N | mps (model.device)")
     parser.add_argument("--bank", help="memory bank file loaded at start and shared (memory.bank)")
+    parser.add_argument("--replicas", type=int, help="model replicas on Ray Serve (serve.replicas; 1 = in this "
+                        "process)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a configuration key, e.g. --set generation.temperature=0.5 (repeatable)")
     args = parser.parse_args(argv)
     flags = {"app.host": args.host, "app.port": args.port, "model.path": args.model, "model.adapter": args.adapter,
-             "model.device": args.device, "memory.bank": args.bank}
+             "model.device": args.device, "memory.bank": args.bank, "serve.replicas": args.replicas}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
     try:
         return args, load_config(args.config, overrides)
     except ConfigError as e:
         parser.error(str(e))
+
+
+def make_service(cfg: Config) -> Any:
+    """The chat service: the model in this process, or (serve.replicas > 1) in Ray Serve replicas."""
+    if cfg.serve.replicas == 1:
+        return Service(cfg)
+    try:
+        from serve.front import RemoteService
+    except ImportError as e:
+        raise RuntimeError(f"serve.replicas={cfg.serve.replicas} needs Ray Serve: pip install -e \".[scale]\" "
+                           f"({e})") from None
+    return RemoteService(cfg)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -434,7 +446,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     _, cfg = parse_args(argv)
     # SIGTERM ends like Ctrl-C: through `finally`, which stops the worker and removes every session's files
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    service = Service(cfg)
+    try:
+        service = make_service(cfg)
+    except (ValueError, RuntimeError) as e:  # the store or the replicas named what failed
+        sys.exit(f"recall-chat: {e}")
     try:
         launch(build_demo(service), service)
     finally:

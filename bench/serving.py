@@ -3,6 +3,7 @@ batched (answers decode as rows of one forward, the default) against taking turn
 one forward per answer per round), on the embedded SmolLM2 through the chat service, in one run.
 
     .venv/bin/python bench/serving.py [--tokens 64] [--no-compile]
+    .venv/bin/python bench/serving.py --replicas 1,2 [--tokens 64]     (needs the extra scale)
 
 Every answer is greedy and exactly `--tokens` long (min_new_tokens), so every run decodes the same
 amount. Aggregate tokens/s = all answers' tokens / wall time from submitting to the last one's end.
@@ -53,7 +54,8 @@ class Follow:
     def _read(self) -> None:
         while (event := self.req.events.get()) is not END:
             if isinstance(event, TokenEvent) and self.first is None:
-                self.first, self.first_round = time.perf_counter(), self.svc.worker.batch.forwards
+                batch = getattr(self.svc.worker, "batch", None)  # (replicas: their batches are theirs)
+                self.first, self.first_round = time.perf_counter(), batch.forwards if batch else None
             elif isinstance(event, DoneEvent):
                 self.result = event.result
 
@@ -124,13 +126,88 @@ def service(batching: bool, compile_: bool) -> Service:
     return svc
 
 
+def overhead(svc, tokens: int, repeats: int = 5) -> dict:
+    """What a request and a token cost on their way, besides the model's own work: the time to first token
+    less the loop's prefill, and the time between the first and the last token less the loop's decode time
+    for them (medians over `repeats` single-session answers of the same prompt)."""
+    per_request, per_token = [], []
+    settings = GenerationSettings(max_new_tokens=tokens, min_new_tokens=tokens)
+    for _ in range(repeats):
+        s = svc.new_session()
+        t0, first, last, result = time.perf_counter(), None, None, None
+        req = svc.chat(s, QUESTIONS[0], [], settings, OFF).request
+        while (event := req.events.get()) is not END:
+            if isinstance(event, TokenEvent):
+                first, last = first or time.perf_counter(), time.perf_counter()
+            elif isinstance(event, DoneEvent):
+                result = event.result
+        n = len(result.new_tokens[0])
+        per_request.append(first - t0 - result.prefill_seconds)
+        per_token.append(((last - first) - result.decode_seconds * (n - 1) / n) / (n - 1))
+        svc.end_session(s)
+    return {"request_ms": statistics.median(per_request) * 1e3, "token_ms": statistics.median(per_token) * 1e3}
+
+
+def replicas_run(counts: list[int], tokens: int) -> None:
+    """In process against 1 and 2 Ray Serve replicas of the same model on this machine, in one run."""
+    import ray
+
+    from serve.front import RemoteService
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    base = ["app.batching=true", "model.compile=false", "generation.max_new_tokens=512"]
+    rows, answers = {}, {}
+    setups = [("in-process", None)] + [(f"{n} replica{'s' if n > 1 else ''}", n) for n in counts]
+    for name, n in setups:
+        cpus = 2 / n if n else 2
+        cfg = load_config(overrides=base + ([f"serve.replicas={n}", f"serve.replica_cpus={cpus}"] if n else []),
+                          environ={})
+        t = time.perf_counter()
+        svc = RemoteService(cfg) if n else Service(cfg)
+        if not n:
+            svc.ready().done.wait()
+        print(f"{name}: started in {time.perf_counter() - t:.1f} s", flush=True)
+        try:
+            concurrent(svc, 1, 8)  # warm
+            rows[(name, "overhead")] = overhead(svc, 16)
+            for k in (1, 2, 4, 8):
+                out = concurrent(svc, k, tokens)
+                answers[(name, k)] = out.pop("answers")
+                rows[(name, k)] = out
+                print(f"{name} {k} sessions: {out['tok_s']:6.1f} tok/s  TTFT median {out['ttft_ms']:6.0f} ms, "
+                      f"max {out['ttft_max_ms']:6.0f} ms", flush=True)
+        finally:
+            svc.close()
+    same = all(answers[(name, k)] == answers[("in-process", k)] for name, _ in setups for k in (1, 2, 4, 8))
+    print(f"\nanswers through the replicas == in-process answers (greedy): {same}")
+    names = [name for name, _ in setups]
+    print("\n| sessions | " + " | ".join(f"{n} tok/s" for n in names) + " | " +
+          " | ".join(f"{n} TTFT median (ms)" for n in names) + " |")
+    print("|---" * (1 + 2 * len(names)) + "|")
+    for k in (1, 2, 4, 8):
+        print(f"| {k} | " + " | ".join(f"{rows[(n, k)]['tok_s']:.1f}" for n in names) + " | " +
+              " | ".join(f"{rows[(n, k)]['ttft_ms']:.0f}" for n in names) + " |")
+    print("\n| path | per request: TTFT less prefill (ms) | per token: gap less decode (ms) |")
+    print("|---|---|---|")
+    for n in names:
+        o = rows[(n, "overhead")]
+        print(f"| {n} | {o['request_ms']:.1f} | {o['token_ms']:.2f} |")
+    for n in names[1:]:
+        o, b = rows[(n, "overhead")], rows[("in-process", "overhead")]
+        print(f"routing overhead of {n} over in-process: {o['request_ms'] - b['request_ms']:.1f} ms a request, "
+              f"{o['token_ms'] - b['token_ms']:.2f} ms a token")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--replicas", help="compare in-process with these replica counts on Ray Serve, e.g. 1,2")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     transformers.logging.set_verbosity_error()
+    if args.replicas:
+        return replicas_run([int(n) for n in args.replicas.split(",")], args.tokens)
     rows, answers = {}, {}
     for batching in (True, False):
         svc = service(batching, not args.no_compile)

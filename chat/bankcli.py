@@ -3,6 +3,10 @@
     python -m chat.bankcli build memories.txt bank.pt [--model PATH] [--adapter auto|none|PATH]
     python -m chat.bankcli show bank.pt [--n 5]
     python -m chat.bankcli search bank.pt "what did I say about tea?" [--model PATH] [--k 5]
+    python -m chat.bankcli load bank.pt URI [--collection memories] [--index flat]   (a file into Milvus)
+    python -m chat.bankcli export URI bank.pt [--collection memories]               (Milvus into a file)
+
+URI: a local path (milvus-lite) or http://host:19530 (a Milvus server), as `memory.milvus_uri`.
 
 Memories are written by the model's own memory encoder (the recall adapter's, for the embedded
 model); `--layer` / `--pooling` choose the hidden state of a model never trained to recall.
@@ -104,6 +108,23 @@ def cmd_search(args: argparse.Namespace) -> None:
         print(f"{rank}. score={hit['score']:.4f} [{hit['index']}] {_short(hit.get('text'))}")
 
 
+def cmd_load(args: argparse.Namespace) -> None:
+    from memory.milvus import load_into
+
+    db = MemoryVectorDB.load(args.bank)  # checked as the app checks a file: dims, values, finite, labels
+    store = load_into(db, args.uri, args.collection, index=args.index)
+    print(f"loaded {len(store)} memories from {args.bank} into {args.collection!r} at {args.uri}: {describe(db)}")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from memory.milvus import MilvusBank
+
+    store = MilvusBank.open(args.uri, args.collection)
+    db = store.to_bank()
+    db.save(args.out)
+    print(f"saved {len(db)} memories of {args.collection!r} at {args.uri} to {args.out}: {describe(db)}")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m chat.bankcli", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -134,6 +155,17 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--key-encoder", default="auto", help="as for build")
     q.add_argument("--k", type=int, default=5)
     q.set_defaults(run=cmd_search)
+    ld = sub.add_parser("load", help="copy a bank file into a new Milvus collection (memory.store: milvus)")
+    ld.add_argument("bank")
+    ld.add_argument("uri", help="a local path (milvus-lite) or http://host:19530")
+    ld.add_argument("--collection", default="memories", help="the collection to create (memory.milvus_collection)")
+    ld.add_argument("--index", choices=("flat", "hnsw", "ivf"), default="flat", help="the keys' index (memory.index)")
+    ld.set_defaults(run=cmd_load)
+    ex = sub.add_parser("export", help="write a Milvus collection to a bank file")
+    ex.add_argument("uri", help="a local path (milvus-lite) or http://host:19530")
+    ex.add_argument("out", help="bank file to write: .pt, .safetensors or .npy (vectors only)")
+    ex.add_argument("--collection", default="memories")
+    ex.set_defaults(run=cmd_export)
     return p
 
 

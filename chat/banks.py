@@ -24,6 +24,7 @@ from chat.session import Session
 from chat.textsearch import TextSearch
 from chat.worker import Request, ServiceError, Worker, describe
 from memory import BankError, MemoryVectorDB
+from memory.milvus import MilvusBank, load_into
 from models import LoadedModel
 from models.vision import IMAGE_PAD, VISION_END, VISION_START, encode_with_images
 
@@ -66,6 +67,10 @@ class Banks:
         self._text_search = text_search
 
     def load_shared(self, lm: LoadedModel) -> None:
+        if self.cfg.memory.store == "milvus":
+            self.shared = self._open_store(lm)
+            self.shared_note = f"Milvus {self.cfg.memory.milvus_collection} at {self.cfg.memory.milvus_uri}"
+            return
         path = self.cfg.memory.bank
         if path is None:
             return
@@ -75,6 +80,21 @@ class Banks:
         except (BankError, FileNotFoundError) as e:
             self.shared_note = f"not loaded: {describe(e)}"
             log.error("memory.bank %s: %s", path, self.shared_note)
+
+    def _open_store(self, lm: LoadedModel) -> MilvusBank:
+        """The shared bank in Milvus: the collection as it is, or made for this model's encoder (and filled from
+        `memory.bank` when one is set) when it does not exist yet. Its writes reach every session and replica."""
+        mem, keyed = self.cfg.memory, lm.encoder.values.keyed
+        client = MilvusBank.connect(mem.milvus_uri)
+        if mem.bank is not None and not client.has_collection(mem.milvus_collection):
+            load_into(self._load(lm, mem.bank), mem.milvus_uri, mem.milvus_collection, index=mem.index, client=client)
+        keys = lm.encoder.keys
+        return MilvusBank.open(mem.milvus_uri, mem.milvus_collection, client=client,
+                               dim=keys.dim if keyed else lm.hidden_size, value_dim=lm.hidden_size if keyed else None,
+                               value_dtype=mem.value_dtype, index=mem.index, info=lm.encoder.describe(),
+                               hnsw_ef_search=mem.hnsw_ef_search, expected_dim=lm.hidden_size,
+                               expected_key_dim=keys.dim if keys is not None else None,
+                               expected_encoder=lm.encoder.name)
 
     def _new(self, lm: LoadedModel) -> MemoryVectorDB:
         """An empty bank of the kind this model's encoder writes."""
@@ -100,7 +120,7 @@ class Banks:
             return s.own_label
         if s.bank_use == "example":
             return "the example bank (shared)"
-        return f"the shared bank ({self.shared_note})" if self.cfg.memory.bank else "none"
+        return f"the shared bank ({self.shared_note})" if self.cfg.memory.bank or self.shared is not None else "none"
 
     def upload(self, s: Session, path: str | Path) -> MemoryVectorDB:
         """Make an uploaded file this session's bank; on any problem raise and keep the current one."""
@@ -161,7 +181,7 @@ class Banks:
                                    "image memories; nothing was written")
             texts = lines + [f"[image] {Path(p).name}" for p in images]
             bank, cap = self._writable(s), self.cfg.memory.max_memories_per_session
-            if len(bank) + len(texts) > cap:
+            if not isinstance(bank, MilvusBank) and len(bank) + len(texts) > cap:
                 raise ServiceError(f"the bank would hold {len(bank) + len(texts)} memories, over the limit of {cap} "
                                    "(memory.max_memories_per_session); nothing was written")
             if images:
@@ -185,8 +205,11 @@ class Banks:
 
         return self.worker.submit(Request("delete_memories", run, s.id))
 
-    def _writable(self, s: Session) -> MemoryVectorDB:
-        """This session's own bank; a shared one is copied first (worker thread only)."""
+    def _writable(self, s: Session) -> MemoryVectorDB | MilvusBank:
+        """This session's own bank; a shared one is copied first (worker thread only). The shared bank in
+        Milvus is written in place: it is there to be shared."""
+        if s.bank_use == "shared" and isinstance(self.shared, MilvusBank):
+            return self.shared
         if s.bank_use != "own":
             shared = self.of(s)
             if shared is None:

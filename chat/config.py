@@ -66,9 +66,18 @@ class MemoryConfig:
     max_upload_mb: int = 64  # any upload (bank, conversation, image): refused before it is stored
     max_memories_per_session: int = 50_000  # a session's own bank (50k x 576 floats x 2 copies = 230 MB)
     autoregressive_recall: RecallSettings = field(default_factory=RecallSettings)
+    store: str = "faiss"  # where the shared bank lives: faiss (in this process, from `bank`) | milvus (`milvus_uri`)
+    milvus_uri: str | None = None  # a local path (milvus-lite, one machine) or http://host:19530 (a Milvus server)
+    milvus_collection: str = "memories"
 
     def __post_init__(self):
         _check(self.index in ("flat", "hnsw", "ivf"), "index", self.index, "flat, hnsw, ivf")
+        _check(self.store in ("faiss", "milvus"), "store", self.store, "faiss, milvus")
+        _check(self.store != "milvus" or (isinstance(self.milvus_uri, str) and self.milvus_uri.strip() != ""),
+               "milvus_uri", self.milvus_uri, "a local path or http://host:19530 when store is milvus")
+        _check(isinstance(self.milvus_collection, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,200}",
+               self.milvus_collection) is not None, "milvus_collection", self.milvus_collection,
+               "a name of letters, digits and _ (not starting with a digit)")
         if self.values != "auto":
             ValueKind.parse(self.values)  # names the value and the kinds allowed
         _check(self.value_dtype in ("float16", "float32"), "value_dtype", self.value_dtype, "float16, float32")
@@ -112,11 +121,30 @@ class AppConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    replicas: int = 1  # 1: the model runs in this process; N > 1: N Ray Serve replicas, each with its own model
+    ray_address: str | None = None  # null: start a local Ray; or a running cluster's address ("auto", "host:6379")
+    replica_cpus: float = 1.0  # CPUs Ray reserves for each replica (its torch threads)
+    replica_gpus: float = 0.0  # GPUs Ray reserves for each replica
+
+    def __post_init__(self):
+        _check(isinstance(self.replicas, int) and not isinstance(self.replicas, bool) and 1 <= self.replicas <= 256,
+               "replicas", self.replicas, "an integer from 1 to 256")
+        _check(self.ray_address is None or (isinstance(self.ray_address, str) and self.ray_address.strip() != ""),
+               "ray_address", self.ray_address, "null (a local Ray) or a cluster address such as auto or host:6379")
+        for key in ("replica_cpus", "replica_gpus"):
+            value = getattr(self, key)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, key, value,
+                   "a number >= 0")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     app: AppConfig = field(default_factory=AppConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
 
 def _build(cls, data: Any, path: str):

@@ -30,13 +30,15 @@ from chat.session import Conversation, Session, text_only_message
 from chat.textsearch import TextSearch
 from chat.banks import Banks
 from chat.inputs import Limits, check_message, check_new_tokens
-from chat.view import TurnView, chat_messages, status_line, user_message
+from chat.view import TurnView, bank_sample, bank_summary, chat_messages, recall_table, status_line, user_message
 from chat.worker import END, Notice, Request, ServiceError, Worker, describe
 from decoding import compiled
 from decoding.events import DoneEvent
 from decoding.mixture import MixtureResult
 from decoding.settings import GenerationSettings, RecallSettings
+from memory import BankError
 from memory.files import atomic_write
+from memory.milvus import MilvusBank
 from models import EMBEDDED_NAME, LoadedModel, load_model
 from models.modeling import max_positions
 
@@ -86,6 +88,8 @@ class Service:
                                                      quantize=cfg.model.quantize, values=cfg.memory.values,
                                                      keys=None if cfg.memory.key_encoder == "none"
                                                      else cfg.memory.key_encoder))
+        if cfg.memory.store == "milvus":  # refuse to start, naming the URI, when nothing answers there
+            MilvusBank.connect(cfg.memory.milvus_uri).close()
         self.files = Path(tempfile.mkdtemp(prefix="recall-chat-"))
         self.limits = Limits(cfg.app.max_message_chars, cfg.app.max_input_tokens, cfg.app.max_new_tokens_cap,
                              cfg.memory.max_memories_per_session)
@@ -392,6 +396,34 @@ class Service:
             except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
                 raise ServiceError(f"{name} is not a conversation this model can continue: {describe(e)}") from None
             s.conv, s.last_plot, s.last_note = conv, None, ""
+
+    # ----------------------------------------------------------------- what the page shows
+
+    def messages(self, s: Session, upto: int | None = None) -> list[dict]:
+        """The session's conversation (its first `upto` messages) as chat-window messages."""
+        return chat_messages(s.conv, upto)
+
+    def recall_log(self, s: Session, live: TurnView | None = None):
+        """Every injection of the session's conversation (and of the answer being written), as a table."""
+        return recall_table(s.conv, live)
+
+    def bank_view(self, s: Session) -> tuple[str, Any, str]:
+        """The bank the session uses: its summary, a sample of its memories, which one it is."""
+        db = self.banks.of(s)
+        return bank_summary(db, self.banks.label(s)), bank_sample(db), s.bank_use
+
+    def health(self) -> dict:
+        """The model worker (this process's) and the shared bank's store and size."""
+        store = self.banks.shared
+        size = None
+        if store is not None:
+            try:
+                size = len(store)
+            except BankError as e:
+                size = f"unreachable: {e}"
+        return {"replicas": [{"replica": "in-process", "alive": True, "running": len(self.worker.running),
+                              "model": self._lm.name if self._lm else None}],
+                "bank": {"store": self.cfg.memory.store, "size": size}}
 
     # ----------------------------------------------------------------- the status line
 

@@ -103,3 +103,22 @@ def test_checks_as_for_files(uri):
         MilvusBank.open(uri, "m", expected_dim=6)
     with pytest.raises(StoreError, match="already has a collection"):
         load_into(MemoryVectorDB(8), uri, "m")
+
+
+def test_the_cli_loads_a_file_into_a_collection_and_exports_it(tmp_path, uri, capsys):
+    from chat.bankcli import main
+
+    db = MemoryVectorDB(8, value_dim=4, value_dtype="float16")
+    db.add(torch.randn(3, 8), ["a", "b", "c"], values=[torch.randn(2, 4), torch.randn(1, 4), torch.randn(3, 4)])
+    db.info = {"encoder": "enc-1"}
+    db.save(tmp_path / "in.pt")
+    assert main(["load", str(tmp_path / "in.pt"), uri, "--collection", "kv"]) == 0
+    assert "loaded 3 memories" in capsys.readouterr().out
+    assert main(["load", str(tmp_path / "in.pt"), uri, "--collection", "kv"]) == 2
+    assert "already has a collection" in capsys.readouterr().err
+    assert main(["export", uri, str(tmp_path / "out.pt"), "--collection", "kv"]) == 0
+    back = MemoryVectorDB.load(tmp_path / "out.pt")
+    assert back.info == {"encoder": "enc-1"} and [back.text(i) for i in range(3)] == ["a", "b", "c"]
+    assert all(torch.equal(back.values(i), db.values(i)) for i in range(3))
+    assert main(["export", "http://127.0.0.1:9", str(tmp_path / "x.pt")]) == 2
+    assert "unreachable" in capsys.readouterr().err
