@@ -134,6 +134,17 @@ def test_answers_stream_in_several_updates(client):
                                  "content": [{"text": "Tell me about lighthouses.", "type": "text"}]}
 
 
+def test_health_names_the_in_process_model_and_the_bank_store(server):
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "health", timeout=60) as response:
+        health = json.loads(response.read())
+    (replica,) = health["replicas"]
+    assert replica["replica"] == "in-process" and replica["alive"] is True and replica["model"]
+    assert health["bank"]["store"] == "faiss"
+
+
 def test_cancel_stops_the_server_side_loop(client, server):
     label = "Write a very long essay about the sea."
     job = chat(client, label, max_new_tokens=400)
