@@ -181,7 +181,7 @@ class Banks:
                                    "image memories; nothing was written")
             texts = lines + [f"[image] {Path(p).name}" for p in images]
             bank, cap = self._writable(s), self.cfg.memory.max_memories_per_session
-            if not isinstance(bank, MilvusBank) and len(bank) + len(texts) > cap:
+            if len(bank) + len(texts) > cap:
                 raise ServiceError(f"the bank would hold {len(bank) + len(texts)} memories, over the limit of {cap} "
                                    "(memory.max_memories_per_session); nothing was written")
             if images:

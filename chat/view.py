@@ -13,6 +13,7 @@ import pandas as pd
 from chat.session import Conversation
 from chat.worker import Failed, Notice, Waiting
 from decoding.events import FinishEvent, RecallEvent, TokenEvent
+from memory import BankError
 
 Segment = tuple[str, str | None]  # (text, highlight label or None)
 RECALL_COLUMNS = ["turn", "position", "slots", "score", "memory", "text"]
@@ -130,8 +131,11 @@ def bank_summary(db, label: str) -> str:
     if db is None:
         return f"**Bank:** {label}. No memories: recall is off. Build the example bank or upload one."
     index = f", {db.index} index" if db.index != "flat" else ""
-    return (f"**Bank:** {label} · **{len(db)}** memories · {memory_kind(db)} · "
-            f"{db.bytes_per_memory() / 1024:.1f} KB a memory{index}")
+    try:
+        return (f"**Bank:** {label} · **{len(db)}** memories · {memory_kind(db)} · "
+                f"{db.bytes_per_memory() / 1024:.1f} KB a memory{index}")
+    except BankError as e:  # a shared store that went away
+        return f"**Bank:** {label} · {e}"
 
 
 def memory_kind(db) -> str:
@@ -144,7 +148,10 @@ def memory_kind(db) -> str:
 
 
 def bank_sample(db, count: int = 8) -> pd.DataFrame:
-    rows = db.entries(0, count) if db is not None else []
+    try:
+        rows = db.entries(0, count) if db is not None else []
+    except BankError:  # a shared store that went away: the summary says so
+        rows = []
     return pd.DataFrame([(e["index"], e["text"] or "", e["slots"], round(e["norm"], 2)) for e in rows],
                         columns=["memory", "text", "slots", "key norm"])
 
@@ -155,7 +162,10 @@ def found_table(hits: Sequence[dict]) -> pd.DataFrame:
 
 
 def status_line(model: str, db, bank_use: str, speed: float | None, state: str = "") -> str:
-    bank = f"bank: {len(db)} memories ({bank_use})" if db else "bank: none"
+    try:
+        bank = f"bank: {len(db)} memories ({bank_use})" if db else "bank: none"
+    except BankError:  # a shared store that went away (the answer that needed it says why)
+        bank = f"bank: unreachable ({bank_use})"
     speed_text = f"last answer {speed:.1f} tokens/s" if speed else "no answer yet"
     return " · ".join(filter(None, [model, bank, speed_text, state]))
 

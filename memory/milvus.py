@@ -65,7 +65,11 @@ class MilvusBank(BankShape):
     @classmethod
     def connect(cls, uri: str) -> Any:
         """A client for `uri`; `StoreError` naming it when nothing answers there."""
-        from pymilvus import MilvusClient
+        try:
+            from pymilvus import MilvusClient
+        except ImportError:
+            raise StoreError(f"memory.milvus_uri={uri!r} needs pymilvus and milvus-lite: "
+                             'pip install -e ".[scale]"') from None
 
         try:
             return MilvusClient(uri)

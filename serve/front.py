@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import ray  # noqa: F401 - the extra `scale`: without it, importing this module says what to install
 
 from chat.config import Config
 from chat.inputs import Limits, check_message, check_new_tokens
@@ -34,6 +35,7 @@ from chat.session import Session
 from chat.view import RECALL_COLUMNS, TurnView, status_line, user_message
 from chat.worker import END, Failed, Request, ServiceError, Worker, describe
 from decoding.events import FinishEvent, TokenEvent
+from memory import MemoryVectorDB
 from memory.files import atomic_write
 from serve.replica import ChatReplica, Record, Result
 
@@ -56,17 +58,28 @@ def shared_store(cfg: Config) -> Config:
     """`cfg` as the replicas get it. A milvus-lite store is a file only one process may open: this one (the
     front door) opens it and serves it to the replicas on this machine at its http address; a Milvus server
     URI goes to the replicas as it is. Refuses to start, naming the URI, when nothing answers there."""
-    if cfg.memory.store != "milvus":
+    mem = cfg.memory
+    if mem.store != "milvus":
         return cfg
-    from memory.milvus import MilvusBank
+    from memory.milvus import MilvusBank, StoreError, load_into
 
-    MilvusBank.connect(cfg.memory.milvus_uri)
-    if cfg.memory.milvus_uri.startswith(("http://", "https://", "tcp://", "unix:")):
+    client = MilvusBank.connect(mem.milvus_uri)
+    if mem.bank is not None and not client.has_collection(mem.milvus_collection):
+        # filled once, here, from the bank file (checked as any bank file), before any replica opens it
+        load_into(MemoryVectorDB.load(mem.bank), mem.milvus_uri, mem.milvus_collection, index=mem.index,
+                  client=client)
+    if mem.milvus_uri.startswith(("http://", "https://", "tcp://", "unix:")):
         return cfg
+    if cfg.serve.ray_address is not None:
+        raise StoreError(f"memory.milvus_uri={mem.milvus_uri!r} is a milvus-lite file, which only this machine "
+                         f"can reach; with a Ray cluster (serve.ray_address={cfg.serve.ray_address!r}) use a "
+                         "Milvus server: memory.milvus_uri=http://host:19530")
     from milvus_lite.server_manager import server_manager_instance  # the same server for the same file
 
-    uri = server_manager_instance.start_and_get_uri(cfg.memory.milvus_uri)
-    return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, milvus_uri=uri))
+    uri = server_manager_instance.start_and_get_uri(mem.milvus_uri)
+    if uri is None:
+        raise StoreError(f"could not serve the milvus-lite file memory.milvus_uri={mem.milvus_uri!r} to the replicas")
+    return dataclasses.replace(cfg, memory=dataclasses.replace(mem, milvus_uri=uri))
 
 
 def start_replicas(cfg: Config, loader: Callable | None = None, name: str = APP):
@@ -202,7 +215,7 @@ class RemoteBanks:
 
     def save(self, s: Session, fmt: str = ".pt") -> Path:
         name, data = self.service.call(s, "save_bank", fmt=fmt)
-        path = self.service.files / name
+        path = s.files / name
         path.write_bytes(data)
         return path
 
@@ -237,6 +250,7 @@ class RemoteService:
         self._ids = itertools.count(1)
         self.sessions: dict[int, Session] = {}
         self.records: dict[int, Record] = {}
+        self._lock = threading.Lock()  # records, served_by, seen: written by the threads following requests
         self.served_by: dict[int, list[str]] = {}  # each session's calls: the replica that ran each
         self.seen: dict[str, Record] = {}  # each replica's latest record
         self._history: dict[int, list] = {}  # an API conversation's earlier messages, sent with its question
@@ -278,11 +292,11 @@ class RemoteService:
     def end_session(self, session: Session | None) -> None:
         if not isinstance(session, Session) or self.sessions.pop(session.id, None) is None:
             return
-        for req in self.stop(session):
-            req.done.wait(60)
-        self.records.pop(session.id, None)
-        self._history.pop(session.id, None)
-        self.served_by.pop(session.id, None)
+        self.stop(session)  # (not waited for: an API request ends here, on the event loop)
+        with self._lock:
+            self.records.pop(session.id, None)
+            self._history.pop(session.id, None)
+            self.served_by.pop(session.id, None)
         try:
             self.handle.options(session_id=self._key(session.id)).end.remote(self._key(session.id))
         except Exception:  # noqa: BLE001 - the replica may be gone: then so is the session there
@@ -333,12 +347,18 @@ class RemoteService:
         raise ServiceError("no model replica answered (serve.replicas, or the Ray cluster at serve.ray_address)")
 
     def _keep(self, s: Session, record: Record) -> None:
-        if record.version >= self.records.get(s.id, Record()).version:
-            self.records[s.id] = record
-            s.bank_use, s.last_speed, s.last_plot, s.last_note = (record.bank_use, record.last_speed,
-                                                                  record.last_plot, record.last_note)
-        self.served_by.setdefault(s.id, []).append(record.replica)
-        self.seen[record.replica] = record
+        """A record a replica sent back: the session's, when it is newer than the one kept (calls of one
+        session may overlap and end in any order)."""
+        with self._lock:
+            if s.id not in self.sessions:  # ended meanwhile
+                return
+            if record.version > self.records[s.id].version:
+                self.records[s.id] = record
+                s.bank_use, s.last_speed, s.last_plot, s.last_note = (record.bank_use, record.last_speed,
+                                                                      record.last_plot, record.last_note)
+            served = self.served_by.setdefault(s.id, [])
+            served[:] = served[-15:] + [record.replica]  # (the last few are enough to tell where it ran)
+            self.seen[record.replica] = record
 
     def submit(self, s: Session, kind: str, op: str, label: str = "", **args: Any) -> Request:
         """A request running `op` on the session's replica, followed as a local one is."""
@@ -350,14 +370,16 @@ class RemoteService:
     def call(self, s: Session, op: str, **args: Any) -> Any:
         """Run `op` on the session's replica and wait for its value; `ServiceError` with its failure."""
         self.touch(s)
-        events = self._stream(s, op, args)
-        while True:
+        events, failed = self._stream(s, op, args), None
+        while True:  # to the end of the stream, failed or not: its record comes last
             try:
                 event = next(events)
             except StopIteration as stop:
+                if failed is not None:
+                    raise ServiceError(failed) from None
                 return stop.value
             if isinstance(event, Failed):
-                raise ServiceError(event.message)
+                failed = event.message
 
     # ----------------------------------------------------------------- the model
 
@@ -460,8 +482,10 @@ class RemoteService:
             bank = self.handle.health.remote().result(timeout_s=10)["bank"]
         except Exception as e:  # noqa: BLE001
             bank = {"store": self.cfg.memory.store, "size": f"unreachable: {describe(e)}"}
-        return {"replicas": [{"replica": name, "alive": _alive(name), "running": r.running, "sessions": sum(
-                    1 for served in self.served_by.values() if served and served[-1] == name)}
-                             for name, r in sorted(self.seen.items())],
+        with self._lock:
+            seen = sorted(self.seen.items())
+            last = [served[-1] for served in self.served_by.values() if served]
+        return {"replicas": [{"replica": name, "alive": _alive(name), "running": r.running,
+                              "sessions": last.count(name)} for name, r in seen],
                 "replica_states": dict(deployment.replica_states), "deployment": str(deployment.status),
                 "wanted": self.cfg.serve.replicas, "bank": bank}

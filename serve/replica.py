@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -37,7 +38,6 @@ class Record:
     conversation: str | None = None  # Conversation.to_json(), None while empty
     bank_use: str = "shared"
     messages: list[dict] = field(default_factory=list)  # the chat window
-    recall_log: Any = None  # the recall table (a DataFrame) of the stored turns
     recalls: list = field(default_factory=list)  # each stored answer's RecallEvents
     status: str = ""  # the status line, without the front door's state
     bank: tuple = ("", None, "shared")  # bank summary, sample, which bank
@@ -79,7 +79,9 @@ class ChatReplica:
         except Exception:  # noqa: BLE001 - outside Serve (a unit test)
             self.id = f"local-{os.getpid()}"
         self.service = Service(cfg, loader=loader)
-        self.sessions: dict[str, tuple[Session, int]] = {}
+        self.sessions: dict[str, tuple[Session, int]] = {}  # session key -> (its session, its record version)
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
         req = self.service.ready()
         req.done.wait()
         if req.error:
@@ -91,38 +93,51 @@ class ChatReplica:
     # ----------------------------------------------------------------- sessions
 
     def _session(self, key: str, record: Record) -> tuple[Session, list[Notice]]:
-        """The live session for `key` at the record's version, or one rebuilt from the record."""
-        held = self.sessions.get(key)
-        if held is not None and held[1] == record.version and held[0].id in self.service.sessions:
-            return held[0], []
-        svc = self.service
-        s = held[0] if held is not None else svc.new_session()
-        svc.touch(s)
-        notices = []
-        with s.lock:
-            s.conv = None
-            if record.conversation is not None:
-                svc.conversation(s).load_json(record.conversation, s.files)
-                notices.append(Notice("the model replica that held this conversation was restarted or removed: "
-                                      "it was rebuilt here from its record (nothing is lost)"))
-        use = record.bank_use
-        if (use == "own" and s.own_bank is None) or (use == "example" and svc.banks.example is None):
-            notices.append(Notice(f"your {'own' if use == 'own' else 'example'} bank was kept on the replica that "
-                                  "stopped: using the shared bank (upload or build it again)"))
-            use = "shared"
-        s.bank_use = use
-        self.sessions[key] = (s, record.version)
-        return s, notices
+        """The live session for `key`, or one rebuilt from the record when this replica holds none, or an older
+        version than the front door's (the session was served elsewhere meanwhile)."""
+        with self._lock(key):
+            held = self.sessions.get(key)
+            if held is not None and held[1] >= record.version and held[0].id in self.service.sessions:
+                return held[0], []
+            svc = self.service
+            s = held[0] if held is not None else svc.new_session()
+            svc.touch(s)
+            notices = []
+            with s.lock:
+                s.conv = None
+                if record.conversation is not None:
+                    svc.conversation(s).load_json(record.conversation, s.files)
+                    why = ("was freed here after being idle" if record.replica == self.id else
+                           "moved to another model replica (its replica stopped or was removed, or replicas were "
+                           "added)")
+                    notices.append(Notice(f"this conversation {why}: it was rebuilt from its record, nothing is "
+                                          "lost"))
+            use = record.bank_use
+            if (use == "own" and s.own_bank is None) or (use == "example" and svc.banks.example is None):
+                notices.append(Notice(f"your {'own' if use == 'own' else 'example'} bank was kept on the replica that "
+                                      "served this conversation before: using the shared bank (upload or build it "
+                                      "again)"))
+                use = "shared"
+            s.bank_use = use
+            self.sessions[key] = (s, record.version)
+            return s, notices
 
-    def _record(self, key: str, version: int) -> Record:
-        s = self.sessions[key][0]
+    def _lock(self, key: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def _record(self, key: str) -> Record:
+        """The session's record after a call: one version past the newest this replica gave out for it."""
+        with self._lock(key):
+            s, version = self.sessions[key]
+            version += 1
+            self.sessions[key] = (s, version)
         svc, conv = self.service, s.conv
         with s.lock:
             text = conv.to_json() if conv is not None and conv.messages else None
             recalls = [m.recalls for m in conv.messages if m.role == "assistant"] if conv is not None else []
-        self.sessions[key] = (s, version)
-        return Record(version, text, s.bank_use, svc.messages(s), svc.recall_log(s), recalls, svc.status(s),
-                      svc.bank_view(s), s.last_speed, s.last_plot, s.last_note, self.id, len(svc.worker.running))
+        return Record(version, text, s.bank_use, svc.messages(s), recalls, svc.status(s), svc.bank_view(s), s.last_speed,
+                      s.last_plot, s.last_note, self.id, len(svc.worker.running))
 
     # ----------------------------------------------------------------- calls
 
@@ -138,10 +153,11 @@ class ChatReplica:
             return
         for notice in notices:
             yield notice
+        out = None
         try:
             out = await asyncio.to_thread(getattr(self, f"op_{op}"), s, **args)
             if isinstance(out, Request):
-                while (event := await self.service.worker.next_event(out, None)) is not END:
+                while (event := await self.service.next_event(out, None)) is not END:
                     yield _slim(event)
                 if out.error is None and out.kind != "chat" and out.kind != "regenerate":
                     yield Result(out.result)
@@ -149,7 +165,11 @@ class ChatReplica:
                 yield Result(out)
         except (ValueError, KeyError, FileNotFoundError, OSError) as e:
             yield Failed(describe(e))
-        yield await asyncio.to_thread(self._record, key, record.version + 1)
+        except BaseException:  # the caller went away (its stream was cancelled): the answer stops within a step
+            if isinstance(out, Request) and not out.done.is_set():
+                self.service.withdraw(out)
+            raise
+        yield await asyncio.to_thread(self._record, key)
 
     def stop(self, key: str) -> int:
         """Stop the session's answers (within one decode step); how many were running."""

@@ -42,6 +42,8 @@ def test_the_shared_bank_in_milvus_survives_a_restart_and_a_lost_store_is_named(
         assert turn.request.error is not None
         assert turn.request.error.startswith(f"the memory store at memory.milvus_uri={uri!r} failed")
         assert "unreachable" in str(svc.health()["bank"]["size"])
+        assert "bank: unreachable (shared)" in svc.status(s)  # the page goes on rendering
+        assert f"memory.milvus_uri={uri!r}" in svc.bank_view(s)[0]
         # the session and the others go on (without recall)
         result(svc.chat(s, "Hello", [], SHORT, RecallSettings(enabled=False)).request)
         result(svc.chat(other, "Hello", [], SHORT, RecallSettings(enabled=False)).request)
