@@ -12,6 +12,7 @@ import binascii
 import io
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
@@ -47,6 +48,17 @@ def check_new_tokens(max_new_tokens: int, limits: Limits) -> None:
     if max_new_tokens > limits.max_new_tokens_cap:
         raise ValueError(f"max_new_tokens: expected at most {limits.max_new_tokens_cap} "
                          f"(app.max_new_tokens_cap), got {max_new_tokens}")
+
+
+def read_upload_text(path: str | Path, max_mb: int) -> str:
+    """An uploaded text file (a conversation): refused over `max_mb` MB or unreadable, naming the file."""
+    name = Path(path).name
+    try:
+        if Path(path).stat().st_size > max_mb * 2 ** 20:
+            raise ValueError(f"{name}: expected at most {max_mb} MB")
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"could not read {name}: {e}") from None
 
 
 # --------------------------------------------------------------------------- conversation files

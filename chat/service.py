@@ -29,7 +29,7 @@ from chat.config import Config
 from chat.session import Conversation, Session, text_only_message
 from chat.textsearch import TextSearch
 from chat.banks import Banks
-from chat.inputs import Limits, check_message, check_new_tokens
+from chat.inputs import Limits, check_message, check_new_tokens, read_upload_text
 from chat.view import TurnView, bank_sample, bank_summary, chat_messages, recall_table, status_line, user_message
 from chat.worker import END, Notice, Request, ServiceError, Worker, describe
 from decoding import compiled
@@ -384,11 +384,9 @@ class Service:
             req.done.wait(60)
         name = Path(path).name
         try:
-            if Path(path).stat().st_size > self.cfg.memory.max_upload_mb * 2 ** 20:
-                raise ServiceError(f"{name}: expected at most {self.cfg.memory.max_upload_mb} MB")
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ServiceError(f"could not read {name}: {e}") from None
+            text = read_upload_text(path, self.cfg.memory.max_upload_mb)
+        except ValueError as e:
+            raise ServiceError(str(e)) from None
         with s.lock:
             conv = s.conv or Conversation(lm)
             try:

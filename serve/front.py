@@ -29,7 +29,7 @@ import pandas as pd
 import ray  # noqa: F401 - the extra `scale`: without it, importing this module says what to install
 
 from chat.config import Config
-from chat.inputs import Limits, check_message, check_new_tokens
+from chat.inputs import Limits, check_message, check_new_tokens, read_upload_text
 from chat.service import Service, Turn
 from chat.session import Session
 from chat.view import RECALL_COLUMNS, TurnView, status_line, user_message
@@ -436,11 +436,9 @@ class RemoteService:
             req.done.wait(60)
         name = Path(path).name
         try:
-            if Path(path).stat().st_size > self.cfg.memory.max_upload_mb * 2 ** 20:
-                raise ServiceError(f"{name}: expected at most {self.cfg.memory.max_upload_mb} MB")
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ServiceError(f"could not read {name}: {e}") from None
+            text = read_upload_text(path, self.cfg.memory.max_upload_mb)
+        except ValueError as e:
+            raise ServiceError(str(e)) from None
         try:
             self.call(s, "load_conversation", text=text)
         except ServiceError as e:
