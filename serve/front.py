@@ -98,6 +98,10 @@ def start_replicas(cfg: Config, loader: Callable | None = None, name: str = APP)
         except Exception as e:  # noqa: BLE001 - Ray raises many kinds (ConnectionError, RuntimeError, ...)
             where = "start a local Ray" if address is None else f"join the Ray cluster at {address}"
             raise ServeError(f"could not {where} (serve.ray_address={address!r}): {describe(e)}") from None
+    want, have = cfg.serve.replicas * cfg.serve.replica_cpus, ray.cluster_resources().get("CPU", 0)
+    if want > have:  # Serve would wait for them forever
+        raise ServeError(f"serve.replicas={cfg.serve.replicas} x serve.replica_cpus={cfg.serve.replica_cpus} needs "
+                         f"{want:g} CPUs; the Ray cluster has {have:g}: lower either, or add nodes")
     serve.start(proxy_location="Disabled")
     deployment = serve.deployment(
         ChatReplica, name=DEPLOYMENT, num_replicas=cfg.serve.replicas, max_ongoing_requests=64,
