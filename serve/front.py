@@ -106,6 +106,7 @@ def start_replicas(cfg: Config, loader: Callable | None = None, name: str = APP)
     deployment = serve.deployment(
         ChatReplica, name=DEPLOYMENT, num_replicas=cfg.serve.replicas, max_ongoing_requests=64,
         max_constructor_retry_count=3,  # a model that does not load: say so, do not retry it 20 times
+        logging_config={"enable_access_log": False, "log_level": "WARNING"},  # no log line a call
         ray_actor_options={"num_cpus": cfg.serve.replica_cpus, "num_gpus": cfg.serve.replica_gpus},
         request_router_config=RequestRouterConfig(request_router_class=ROUTER,
                                                   request_router_kwargs={"num_fallback_replicas": 0}))
