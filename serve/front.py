@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import ray  # noqa: F401 - the extra `scale`: without it, importing this module says what to install
+import ray  # the extra `scale`: without it, importing this module says what to install
 
 from chat.config import Config
 from chat.inputs import Limits, check_message, check_new_tokens, read_upload_text
@@ -225,15 +225,11 @@ class RemoteBanks:
         return path
 
 
-def _alive(replica: str) -> bool:
-    """Whether the replica's actor (named by its Ray Serve replica id) is alive."""
-    import ray
-
-    try:
-        ray.get_actor(replica, namespace="serve")
-        return True
-    except ValueError:
-        return False
+def _replicas() -> list[str]:
+    """The live replica actors of the deployment (Ray Serve names them by replica id)."""
+    prefix = f"SERVE_REPLICA::{APP}#{DEPLOYMENT}#"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == "serve" and a["name"].startswith(prefix))
 
 
 def _read(paths: Sequence[str]) -> list[tuple[str, bytes]]:
@@ -488,7 +484,9 @@ class RemoteService:
         with self._lock:
             seen = sorted(self.seen.items())
             last = [served[-1] for served in self.served_by.values() if served]
-        return {"replicas": [{"replica": name, "alive": _alive(name), "running": r.running,
-                              "sessions": last.count(name)} for name, r in seen],
+        live, seen = _replicas(), dict(seen)
+        return {"replicas": [{"replica": name, "alive": name in live,
+                              "running": seen[name].running if name in seen else 0,  # as it last said
+                              "sessions": last.count(name)} for name in sorted(set(live) | set(seen))],
                 "replica_states": dict(deployment.replica_states), "deployment": str(deployment.status),
                 "wanted": self.cfg.serve.replicas, "bank": bank}

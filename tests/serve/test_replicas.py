@@ -112,6 +112,8 @@ def page_chat(client: Client, text: str) -> list:
 
 def test_sessions_get_the_in_process_answers_and_stay_on_one_replica(front, local):
     service, url = front
+    before = service.health()["replicas"]  # listed before any session reached them
+    assert len(before) == 2 and all(r["alive"] and r["sessions"] == 0 for r in before)
     clients = [Client(url, verbose=False) for _ in QUESTIONS]
     jobs = [c.submit(message={"text": q, "files": []}, seed=None, recall_enabled=False, api_name="/chat")
             for c, q in zip(clients, QUESTIONS)]  # four sessions at once
