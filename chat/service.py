@@ -202,8 +202,7 @@ class Service:
         if not isinstance(session, Session):
             return
         self.sessions.pop(session.id, None)
-        for req in self.stop(session):
-            req.done.wait(60)
+        self.settle(session)
         with session.lock:
             session.conv = None  # its KV cache and memory vectors
             session.own_bank, session.bank_use = None, "shared"
@@ -248,15 +247,20 @@ class Service:
 
     # ----------------------------------------------------------------- chatting
 
-    def chat(self, s: Session, text: str, images: Sequence[str], settings: GenerationSettings,
-             recall: RecallSettings, recall_first: bool = False) -> Turn:
-        """Queue an answer to a new user message."""
-        self.touch(s)
+    def checked(self, text: str, images: Sequence[str], settings: GenerationSettings) -> tuple[str, list[str]]:
+        """A new message within the limits: its text stripped and its image paths; `ServiceError` else."""
         check_message(text, list(images or ()), self.limits)
         check_new_tokens(settings.max_new_tokens, self.limits)
         text, images = text.strip(), [str(p) for p in images or ()]
         if not text and not images:
             raise ServiceError("type a message (or attach an image)")
+        return text, images
+
+    def chat(self, s: Session, text: str, images: Sequence[str], settings: GenerationSettings,
+             recall: RecallSettings, recall_first: bool = False) -> Turn:
+        """Queue an answer to a new user message."""
+        self.touch(s)
+        text, images = self.checked(text, images, settings)
         history = chat_messages(s.conv)
 
         def run(interrupt: threading.Event) -> Iterator[Any]:
@@ -362,6 +366,11 @@ class Service:
             self.worker.withdraw(req)
         return stopped
 
+    def settle(self, s: Session) -> None:
+        """Stop this session's answers and wait (a minute at most each) until they have ended."""
+        for req in self.stop(s):
+            req.done.wait(60)
+
     def clear(self, s: Session) -> None:
         self.stop(s)
         with s.lock:
@@ -380,8 +389,7 @@ class Service:
 
     def load_conversation(self, s: Session, path: str | Path) -> None:
         lm = self._wait_model()
-        for req in self.stop(s):
-            req.done.wait(60)
+        self.settle(s)
         name = Path(path).name
         try:
             text = read_upload_text(path, self.cfg.memory.max_upload_mb)

@@ -29,7 +29,7 @@ import pandas as pd
 import ray  # the extra `scale`: without it, importing this module says what to install
 
 from chat.config import Config
-from chat.inputs import Limits, check_message, check_new_tokens, read_upload_text
+from chat.inputs import Limits, check_new_tokens, read_upload_text
 from chat.service import Service, Turn
 from chat.session import Session
 from chat.view import RECALL_COLUMNS, TurnView, status_line, user_message
@@ -240,7 +240,8 @@ class RemoteService:
     """`chat.service.Service` for the page and `/v1`, with the model in Ray Serve replicas. Thread-safe."""
 
     # the same following, stopping and streaming of a turn's events as in process, over `RemoteWorker`
-    follow, stop, next_event, withdraw = Service.follow, Service.stop, Service.next_event, Service.withdraw
+    follow, stop, settle, checked = Service.follow, Service.stop, Service.settle, Service.checked
+    next_event, withdraw = Service.next_event, Service.withdraw
 
     def __init__(self, cfg: Config, loader: Callable | None = None):
         self.cfg = shared_store(cfg)
@@ -401,11 +402,7 @@ class RemoteService:
 
     def chat(self, s: Session, text: str, images: Sequence[str], settings, recall, recall_first: bool = False) -> Turn:
         self.touch(s)
-        check_message(text, list(images or ()), self.limits)
-        check_new_tokens(settings.max_new_tokens, self.limits)
-        text, images = text.strip(), [str(p) for p in images or ()]
-        if not text and not images:
-            raise ServiceError("type a message (or attach an image)")
+        text, images = self.checked(text, images, settings)
         history = list(self.records[s.id].messages)
         req = self.submit(s, "chat", "chat", text[:80], text=text, images=_read(images), settings=settings,
                           recall=recall, recall_first=recall_first, history=self._history.pop(s.id, []))
@@ -420,8 +417,7 @@ class RemoteService:
         return Turn(req, TurnView(), list(messages[:-1]), None)
 
     def clear(self, s: Session) -> None:
-        for req in self.stop(s):
-            req.done.wait(60)
+        self.settle(s)
         self.call(s, "clear")
 
     def save_conversation(self, s: Session) -> Path:
@@ -433,8 +429,7 @@ class RemoteService:
         return path
 
     def load_conversation(self, s: Session, path: str | Path) -> None:
-        for req in self.stop(s):
-            req.done.wait(60)
+        self.settle(s)
         name = Path(path).name
         try:
             text = read_upload_text(path, self.cfg.memory.max_upload_mb)
