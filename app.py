@@ -410,7 +410,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
     parser.add_argument("--config", help="YAML configuration file (default: config_qwen3vl.yaml)")
     parser.add_argument("--host", help="address to listen on (app.host)")
     parser.add_argument("--port", type=int, help="port (app.port)")
-    parser.add_argument("--model", help="local model folder (model.path); default: the embedded SmolLM2")
+    parser.add_argument("--model", help="local model folder or .gguf file (model.path); default: the embedded "
+                        "SmolLM2")
+    parser.add_argument("--backend", help="auto | transformers | llamacpp (model.backend)")
     parser.add_argument("--adapter", help="PEFT adapter folder, auto or none (model.adapter)")
     parser.add_argument("--device", help="auto | cpu | cuda | cuda:N | mps (model.device)")
     parser.add_argument("--bank", help="memory bank file loaded at start and shared (memory.bank)")
@@ -420,6 +422,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
                         help="override a configuration key, e.g. --set generation.temperature=0.5 (repeatable)")
     args = parser.parse_args(argv)
     flags = {"app.host": args.host, "app.port": args.port, "model.path": args.model, "model.adapter": args.adapter,
+             "model.backend": args.backend,
              "model.device": args.device, "memory.bank": args.bank, "serve.replicas": args.replicas}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + args.overrides
     try:

@@ -1,11 +1,14 @@
 """Decode speed of the recall loop against `model.generate`, on the embedded SmolLM2, in one run.
 
-    .venv/bin/python bench/generate.py [--tokens 64] [--repeats 5]
+    .venv/bin/python bench/generate.py [--tokens 64] [--repeats 5] [--backends transformers,llamacpp]
 
 Per-token decode time is (T(n tokens) - T(1 token)) / (n - 1) for both, so the prefill cancels
 out; the same prompt, settings (greedy, min_new_tokens = n so both run exactly n steps) and
 model object. Reports medians over repeats, time to first token, the cost of one recall at 10k
 and 100k memories, and tokens/s as a fraction of the memory-bandwidth bound.
+
+With `llamacpp` among the backends (bench/backends.py), the recall loop on llama.cpp is measured in the
+same run against the compiled transformers loop and against llama.cpp's own generation on the same file.
 """
 
 from __future__ import annotations
@@ -56,9 +59,9 @@ def stepped_logits(model, seq: torch.Tensor, start: int) -> torch.Tensor:
     fwd = Forward(model)
     cache = fast_path.static_cache(model, seq.shape[1])
     positions = torch.arange(seq.shape[1])[None]
-    rows = [fwd.logits(fwd.prefill(fwd.embed(seq[:, :start + 1]), positions[:, :start + 1], cache, None, {}))]
+    rows = [fwd.logits(fwd.prefill(fwd.embed(seq[:, :start + 1]), positions[:, :start + 1], cache, None, {})[0])]
     for i in range(start + 1, seq.shape[1] - 1):
-        rows.append(fwd.logits(fwd.step(fwd.embed(seq[:, i:i + 1]), torch.tensor([[i]]), cache, None)))
+        rows.append(fwd.logits(fwd.step(fwd.embed(seq[:, i:i + 1]), torch.tensor([[i]]), cache, None)[0]))
     return torch.cat(rows).float()
 
 
@@ -90,7 +93,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backends", default="transformers", help="comma-separated: transformers, llamacpp")
+    ap.add_argument("--prompts", type=int, default=30, help="held-out prompts for the backends' closeness")
     args = ap.parse_args()
+    backends = args.backends.split(",")
+    if not set(backends) <= {"transformers", "llamacpp"}:
+        ap.error(f"--backends {args.backends!r}: expected transformers and/or llamacpp")
+    if backends == ["llamacpp"]:
+        ap.error("--backends llamacpp is measured beside the compiled transformers loop: give transformers,llamacpp")
     torch.set_grad_enabled(False)
     transformers.logging.set_verbosity_error()
     lm = load_model(None, device="cpu")
@@ -236,6 +246,10 @@ def main() -> None:
     print(f"| compiled static generate | {share(compiled)} |")
     print(f"| custom loop | {share(med['custom'])} |")
     print(f"| compiled custom loop | {share(fast)} |")
+    if "llamacpp" in backends:
+        from backends import compare
+
+        compare(lm, inputs, fast, settings, ids, args)
 
 
 if __name__ == "__main__":

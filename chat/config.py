@@ -20,6 +20,7 @@ import yaml
 
 from decoding.settings import GenerationSettings, RecallSettings
 from models.encoder import HiddenStateSpec, ValueKind
+from models.llamacpp import GGUF_TYPES
 from models.quantize import QUANTIZE
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "config_qwen3vl.yaml"
@@ -43,6 +44,9 @@ class ModelConfig:
     dtype: str = "float32"
     compile: bool = True  # compile the decode step in the background at start (text models; decoding/compiled.py)
     quantize: str = "none"  # none | int8: int8 weights and activations on the CPU (models/quantize.py; changes outputs)
+    backend: str = "transformers"  # transformers | llamacpp (a GGUF on llama.cpp, decoding/llamacpp.py) | auto
+    gguf_type: str = "q8_0"  # the embedded recall model's GGUF on llama.cpp: q8_0 | q4_0 | q4_1 | f16 | f32
+    gguf_context: int = 2048  # llama.cpp: the positions each conversation holds (8 stay resident in its KV cache)
 
     def __post_init__(self):
         _check(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(self.device)) is not None, "device", self.device,
@@ -50,6 +54,11 @@ class ModelConfig:
         _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype, "float32, bfloat16, float16")
         _check(isinstance(self.compile, bool), "compile", self.compile, "true, false")
         _check(self.quantize in QUANTIZE, "quantize", self.quantize, ", ".join(QUANTIZE))
+        _check(self.backend in ("auto", "transformers", "llamacpp"), "backend", self.backend,
+               "auto, transformers, llamacpp")
+        _check(self.gguf_type in GGUF_TYPES, "gguf_type", self.gguf_type, ", ".join(GGUF_TYPES))
+        _check(isinstance(self.gguf_context, int) and 256 <= self.gguf_context <= 1 << 18, "gguf_context",
+               self.gguf_context, "an integer from 256 to 262144")
 
 
 @dataclass(frozen=True)

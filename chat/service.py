@@ -86,6 +86,8 @@ class Service:
                                                      device=cfg.model.device, dtype=cfg.model.dtype,
                                                      hidden_state=cfg.memory.hidden_state,
                                                      quantize=cfg.model.quantize, values=cfg.memory.values,
+                                                     backend=cfg.model.backend, gguf_type=cfg.model.gguf_type,
+                                                     gguf_context=cfg.model.gguf_context,
                                                      keys=None if cfg.memory.key_encoder == "none"
                                                      else cfg.memory.key_encoder))
         if cfg.memory.store == "milvus":  # refuse to start, naming the URI, when nothing answers there
@@ -145,7 +147,7 @@ class Service:
     def _compile(self, lm: LoadedModel) -> None:
         """With `model.compile`, compile the decode step of a text model in the background: answers
         decode eagerly until it is ready, and the status line says so meanwhile."""
-        if self.cfg.model.compile and not lm.is_vision:
+        if self.cfg.model.compile and not lm.is_vision and lm.backend == "transformers":
             step = compiled.enable(lm.merged())
             threading.Thread(target=step.warm_up, name="recall-chat-compile", daemon=True).start()
 

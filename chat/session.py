@@ -277,6 +277,9 @@ class Conversation:
         try:
             common = dict(recall=recall, tokenizer=self.lm.tokenizer, interrupt=interrupt_event,
                           memory_vectors=self.memory)
+            if settings.mixture.enabled and self.lm.backend != "transformers":
+                raise ValueError("generation.mixture runs two transformers models (its draft may be llama.cpp): "
+                                 "set model.backend: transformers")
             if settings.mixture.enabled:  # q* of this model and its target (its own base by default)
                 target = self.lm.mixture_target(settings.mixture.target)  # (made once)
                 mix = settings.mixture

@@ -80,9 +80,11 @@ class Batch:
         if not steps:
             return
         fwd = steps[0].req.fwd
+        if fwd.runs_steps:  # llama.cpp: the requests are sequences of one batch of its own (decoding/llamacpp.py)
+            return fwd.run_steps(steps)
         if len(steps) == 1 and not self.seats:
             s = steps[0]
-            hidden = fwd.step(s.embeds, s.position, s.req.cache, None)
+            hidden, _ = fwd.step(s.embeds, s.position, s.req.cache, None)
         else:
             joining = [s.req for s in steps if self._row(s.req) is None]
             if joining:
@@ -113,7 +115,7 @@ class Batch:
             positions[..., row, width - w:] = s.position[..., 0, :]
             self.mask[row, self.width + width - w:self.width + width] = 1
         self.width += width
-        hidden = fwd.step(embeds, positions, self.cache, self.mask[:, :self.width])
+        hidden, _ = fwd.step(embeds, positions, self.cache, self.mask[:, :self.width])
         self.forwards += 1
         self.rows_run += len(steps)
         return hidden[rows]

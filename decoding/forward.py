@@ -12,12 +12,27 @@ from typing import Mapping
 
 import torch
 
-from decoding.compiled import compiled_step
+from transformers import DynamicCache, StaticCache
+
+from decoding.compiled import compiled_step, fit, static_cache
 from models.modeling import backbone_and_head, head_logits, unwrap_model
+
+
+def forward_for(model, want_state: bool = False):
+    """The loop's view of a model, the seam between the loop and a backend: `Forward` for a transformers
+    model, `decoding.llamacpp.LlamaForward` for a GGUF on llama.cpp. Both give `embed(ids)`, `prefill`
+    and `step` (-> the last position's final state and its logits, or None when `logits(state)` computes
+    them), `cache_for`, `device`, `dtype`. `want_state`: the caller reads the final state (the memory head's
+    query of a bank keyed by hidden states); transformers always has it, llama.cpp reads it only then."""
+    from decoding.llamacpp import LlamaCppModel, LlamaForward
+
+    return LlamaForward(model, want_state) if isinstance(model, LlamaCppModel) else Forward(model)
 
 
 class Forward:
     """A model's backbone, head and input embeddings, resolved once per request."""
+
+    runs_steps = False  # a batch of requests runs as rows of one transformers forward (decoding/batch.py)
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -28,29 +43,39 @@ class Forward:
         self.device, self.dtype = param.device, param.dtype
         self.compiled = compiled_step(model)  # the compiled decode step, once it is warm (decoding/compiled.py)
 
+    def cache_for(self, cache, needed: int, plain: bool):
+        """The KV cache a request of `needed` positions runs on: `cache` (an earlier turn's; a static one grown
+        to hold them), or a new one: static for the compiled step when the request is `plain` (unpadded
+        text decoding from the final layer), else dynamic."""
+        if cache is None:
+            fast = plain and self.compiled is not None and not hasattr(self.backbone, "get_rope_index")
+            return (static_cache(self.model, needed) if fast
+                    else DynamicCache(config=self.base.config.get_text_config(decoder=True)))
+        return fit(cache, self.model, needed) if isinstance(cache, StaticCache) else cache
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [B, V] of final hidden states [B, H], as the model's own forward gives them."""
         return head_logits(self.model, self.head, hidden)
 
     def prefill(self, embeds: torch.Tensor, positions: torch.Tensor, cache, attention_mask: torch.Tensor | None,
-                vision: Mapping[str, torch.Tensor], layers: bool = False) -> torch.Tensor:
-        """Run the uncached prompt embeddings [B, S, H]; the last position's hidden state [B, H]
-        (with `layers`: every decoder layer's, [B, L, H], the last one normed)."""
+                vision: Mapping[str, torch.Tensor], layers: bool = False) -> tuple[torch.Tensor, None]:
+        """Run the uncached prompt embeddings [B, S, H]; (the last position's hidden state [B, H] (with
+        `layers`: every decoder layer's, [B, L, H], the last one normed), None: `logits` gives the logits)."""
         out = self.backbone(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
                             past_key_values=cache, use_cache=True, **vision, **_all_layers(layers))
-        return _last_position(out, layers)
+        return _last_position(out, layers), None
 
     def step(self, embeds: torch.Tensor, position: torch.Tensor, cache,
-             attention_mask: torch.Tensor | None, layers: bool = False) -> torch.Tensor:
-        """The new positions of a step: embeds [B, W, H] (W = 1, or a memory's slots) -> the last one's hidden
-        state [B, H] (`layers`: [B, L, H]), on the KV cache (compiled for one position of unpadded rows on a
-        static cache)."""
+             attention_mask: torch.Tensor | None, layers: bool = False) -> tuple[torch.Tensor, None]:
+        """The new positions of a step: embeds [B, W, H] (W = 1, or a memory's slots) -> (the last one's hidden
+        state [B, H] (`layers`: [B, L, H]), None), on the KV cache (compiled for one position of unpadded rows
+        on a static cache)."""
         if (self.compiled is not None and embeds.shape[1] == 1 and self.compiled.covers(cache)
                 and attention_mask is None and not layers):
-            return self.compiled(embeds, position, cache)
+            return self.compiled(embeds, position, cache), None
         out = self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=cache, use_cache=True,
                             attention_mask=attention_mask, **_all_layers(layers))
-        return _last_position(out, layers)
+        return _last_position(out, layers), None
 
     def reset_request_state(self) -> None:
         """Qwen3-VL keeps per-request rope deltas on the module: never let one request see another's."""

@@ -24,10 +24,10 @@ import time
 from typing import Iterator, Mapping, Sequence
 
 import torch
-from transformers import LogitsProcessorList, StaticCache, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from decoding.batch import Batch
-from decoding.compiled import crop, fit
+from decoding.compiled import crop
 from decoding.events import DoneEvent, Event, GenerationResult, PrefillEvent, RecallEvent, TokenEvent
 from decoding.forward import Forward, prefill_positions, vision_suffix
 from decoding.memory import MemorySelector, Recall, recall_step
@@ -180,7 +180,7 @@ def _generate(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: threa
 def _prefill(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: threading.Event | None,
              prefill_chunk: int) -> Iterator[Event]:
     """1. Prefill the uncached part of the prompt, memory vectors at their positions; returns (the last
-    position's state, its position ids), or None when a stop came between chunks (the cache keeps the prefix)."""
+    position's state, its logits when the backend gives them, its position ids), or None when a stop came between chunks (the cache keeps the prefix)."""
     fwd, rows = req.fwd, req.rows
     positions = prefill_positions(fwd.backbone, inputs, req.input_ids, req.attention_mask)[..., req.past_len:]
     embeds = _prefill_embeds(fwd, req.input_ids, req.past_len, rows, req.recall)
@@ -189,8 +189,8 @@ def _prefill(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: thread
     chunk = todo if vision or req.attention_mask is not None else max(1, prefill_chunk)  # images stay whole
     for start in range(0, todo, chunk):
         end = min(todo, start + chunk)
-        hidden = fwd.prefill(embeds[:, start:end], positions[..., start:end], req.cache, req.attention_mask, vision,
-                             layers=req.entropy is not None and end == todo)
+        hidden, logits = fwd.prefill(embeds[:, start:end], positions[..., start:end], req.cache, req.attention_mask,
+                                     vision, layers=req.entropy is not None and end == todo)
         if end < todo:
             yield PrefillEvent(req.past_len + end, req.prompt_len)
             if interrupt is not None and interrupt.is_set():
@@ -198,7 +198,7 @@ def _prefill(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: thread
                 req.prefill_s = time.perf_counter() - req.t0
                 return None
     req.prefill_s = time.perf_counter() - req.t0
-    return hidden, positions[..., -1:]  # [B, H] (entropy decoding: [B, L, H]), [B, 1] or [4, B, 1]
+    return hidden, logits, positions[..., -1:]  # [B, H] (entropy decoding: [B, L, H]), [B, V] or None, [B, 1] or [4, B, 1]
 
 
 def _next_scores(req: Request, hidden: torch.Tensor, logits: torch.Tensor | None):
@@ -216,8 +216,8 @@ def _next_scores(req: Request, hidden: torch.Tensor, logits: torch.Tensor | None
     return step.logits, step.scores, hidden[:, -1], step
 
 
-def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrupt: threading.Event | None,
-            output_logits: bool, batch: Batch | None) -> Iterator[Event]:
+def _decode(req: Request, hidden: torch.Tensor, logits: torch.Tensor | None, position: torch.Tensor,
+            interrupt: threading.Event | None, output_logits: bool, batch: Batch | None) -> Iterator[Event]:
     """Steps 2-5, one token a row a step, until every row finished or a stop."""
     rows, fwd, recall, entropy = req.rows, req.fwd, req.recall, req.entropy
     t1 = time.perf_counter()
@@ -227,7 +227,7 @@ def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrup
     if (req.batch > 1 or req.attention_mask is not None or entropy is not None
             or any(getattr(layer, "is_sliding", False) for layer in req.cache.layers)):
         batch = None  # a batch takes requests of one unpadded row decoding from the final layer, full-attention caches
-    logits, stopped = None, False
+    stopped = False
     try:
         while True:
             # 2. the next token of every row
@@ -270,13 +270,12 @@ def _decode(req: Request, hidden: torch.Tensor, position: torch.Tensor, interrup
                              "value vectors are inputs of this forward of %d positions; the KV cache grows %d -> %d",
                              e.row, e.memory_index, e.length, e.position, block.shape[1], rows.cur - block.shape[1],
                              rows.cur)
-            if isinstance(req.cache, StaticCache):  # a full static cache moves to the next bucket
-                req.cache = fit(req.cache, fwd.model, rows.cur)
+            req.cache = fwd.cache_for(req.cache, rows.cur, True)  # a full static cache moves to the next bucket
             if batch is not None:  # run by the batch, with other requests' steps
                 hidden, logits = yield from batch.step(req, emb, positions)
             else:
                 hidden, logits = fwd.step(emb, positions, req.cache, None if rows.mask is None else
-                                          rows.mask[:, :rows.cur], layers=entropy is not None), None
+                                          rows.mask[:, :rows.cur], layers=entropy is not None)
     finally:
         if batch is not None:
             batch.leave(req)  # its keys and values come back to `req.cache`

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList, StaticCache, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from decoding.compiled import fit, seq_length, static_cache
+from decoding.compiled import seq_length
 from decoding.entropy import EntropyDecoder, repeat_rows
 from decoding.events import FinishEvent, GenerationResult, RecallEvent, TokenEvent
-from decoding.forward import Forward
+from decoding.forward import Forward, forward_for
 from decoding.memory import MemorySelector, Recall
 from decoding.processors import build_logits_processor, build_stopping_criteria
 from decoding.settings import GenerationSettings
@@ -171,7 +171,8 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
     if settings.mixture.enabled:
         raise ValueError("settings.mixture.enabled: the two-model mixture runs in decoding.stream_mixture, "
                          "not in this loop")
-    fwd = Forward(model)
+    recall_on = recall is not None and recall.active
+    fwd = forward_for(model, want_state=recall_on and recall.query is None)
     device = fwd.device
     input_ids = inputs["input_ids"].to(device)  # [B, L]
     batch, prompt_len = input_ids.shape
@@ -184,13 +185,13 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
         attention_mask = attention_mask.to(device)
         if bool(attention_mask.all()):
             attention_mask = None  # no padding: let attention take the causal fast path
-    fast = (fwd.compiled is not None and attention_mask is None and settings.entropy_decoding is None
-            and not hasattr(fwd.backbone, "get_rope_index"))  # the compiled step: unpadded text, final layer
-    if cache is None:  # a static cache starts just long enough for the prompt; the loop grows it (`fit`)
-        cache = (static_cache(model, prompt_len + 1) if fast
-                 else DynamicCache(config=fwd.base.config.get_text_config(decoder=True)))
-    elif isinstance(cache, StaticCache):
-        cache = fit(cache, model, prompt_len + 1)
+    if fwd.runs_steps and (batch > 1 or settings.entropy_decoding is not None or settings.guidance_scale != 1):
+        what = ("entropy_decoding (every layer's state)" if settings.entropy_decoding is not None else
+                "guidance_scale (a second forward of the model)" if settings.guidance_scale != 1 else
+                f"a batch of {batch} rows in one request (send them as requests: they decode together)")
+        raise ValueError(f"the llama.cpp backend does not run {what}: set model.backend: transformers")
+    # a static cache for the compiled step starts just long enough for the prompt; the loop grows it
+    cache = fwd.cache_for(cache, prompt_len + 1, plain=attention_mask is None and settings.entropy_decoding is None)
     past_len = seq_length(cache)
     if past_len >= prompt_len:
         raise ValueError(f"the cache covers {past_len} tokens but the prompt has only {prompt_len}")
@@ -201,7 +202,6 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
     eos = as_list(eos_token_id if eos_token_id is not None else gen_config.eos_token_id)
     pad = pad_token_id if pad_token_id is not None else gen_config.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
-    recall_on = recall is not None and recall.active
     if recall_on:
         check_bank_dim(model, recall.bank, recall.query)
     rng, memory_rng = generators(settings.seed, device)

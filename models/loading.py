@@ -103,6 +103,11 @@ class LoadedModel:
         return self.model
 
     @property
+    def backend(self) -> str:
+        """`transformers`, or `llamacpp` for a GGUF on llama.cpp (decoding/llamacpp.py)."""
+        return "llamacpp" if hasattr(self.model, "n_vocab") and hasattr(self.model, "run") else "transformers"
+
+    @property
     def is_vision(self) -> bool:
         return self.image_processor is not None
 
@@ -215,6 +220,11 @@ def embedded_model_dir() -> Path:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         os.replace(tmp, target)  # atomic: a crash never leaves a half-converted folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
+        return target  # another process converted it meanwhile
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -256,6 +266,35 @@ def resolve_adapter(adapter: str | os.PathLike | None, path: str | os.PathLike |
     return Path(adapter).expanduser()
 
 
+def resolve_backend(backend: str, path, device: str = "auto") -> str:
+    """A .gguf file runs on llama.cpp (transformers loads model folders here); `auto`: llama.cpp on a CPU when
+    llama-cpp-python is installed, else transformers."""
+    if backend not in ("auto", "transformers", "llamacpp"):
+        raise ValueError(f"model.backend is {backend!r}; expected auto, transformers or llamacpp")
+    if path is not None and str(path).lower().endswith(".gguf"):
+        return "llamacpp"
+    if backend != "auto":
+        return backend
+    cpu = resolve_device(device).type == "cpu"
+    return "llamacpp" if cpu and importlib.util.find_spec("llama_cpp") is not None else "transformers"
+
+
+def memory_encoder(adapter: Path | None, hidden: int, values: str, keys, hidden_state: HiddenStateSpec,
+                   name: str) -> MemoryEncoder:
+    """What writes a model's memories: the encoder its recall adapter was trained with (named by the adapter's
+    digest, whatever backend runs it), or for a model never trained to recall a plain one that reads
+    memories in the user's message."""
+    text_keys = TextEncoder(keys)
+    if adapter is not None and not (adapter / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"adapter path {str(adapter)!r} has no adapter_config.json")
+    if adapter is None or not (adapter / ENCODER_CONFIG).is_file():
+        return MemoryEncoder("tokens" if values == "auto" else values, text_keys, spec=hidden_state, name=name,
+                             placement="user")  # a model never trained to recall reads memories best in the message
+    encoder = MemoryEncoder.load(adapter, hidden, text_keys)
+    encoder.base_name = f"{encoder.base_name}@{_digest(adapter)}"
+    return encoder if values == "auto" else encoder.with_values(values)
+
+
 def load_model(
     path: str | os.PathLike | None = None,
     *,
@@ -266,8 +305,15 @@ def load_model(
     quantize: str = "none",
     values: str = "auto",
     keys: str | os.PathLike | None = "auto",
+    backend: str = "transformers",
+    gguf_type: str = "q8_0",
+    gguf_context: int = 2048,
 ) -> LoadedModel:
     """Load a model folder (or the embedded default when `path` is None) ready for generation.
+
+    `backend`: `transformers`, `llamacpp` (a GGUF on llama.cpp, models/llamacpp.py: `path` a .gguf file,
+    the embedded model's recall GGUF written at `gguf_type`, `gguf_context` positions a conversation) or
+    `auto` (`resolve_backend`).
 
     `adapter`: a PEFT folder, `auto` (the shipped recall adapter for the embedded model) or None.
     `values`: the memory value kind written (`models/encoder.py`); `auto`: the adapter's, else `tokens`.
@@ -275,6 +321,11 @@ def load_model(
     `hidden_state`: the pooled hidden state of `state` values.
     `quantize`: `none`, or `int8` (models/quantize.py; the adapter is merged into the int8 weights).
     """
+    if resolve_backend(backend, path, device) == "llamacpp":
+        from models.llamacpp import load_gguf_model
+
+        return load_gguf_model(path, adapter=adapter, values=values, keys=keys, hidden_state=hidden_state,
+                               gguf_type=gguf_type, gguf_context=gguf_context, device=device, quantize=quantize)
     if path is None:
         folder, name = embedded_model_dir(), EMBEDDED_NAME
     else:
@@ -301,21 +352,12 @@ def load_model(
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[dtype])
     tokens = ensure_special_tokens(model, tokenizer)
-    text_keys = TextEncoder(keys)
-    encoder = MemoryEncoder("tokens" if values == "auto" else values, text_keys, spec=hidden_state, name=name,
-                            placement="user")  # a model never trained to recall reads memories best in the message
     adapter = resolve_adapter(adapter, path)
+    encoder = memory_encoder(adapter, hidden_size(model), values, keys, hidden_state, name)
     if adapter is not None:
         from peft import PeftModel
 
-        if not (adapter / "adapter_config.json").is_file():
-            raise FileNotFoundError(f"adapter path {str(adapter)!r} has no adapter_config.json")
         model = PeftModel.from_pretrained(model, adapter)
-        if (adapter / ENCODER_CONFIG).is_file():
-            encoder = MemoryEncoder.load(adapter, hidden_size(model), text_keys)
-            encoder.base_name = f"{encoder.base_name}@{_digest(adapter)}"
-            if values != "auto":
-                encoder = encoder.with_values(values)
         name = f"{name} + {adapter.name}"
     model.to(resolve_device(device)).eval()
     loaded = LoadedModel(model=model, tokenizer=tokenizer, tokens=tokens, name=name, encoder=encoder,
