@@ -3,6 +3,7 @@ beside the anchors a user has: the stock text retriever and plain RAG with the s
 
     .venv/bin/python bench/recall_quality.py [--facts 100] [--chats 50] [--kinds tokens,chunks:2,chunks:4,mean]
                                              [--distractors 1000,10000] [--json out.json]
+                                             [--backend llamacpp [--gguf-type q8_0]]
 
 Facts, questions and entities come from the evaluation split of `training.facts`, which training
 never saw (distractors: other evaluation entities). Every question is asked in a fresh
@@ -37,12 +38,20 @@ def perplexity(lm, text: str, window: int = 256) -> float:
     """Token perplexity of `text` (plain text, non-overlapping windows)."""
     import torch
 
+    from decoding.forward import forward_for
+
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     total, count = 0.0, 0
     with torch.no_grad():
         for s in range(0, len(ids) - 1, window):
             chunk = torch.tensor([ids[s:s + window + 1]], device=lm.device)
-            logits = lm.model(input_ids=chunk[:, :-1]).logits.float()
+            if lm.backend == "transformers":
+                logits = lm.model(input_ids=chunk[:, :-1]).logits.float()
+            else:  # llama.cpp gives a step's last logits: the window a token at a time
+                fwd = forward_for(lm.model)
+                cache = fwd.cache_for(None, chunk.shape[1], True)
+                logits = torch.cat([fwd.step(fwd.embed(chunk[:, i:i + 1]), None, cache, None)[1]
+                                    for i in range(chunk.shape[1] - 1)])[None]
             total += float(torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum"))
             count += chunk.shape[1] - 1
     return math.exp(total / count)
@@ -96,23 +105,24 @@ def retrieval(encoder, questions: list[str], texts: list[str], sizes: list[int])
 
 def recall_cost(lm, bank, slots: int = 16, repeats: int = 20) -> float:
     """One recall in decode steps: the memory head over `bank` plus one forward of `slots` slot positions,
-    against one decode step, on the same cache (medians; the eager path)."""
+    against one decode step, on the same cache (medians; the eager path). The query, the key encoder's
+    embedding of the user's message, is made once a turn before decoding, as the chat does: not timed."""
     import torch
-    from transformers import DynamicCache
 
     from decoding.compiled import crop
-    from decoding.forward import Forward
+    from decoding.forward import forward_for
     from decoding.memory import MemorySelector, Recall
     from decoding.settings import RecallSettings
 
-    fwd = Forward(lm.merged())
+    fwd = forward_for(lm.merged())
+    query = torch.from_numpy(lm.encoder.keys.encode(["a question"])[0])  # once a turn, before decoding (chat.session)
     selector = MemorySelector.of(Recall(lm.tokens.recall, lm.tokens.memory_pad, bank, RecallSettings(),
-                                        query=lambda h: torch.from_numpy(lm.encoder.keys.encode(["a question"])[0])))
+                                        query=lambda h: query))
     ids = torch.arange(1000, 1060)[None]
     step, recall = [], []
     with torch.no_grad():
         for _ in range(repeats):
-            cache = DynamicCache(config=fwd.base.config.get_text_config(decoder=True))
+            cache = fwd.cache_for(None, 61, plain=False)
             fwd.prefill(fwd.embed(ids), torch.arange(60)[None], cache, None, {})
             t0 = time.perf_counter()
             fwd.step(fwd.embed(ids[:, :1]), torch.tensor([[60]]), cache, None)
@@ -194,6 +204,9 @@ def main() -> None:
     parser.add_argument("--kinds", default="tokens,chunks:2,chunks:4,mean")
     parser.add_argument("--distractors", default="1000,10000", help="comma-separated bank sizes to add")
     parser.add_argument("--adapter", default="auto")
+    parser.add_argument("--backend", default="transformers", help="transformers | llamacpp (the recall model's "
+                        "GGUF at --gguf-type; the base model: the shipped Q4_1 GGUF)")
+    parser.add_argument("--gguf-type", default="q8_0")
     parser.add_argument("--json", help="also write the numbers to this file")
     parser.add_argument("--no-anchors", dest="anchors", action="store_false",
                         help="skip the anchors (stock retriever, RAG, the untrained model): the value kinds only")
@@ -208,8 +221,9 @@ def main() -> None:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     sizes = [int(n) for n in args.distractors.split(",")]
-    lm = load_model(None, adapter=None if args.adapter == "none" else args.adapter, device="cpu")
-    base = load_model(None, adapter=None, device="cpu")
+    lm = load_model(None, adapter=None if args.adapter == "none" else args.adapter, device="cpu",
+                    backend=args.backend, gguf_type=args.gguf_type)
+    base = load_model(None, adapter=None, device="cpu", backend=args.backend)
     print(f"model: {lm.name}; keys: {lm.encoder.keys.name}", file=sys.stderr)
     facts = make_facts(args.facts, "eval", seed=1)
     asked = {f.questions[0] for f in facts}

@@ -75,6 +75,15 @@ class Turn:
 # --------------------------------------------------------------------------- the service
 
 
+def _backend(cfg: Config) -> str:
+    """`model.backend`, where `auto` stays on transformers for what only it runs: a research decoder switched
+    on in the configuration, int8 weights."""
+    research = cfg.generation.entropy_decoding is not None or cfg.generation.mixture.enabled
+    return "transformers" if cfg.model.backend == "auto" and (research or cfg.model.quantize != "none") \
+        else cfg.model.backend
+
+
+
 class Service:
     """Everything the UI can ask for. One per server; thread-safe."""
 
@@ -86,7 +95,7 @@ class Service:
                                                      device=cfg.model.device, dtype=cfg.model.dtype,
                                                      hidden_state=cfg.memory.hidden_state,
                                                      quantize=cfg.model.quantize, values=cfg.memory.values,
-                                                     backend=cfg.model.backend, gguf_type=cfg.model.gguf_type,
+                                                     backend=_backend(cfg), gguf_type=cfg.model.gguf_type,
                                                      gguf_context=cfg.model.gguf_context,
                                                      keys=None if cfg.memory.key_encoder == "none"
                                                      else cfg.memory.key_encoder))

@@ -54,7 +54,9 @@ class Memory:
 
 def exact_topk(normed: np.ndarray, query: np.ndarray, k: int | None) -> tuple[np.ndarray, np.ndarray]:
     """(scores [k], rows [k]) best first: cosine of a unit query [D] against unit rows [N, D]."""
-    scores = normed @ query  # [N]
+    # (torch, not numpy: numpy's OpenBLAS threads keep spinning after a call and slow the model's next
+    # forward down to half speed, llama.cpp's threads most; bench/recall_quality.py's recall cost)
+    scores = (torch.from_numpy(normed) @ torch.from_numpy(query)).numpy()  # [N]
     if k is None or k >= len(scores):
         order = np.argsort(-scores, kind="stable")
     else:

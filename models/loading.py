@@ -267,8 +267,8 @@ def resolve_adapter(adapter: str | os.PathLike | None, path: str | os.PathLike |
 
 
 def resolve_backend(backend: str, path, device: str = "auto") -> str:
-    """A .gguf file runs on llama.cpp (transformers loads model folders here); `auto`: llama.cpp on a CPU when
-    llama-cpp-python is installed, else transformers."""
+    """A .gguf file runs on llama.cpp (transformers loads model folders here); `auto`: the embedded model on
+    llama.cpp on a CPU when llama-cpp-python is installed, every other case on transformers."""
     if backend not in ("auto", "transformers", "llamacpp"):
         raise ValueError(f"model.backend is {backend!r}; expected auto, transformers or llamacpp")
     if path is not None and str(path).lower().endswith(".gguf"):
@@ -276,7 +276,8 @@ def resolve_backend(backend: str, path, device: str = "auto") -> str:
     if backend != "auto":
         return backend
     cpu = resolve_device(device).type == "cpu"
-    return "llamacpp" if cpu and importlib.util.find_spec("llama_cpp") is not None else "transformers"
+    llama = path is None and cpu and importlib.util.find_spec("llama_cpp") is not None
+    return "llamacpp" if llama else "transformers"
 
 
 def memory_encoder(adapter: Path | None, hidden: int, values: str, keys, hidden_state: HiddenStateSpec,

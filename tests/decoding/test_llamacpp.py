@@ -74,6 +74,23 @@ def test_the_memory_heads_query_is_transformers_final_state(recall_lm, smollm2):
     assert cache.get_seq_length() == ids.shape[1]
 
 
+def test_a_bank_keyed_by_hidden_states_is_queried_with_llamacpps_recall_state(recall_lm, smollm2):
+    """The seeds' memory head on llama.cpp: the `<recall>` position's final state (read from llama.cpp only
+    for such a bank) picks the memory whose key is transformers' state there, among random keys."""
+    ids = torch.cat([prompt(recall_lm), torch.tensor([[recall_lm.tokens.recall]])], dim=1)
+    with torch.no_grad():
+        state = smollm2.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, -1]
+    torch.manual_seed(0)
+    keys = torch.randn(64, state.shape[0])
+    keys[17] = state
+    bank = MemoryVectorDB(state.shape[0])
+    bank.add(keys, [f"memory {i}" for i in range(64)])
+    recall = Recall(recall_lm.tokens.recall, recall_lm.tokens.memory_pad, bank, RecallSettings(top_k=1))
+    out = generate(recall_lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=recall)
+    (event,) = out.injections
+    assert event.memory_index == 17 and event.score > 0.999 and event.position == ids.shape[1]
+
+
 def test_first_minute_questions_recall_the_right_memory_and_answer_as_on_transformers(recall_lm, smollm2,
                                                                                         text_search):
     """The README's first minute on the llama.cpp backend: the model recalls by itself, the memory that answers

@@ -116,3 +116,14 @@ def test_bank_dimension_mismatch_names_both_numbers(tiny_llama):
         check_bank_dim(tiny_llama.model, MemoryVectorDB(384, value_dim=576), query=lambda h: h)
     with pytest.raises(ValueError, match="keys of dimension 384 .* no query maps the <recall> state"):
         check_bank_dim(tiny_llama.model, MemoryVectorDB(384, value_dim=64))
+
+
+def test_the_backend_auto_runs_the_embedded_model_on_llamacpp_on_a_cpu_and_folders_on_transformers(tmp_path):
+    from models.loading import resolve_backend
+
+    assert resolve_backend("auto", None, "cpu") == "llamacpp"  # llama-cpp-python is installed here (extra gguf)
+    assert resolve_backend("auto", str(tmp_path), "cpu") == "transformers"  # a model folder
+    assert resolve_backend("transformers", None, "cpu") == "transformers"
+    assert resolve_backend("transformers", str(tmp_path / "own.GGUF"), "cpu") == "llamacpp"  # a GGUF file
+    with pytest.raises(ValueError, match="model.backend is 'vllm'; expected auto, transformers or llamacpp"):
+        resolve_backend("vllm", None, "cpu")
