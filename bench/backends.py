@@ -58,8 +58,8 @@ def closeness(lm_t, lm_g, prompts: list[str], bank_t, bank_g, tokens: int = 24) 
                                                   output_logits=True)))
         (inputs, _, ref), (_, recall_g, got) = runs
         same.append(ref.sequences.tolist() == got.sequences.tolist())
-        forced = generate(lm_g.model, inputs, GenerationSettings(max_new_tokens=ref.logits.shape[1],
-                                                                  repetition_penalty=1.0),
+        new = ref.sequences.shape[1] - inputs["input_ids"].shape[1]  # (a recall's span is new tokens of one step)
+        forced = generate(lm_g.model, inputs, GenerationSettings(max_new_tokens=new, repetition_penalty=1.0),
                           recall=recall_g, logits_processor=LogitsProcessorList([Along(ref.sequences[0].tolist())]),
                           output_logits=True)
         assert forced.sequences.tolist() == ref.sequences.tolist(), "the GGUF path did not follow the reference"
@@ -73,6 +73,7 @@ def sessions(svc: Service, tokens: int) -> float:
     from serving import concurrent
 
     svc.ready().done.wait()
+    concurrent(svc, 8, 4)  # (a service's first answers load what it loads lazily: not measured)
     one = concurrent(svc, 1, tokens)["tok_s"]
     eight = concurrent(svc, 8, tokens)["tok_s"]
     return eight / one, one, eight

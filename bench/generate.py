@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backends", default="transformers", help="comma-separated: transformers, llamacpp")
     ap.add_argument("--prompts", type=int, default=30, help="held-out prompts for the backends' closeness")
+    ap.add_argument("--backends-only", action="store_true", help="with llamacpp: only the compiled transformers loop "
+                    "(its first bucket) beside llama.cpp, not the other transformers rows")
     args = ap.parse_args()
     backends = args.backends.split(",")
     if not set(backends) <= {"transformers", "llamacpp"}:
@@ -119,6 +121,15 @@ def main() -> None:
         return generate(model, inputs, settings(k), **ids, **kw)
 
     assert hf(n).tolist() == ours(n).sequences.tolist(), "custom loop and generate disagree"
+    if args.backends_only and "llamacpp" in backends:
+        from backends import compare
+
+        step = fast_path.enable(model)
+        step.warm_up(up_to=inputs["input_ids"].shape[1] + n + 1)
+        assert step.error is None, step.error
+        fast = statistics.median((timed(lambda: ours(n)) - timed(lambda: ours(1))) / (n - 1)
+                                 for _ in range(args.repeats))
+        return compare(lm, inputs, fast, settings, ids, args)
     rows = {"generate": [], "custom": [], "ratio": [], "ttft_generate": [], "ttft_custom": []}
     for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
         g1, gn = timed(lambda: hf(1)), timed(lambda: hf(n))

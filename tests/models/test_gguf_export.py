@@ -95,3 +95,42 @@ def test_an_unsupported_type_or_architecture_is_refused(tiny_llama, tiny_qwen3vl
     with pytest.raises(ValueError, match="block_count 2 but SmolLM2-135M-Instruct.Q4_1.gguf says 30"):
         export_gguf(tiny_llama.model, tiny_llama.tokenizer, source, tmp_path / "x.gguf")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_the_base_model_exported_at_q4_1_is_the_shipped_gguf_byte_for_byte(smollm2_dir, tmp_path):
+    """The export's names, q/k permutation, types and quantization are llama.cpp's own: the embedded model
+    (converted from the shipped Q4_1 GGUF) written back at q4_1 gives every tensor of that file exactly."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    out = export_gguf(model, AutoTokenizer.from_pretrained(smollm2_dir), loading.embedded_gguf(),
+                      tmp_path / "base.gguf", "q4_1")
+    shipped = {t.name: t for t in GGUFReader(loading.embedded_gguf()).tensors}
+    written = {t.name: t for t in GGUFReader(out).tensors}
+    assert written.keys() == shipped.keys() and len(written) == 272
+    for name, t in written.items():
+        assert t.tensor_type == shipped[name].tensor_type, name
+        assert np.array_equal(np.asarray(t.data), np.asarray(shipped[name].data)), name
+
+
+@pytest.mark.slow
+def test_the_4_bit_recall_gguf_keeps_the_adapters_weights_at_q8_0_and_stays_close(smollm2, cache):
+    """q4_1: the weights the adapter trained (q/k/v/o) and the tied embedding at Q8_0, the rest at Q4_1 (where
+    the base model's weights re-quantize exactly): as close to transformers as Q8_0 (4-bit rounding of the
+    trained weights alone cost a KL of ~0.3 nats a token)."""
+    from gguf import GGMLQuantizationType as Q, GGUFReader
+
+    path = recall_gguf("q4_1")
+    types = {t.name: t.tensor_type for t in GGUFReader(path).tensors}
+    assert {types[f"blk.7.{n}.weight"] for n in ("attn_q", "attn_k", "attn_v", "attn_output")} == {Q.Q8_0}
+    assert {types[f"blk.7.{n}.weight"] for n in ("ffn_gate", "ffn_up", "ffn_down")} == {Q.Q4_1}
+    assert types["token_embd.weight"] == Q.Q8_0
+    kls = []
+    for ids, ref in _cases(smollm2):
+        got = _llama_logits(path, ids)
+        p, q = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+        kls.append((p.exp() * (p - q)).sum(-1).mean().item())
+        assert got[-1].argmax() == ref[-1].argmax()
+    assert np.mean(kls) < 0.02
