@@ -200,7 +200,6 @@ class LlamaCppModel(nn.Module):
         """Evaluate each item's input embeddings [W, H] as the next positions of its cache, all in one
         `llama_batch` (split by `batch_tokens`); (final hidden states [n, H] or None, logits [n, V]) of each
         item's last position."""
-        lib = _lib()
         busy = {c.seq for c, _ in items if c.seq is not None}
         for cache, _ in items:
             self._seat(cache, busy)
@@ -212,11 +211,11 @@ class LlamaCppModel(nn.Module):
         if len(items) == 1 and total > self.batch_tokens:
             cache, embeds = items[0]
             for start in range(0, total - self.batch_tokens, self.batch_tokens):
-                self._decode([(cache, embeds[start:start + self.batch_tokens])], False, busy)
+                self._decode([(cache, embeds[start:start + self.batch_tokens])], False)
             return self.run([(cache, embeds[(total - 1) // self.batch_tokens * self.batch_tokens:])], want_state)
-        return self._decode(items, want_state, busy)
+        return self._decode(items, want_state)
 
-    def _decode(self, items, want_state: bool, busy: set[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _decode(self, items, want_state: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         lib = _lib()
         if self._embedding_mode is not want_state:  # embedding mode makes every position an output: only when asked
             lib.llama_set_embeddings(self._ctx, want_state)
