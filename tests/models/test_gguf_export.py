@@ -47,6 +47,20 @@ def _cases(smollm2):
             yield ids, model(torch.tensor([ids])).logits[0].double()
 
 
+def _compared(smollm2, path):
+    """(ids, transformers' logits, llama.cpp's logits) of each prompt; the last position's argmax agrees."""
+    for ids, ref in _cases(smollm2):
+        got = _llama_logits(path, ids)
+        assert got[-1].argmax() == ref[-1].argmax()
+        yield ids, ref, got
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Mean KL(transformers || llama.cpp) over the positions."""
+    p, q = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
 @pytest.mark.slow
 def test_f32_export_gives_transformers_logits_with_the_recall_tokens(smollm2, cache, monkeypatch):
     import llama_cpp
@@ -73,11 +87,8 @@ def test_f32_export_gives_transformers_logits_with_the_recall_tokens(smollm2, ca
 def test_q8_0_export_is_close_to_transformers(smollm2, cache):
     path = recall_gguf("q8_0")
     kls = []
-    for ids, ref in _cases(smollm2):
-        got = _llama_logits(path, ids)
-        p, q = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
-        kls.append((p.exp() * (p - q)).sum(-1).mean().item())
-        assert got[-1].argmax() == ref[-1].argmax()
+    for ids, ref, got in _compared(smollm2, path):
+        kls.append(_kl(ref, got))
         top2 = ref.topk(2, -1).values
         clear = top2[:, 0] - top2[:, 1] > 2  # wherever transformers' choice is clear, llama.cpp makes it too
         assert (got.argmax(-1) == ref.argmax(-1))[clear].all()
@@ -128,9 +139,6 @@ def test_the_4_bit_recall_gguf_keeps_the_adapters_weights_at_q8_0_and_stays_clos
     assert {types[f"blk.7.{n}.weight"] for n in ("ffn_gate", "ffn_up", "ffn_down")} == {Q.Q4_1}
     assert types["token_embd.weight"] == Q.Q8_0
     kls = []
-    for ids, ref in _cases(smollm2):
-        got = _llama_logits(path, ids)
-        p, q = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
-        kls.append((p.exp() * (p - q)).sum(-1).mean().item())
-        assert got[-1].argmax() == ref[-1].argmax()
+    for ids, ref, got in _compared(smollm2, path):
+        kls.append(_kl(ref, got))
     assert np.mean(kls) < 0.02
