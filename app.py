@@ -432,9 +432,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
 
 
 def make_service(cfg: Config) -> Any:
-    """The chat service: the model in this process, or (serve.replicas > 1) in Ray Serve replicas."""
+    """The chat service, its model and shared bank loaded: in this process, or (serve.replicas > 1) in Ray
+    Serve replicas. Raises naming what failed (a start never leaves a half-working app)."""
     if cfg.serve.replicas == 1:
-        return Service(cfg)
+        service = Service(cfg)
+        try:
+            service.start()
+        except BaseException:
+            service.close()
+            raise
+        return service
     try:
         from serve.front import RemoteService
     except ImportError as e:
@@ -451,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         service = make_service(cfg)
-    except (ValueError, RuntimeError) as e:  # the store or the replicas named what failed
+    except (ValueError, RuntimeError) as e:  # the model, the bank, the store or the replicas named what failed
         sys.exit(f"recall-chat: {e}")
     try:
         launch(build_demo(service), service)

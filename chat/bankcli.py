@@ -77,7 +77,8 @@ def describe(db: MemoryVectorDB) -> str:
     if not db.has_values:
         return f"one vector of dimension {db.dim} each (key = value)"
     slots = [e["slots"] for e in db.entries(0, len(db))]
-    return (f"{db.info.get('values', 'values')} values of dimension {db.value_dim}, {min(slots)}-{max(slots)} slots, "
+    what = "values (token ids)" if db.token_values else f"values of dimension {db.value_dim}"
+    return (f"{db.info.get('values', 'values')} {what}, {min(slots)}-{max(slots)} slots, "
             f"keys of dimension {db.dim} ({db.info.get('keys')}), {db.bytes_per_memory() / 1024:.1f} KB a memory")
 
 

@@ -9,7 +9,6 @@ a bank from another encoder is refused.
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -27,8 +26,6 @@ from memory import BankError, MemoryVectorDB
 from memory.milvus import MilvusBank, load_into
 from models import LoadedModel
 from models.vision import IMAGE_PAD, VISION_END, VISION_START, encode_with_images
-
-log = logging.getLogger("chat.banks")
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EXAMPLE_MEMORIES = ASSETS / "example_memories.txt"
@@ -74,23 +71,23 @@ class Banks:
         path = self.cfg.memory.bank
         if path is None:
             return
-        try:
+        try:  # the operator's own file: no upload limit; one that cannot be used stops the start
             self.shared = self._load(lm, path)
-            self.shared_note = Path(path).name
         except (BankError, FileNotFoundError) as e:
-            self.shared_note = f"not loaded: {describe(e)}"
-            log.error("memory.bank %s: %s", path, self.shared_note)
+            raise ServiceError(f"memory.bank {str(path)!r} cannot be loaded: {describe(e)}") from None
+        self.shared_note = Path(path).name
 
     def _open_store(self, lm: LoadedModel) -> MilvusBank:
         """The shared bank in Milvus: the collection as it is, or made for this model's encoder (and filled from
         `memory.bank` when one is set) when it does not exist yet. Its writes reach every session and replica."""
-        mem, keyed = self.cfg.memory, lm.encoder.values.keyed
+        mem, keyed, tokens = self.cfg.memory, lm.encoder.values.keyed, lm.encoder.values.kind == "tokens"
         client = MilvusBank.connect(mem.milvus_uri)
         if mem.bank is not None and not client.has_collection(mem.milvus_collection):
             load_into(self._load(lm, mem.bank), mem.milvus_uri, mem.milvus_collection, index=mem.index, client=client)
         keys = lm.encoder.keys
         return MilvusBank.open(mem.milvus_uri, mem.milvus_collection, client=client,
-                               dim=keys.dim if keyed else lm.hidden_size, value_dim=lm.hidden_size if keyed else None,
+                               dim=keys.dim if keyed else lm.hidden_size, token_values=tokens,
+                               value_dim=lm.hidden_size if keyed and not tokens else None,
                                value_dtype=mem.value_dtype, index=mem.index, info=lm.encoder.describe(),
                                hnsw_ef_search=mem.hnsw_ef_search, expected_dim=lm.hidden_size,
                                expected_key_dim=keys.dim if keys is not None else None,
@@ -98,19 +95,21 @@ class Banks:
 
     def _new(self, lm: LoadedModel) -> MemoryVectorDB:
         """An empty bank of the kind this model's encoder writes."""
-        keyed = lm.encoder.values.keyed
+        keyed, tokens = lm.encoder.values.keyed, lm.encoder.values.kind == "tokens"
         db = MemoryVectorDB(lm.encoder.keys.dim if keyed else lm.hidden_size, self.cfg.memory.index,
-                            value_dim=lm.hidden_size if keyed else None, value_dtype=self.cfg.memory.value_dtype,
-                            hnsw_ef_search=self.cfg.memory.hnsw_ef_search)
+                            value_dim=lm.hidden_size if keyed and not tokens else None, token_values=tokens,
+                            value_dtype=self.cfg.memory.value_dtype, hnsw_ef_search=self.cfg.memory.hnsw_ef_search)
         db.info = lm.encoder.describe()
         return db
 
-    def _load(self, lm: LoadedModel, path: str | Path) -> MemoryVectorDB:
+    def _load(self, lm: LoadedModel, path: str | Path, max_bytes: int | None = None) -> MemoryVectorDB:
+        """A bank file checked against this model; `max_bytes` for files strangers send (uploads)."""
         keys = lm.encoder.keys
         return MemoryVectorDB.load(path, index=self.cfg.memory.index, expected_dim=lm.hidden_size,
                                    expected_key_dim=keys.dim if keys is not None else None,
-                                   max_slots=self.cfg.memory.max_slots, max_bytes=self.cfg.memory.max_upload_mb * 2 ** 20,
-                                   expected_encoder=lm.encoder.name, hnsw_ef_search=self.cfg.memory.hnsw_ef_search)
+                                   max_slots=self.cfg.memory.max_slots, max_bytes=max_bytes,
+                                   expected_encoder=lm.encoder.name, vocab_size=len(lm.tokenizer),
+                                   hnsw_ef_search=self.cfg.memory.hnsw_ef_search)
 
     def of(self, s: Session) -> MemoryVectorDB | None:
         return {"shared": self.shared, "example": self.example, "own": s.own_bank}[s.bank_use]
@@ -129,7 +128,7 @@ class Banks:
         if Path(path).suffix.lower() not in BANK_TYPES:
             raise ServiceError(f"{name}: expected a memory bank file ending in .pt, .safetensors or .npy")
         try:
-            db = self._load(lm, path)
+            db = self._load(lm, path, max_bytes=self.cfg.memory.max_upload_mb * 2 ** 20)
         except BankError as e:
             raise ServiceError(f"{e} (the model {lm.name} has hidden size {lm.hidden_size}); "
                                "the current bank is kept") from None

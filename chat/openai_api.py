@@ -7,7 +7,9 @@ Requests are checked with pydantic and refused with OpenAI-style error JSON and 
 Each request is a fresh session: the messages are its conversation (images as data: URLs, never
 fetched), the answer runs on the shared worker, taking turns with everyone else, and the session is
 freed at the end. A client that disconnects stops its answer. Recall events travel as an extra
-`recall` field in each chunk (and `recalls` in a whole answer), which standard clients ignore.
+`recall` field in each chunk (and `recalls` in a whole answer), notices about the answer (a memory the
+model looked for and found none, turns dropped to fit) as `notice` (`notices`), which standard clients
+ignore.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from chat.inputs import describe
 from chat.config import request_settings
 from chat.service import Service
 from chat.session import Session
-from chat.worker import END, Failed, ServiceError
+from chat.worker import END, Failed, Notice, ServiceError
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 
 ALIAS = "recall-chat"  # always accepted as the model name
@@ -225,6 +227,8 @@ class OpenAIRoutes:
                     yield chunk({"content": out})
             elif isinstance(event, RecallEvent):
                 yield chunk({}, recall=_recall(event))
+            elif isinstance(event, Notice):
+                yield chunk({}, notice=event.text)
             elif isinstance(event, FinishEvent):
                 if out := text.finish():
                     yield chunk({"content": out})
@@ -234,7 +238,7 @@ class OpenAIRoutes:
         yield "data: [DONE]\n\n"
 
     async def whole(self, request: Request, session: Session, turn, body: ChatRequest) -> JSONResponse:
-        text, recalls, reason, tokens, prompt = StopText(body.stop), [], "stop", 0, 0
+        text, recalls, notices, reason, tokens, prompt = StopText(body.stop), [], [], "stop", 0, 0
         async for event in self.events(request, session, turn):
             if isinstance(event, DoneEvent):
                 prompt = event.result.prompt_length
@@ -243,13 +247,15 @@ class OpenAIRoutes:
                 tokens += 1
             elif isinstance(event, RecallEvent):
                 recalls.append(_recall(event))
+            elif isinstance(event, Notice):
+                notices.append(event.text)
             elif isinstance(event, FinishEvent):
                 reason = FINISH[event.reason]
             elif isinstance(event, Failed):
                 raise APIError(500, event.message, "server_error")
         return JSONResponse({
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_id, "recalls": recalls,
+            "model": self.model_id, "recalls": recalls, "notices": notices,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text.all()},
                          "finish_reason": reason}],
             "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}})

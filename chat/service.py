@@ -48,6 +48,10 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EXAMPLE_IMAGES = (ASSETS / "example_lighthouse.png", ASSETS / "example_cat.png")
 
 
+NO_MEMORY = ("the model looked for a memory, but there is none to read (no bank, or recall is off): it answered "
+             "from what it knows; build the example bank or load one")
+
+
 # --------------------------------------------------------------------------- sessions
 
 
@@ -111,7 +115,11 @@ class Service:
         self.worker = Worker()
         self.banks = Banks(cfg, self.worker, self._model, self._wait_model, self.files, text_search)
         if lm is not None:
-            self.banks.load_shared(lm)
+            try:
+                self.banks.load_shared(lm)
+            except BaseException:
+                self.close()
+                raise
         self._janitor.start()
 
     def close(self) -> None:
@@ -170,6 +178,13 @@ class Service:
     def ready(self) -> Request:
         """A request that loads the model (when not yet loaded); submit it from a handler to show progress."""
         return self.worker.submit(Request("load", lambda _: self._model().name))
+
+    def start(self) -> None:
+        """Load the model and the shared bank now; `ServiceError` with the reason when either cannot be."""
+        req = self.ready()
+        req.done.wait()
+        if req.error:
+            raise ServiceError(req.error)
 
     async def wait_for(self, req: Request) -> Any:
         """Await a request's end: its result, or `ServiceError` with its message."""
@@ -327,6 +342,8 @@ class Service:
                 result = event.result
                 if result.decode_seconds > 0:
                     s.last_speed = len(result.new_tokens[0]) / result.decode_seconds
+                if result.missed_recall and result.missed_recall[0]:
+                    yield Notice(NO_MEMORY)
                 tokens = lambda: [s.conv.lm.tokenizer.decode([t]) for t in result.new_tokens[0].tolist()]  # noqa: E731
                 if result.entropy is not None and result.entropy.entropies.shape[1]:
                     s.last_plot = ("entropy", result.entropy.entropies[0].cpu().numpy(),

@@ -268,7 +268,9 @@ class Conversation:
             if encoder.close is not None:
                 suffix = (self.lm.tokenizer.convert_tokens_to_ids(encoder.close),)
         embedding = encoder.embedding_for(memory_db) if memory_db is not None else None
-        return Recall(tokens.recall, tokens.memory_pad, memory_db, settings, embedding, query, suffix)
+        # with no memory to read, the model answers from what it knows: never a bare <recall> (`NoMemory`)
+        return Recall(tokens.recall, tokens.memory_pad, memory_db, settings, embedding, query, suffix,
+                      without_memory="answer").with_tokens(self.lm.model.get_input_embeddings())
 
     def _run(self, inputs, prompt_len, settings, recall: Recall, interrupt_event) -> Iterator[Event]:
         past = self.cache if self.cache is not None and seq_length(self.cache) < prompt_len else None

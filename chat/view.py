@@ -143,7 +143,8 @@ def memory_kind(db) -> str:
     if not db.has_values:
         return f"one {db.dim}-d hidden-state vector each, found by the <recall> state"
     values = db.info.get("values", "values")
-    return (f"**{values}** values of dimension {db.value_dim}, found by the {db.dim}-d text embedding of your "
+    what = "token ids (read as the model's own embeddings)" if db.token_values else f"values of dimension {db.value_dim}"
+    return (f"**{values}** {what}, found by the {db.dim}-d text embedding of your "
             f"message ({db.info.get('keys', 'a text encoder')})")
 
 

@@ -97,6 +97,9 @@ class GenerationResult:
     entropy: EntropyTrace | None = None  # with settings.entropy_decoding
     attention_mask: torch.Tensor | None = None  # [B, L] for a padded batch (also where another row's memory span
                                                 # gave a row masked columns); None: every position is real
+    # Per row, with recall off in `Recall.without_memory: answer` mode: the model's first choice was <recall> at
+    # some step (it answered without the memory it asked for); None when that mode was off.
+    missed_recall: list[bool] | None = None
 
     @property
     def new_tokens(self) -> torch.LongTensor:

@@ -9,16 +9,20 @@ searched with the embedding of the user's message).
 memory embedding: the chosen memory's k value vectors become the input embeddings of k
 consecutive `<|memory_pad|>` positions, in order (through the model's memory projector when its
 recall training has one), followed by the forced `Recall.suffix` tokens (`</recall>` for a model
-trained to read memories between the two).
+trained to read memories between the two). A memory of token ids (a `tokens` bank) is the model's
+own input embeddings of those ids, looked up at the recall (`Recall.tokens`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
+
+from transformers import LogitsProcessor
 
 from decoding.events import RecallEvent
 from decoding.sampling import kept, sample
@@ -39,7 +43,11 @@ class Recall:
     `bank` may be None or empty (recall is then off, but memories of earlier turns are still
     placed at their `<|memory_pad|>` positions with `embedding`). `query` turns the `<recall>`
     hidden state into the query (None: the state itself, for a bank whose keys are hidden states).
-    `suffix`: token ids forced right after a memory's slots.
+    `suffix`: token ids forced right after a memory's slots. `tokens`: the model's input embedding of token
+    ids (float32 [k, H] on the CPU), for banks whose values are token ids (`with_tokens` fills it in).
+    `without_memory`: what `<recall>` is while recall is off (no bank, an empty one, or disabled): `token`, a
+    plain token the model may write (the seeds' loop); `answer`, suppressed, so the model answers from what it
+    knows, and the result says whether it would have recalled (`NoMemory`; what the chat does).
     """
 
     recall_id: int
@@ -49,6 +57,12 @@ class Recall:
     embedding: Embedding | None = None
     query: Query | None = None
     suffix: tuple[int, ...] = ()
+    tokens: Embedding | None = None
+    without_memory: str = "token"
+
+    def __post_init__(self) -> None:
+        if self.without_memory not in ("token", "answer"):
+            raise ValueError(f"without_memory is {self.without_memory!r}; expected token or answer")
 
     @classmethod
     def from_token_ids(cls, token_ids: Mapping[str, int], bank=None, settings: RecallSettings = RecallSettings(),
@@ -71,9 +85,54 @@ class Recall:
             vectors = self.embedding(vectors)
         return vectors.to(dtype)
 
+    def values(self, memory: Memory) -> torch.Tensor:
+        """The memory's value vectors [k, H] float32: its own, or the input embeddings of its token ids."""
+        if not memory.token_ids:
+            return memory.values
+        if self.tokens is None:
+            raise ValueError("this bank's values are token ids: Recall(tokens=...) must give the model's input "
+                             "embeddings of them")
+        return self.tokens(memory.values)
+
+    def with_tokens(self, embed: torch.nn.Module) -> "Recall":
+        """This recall context with `tokens` looked up in `embed` (the model's input embedding), unless set."""
+        if self.tokens is not None:
+            return self
+        lookup = lambda ids: embed(ids.to(embed.weight.device)).detach().float().cpu()  # noqa: E731
+        return dataclasses.replace(self, tokens=lookup)
+
     def span(self, memory: Memory) -> list[int]:
         """The tokens forced after `<recall>` for a memory: a `<|memory_pad|>` a value slot, then the suffix."""
         return [self.memory_pad_id] * memory.slots + list(self.suffix)
+
+
+class NoMemory(LogitsProcessor):
+    """Recall with nothing to read, in `answer` mode: `<recall>` and `<|memory_pad|>` are suppressed, so the model
+    answers from what it knows; `wanted` marks each row whose first choice was `<recall>` at some step (on the
+    device: no host sync). Runs last, after the request's other processors."""
+
+    def __init__(self, recall: Recall):
+        self.recall_id = recall.recall_id
+        self.ids = [recall.recall_id, recall.memory_pad_id]
+        self.wanted: torch.Tensor | None = None  # [rows] bool
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        first = scores.argmax(-1) == self.recall_id  # [rows]
+        self.wanted = first if self.wanted is None else self.wanted | first
+        scores = scores.clone()
+        scores[:, self.ids] = -float("inf")
+        return scores
+
+    @classmethod
+    def of(cls, recall: "Recall | None", recall_on: bool) -> "NoMemory | None":
+        """The processor a request needs: only with recall off and `without_memory: answer`."""
+        return cls(recall) if recall is not None and not recall_on and recall.without_memory == "answer" else None
+
+    def rows(self, batch: int) -> list[bool]:
+        """Per row of the batch: did the model want a memory? (Entropy decoding scores [B*L] rows: any layer.)"""
+        if self.wanted is None:
+            return [False] * batch
+        return self.wanted.view(batch, -1).any(-1).tolist()
 
 
 def recall_step(selector: "MemorySelector", recall: Recall, hidden: torch.Tensor, row: int,
@@ -82,7 +141,7 @@ def recall_step(selector: "MemorySelector", recall: Recall, hidden: torch.Tensor
     `<recall>`, with final hidden state `hidden` [H]. Returns the tokens forced from `position` on
     (`Recall.span`), the value vector of each of their slot positions, and the event of the injection."""
     memory = selector.choose(hidden)
-    vectors = {position + i: v for i, v in enumerate(memory.values)}
+    vectors = {position + i: v for i, v in enumerate(recall.values(memory))}
     return recall.span(memory), vectors, RecallEvent(row, position, memory.score, memory.index, memory.text,
                                                      memory.slots)
 

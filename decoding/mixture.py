@@ -32,7 +32,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from decoding.events import DoneEvent, FinishEvent, GenerationResult, PrefillEvent, TokenEvent
 from decoding.loop import TOOL_CALL_END
-from decoding.memory import MemorySelector, Recall, recall_step
+from decoding.memory import MemorySelector, NoMemory, Recall, recall_step
 from decoding.processors import build_logits_processor, build_stopping_criteria
 from decoding.settings import GenerationSettings, MixtureSettings
 from decoding.speculative import HeadDraft, ModelDraft, ModelPair, PairDraft, make_draft, process_block, speculative_round
@@ -287,6 +287,8 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
     eos = eos_token_id if eos_token_id is not None else config.eos_token_id
     eos = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])]
     recall_on = recall is not None and recall.active
+    if recall is not None:
+        recall = recall.with_tokens(unwrap_model(model_theta).get_input_embeddings())
     if memory_vectors and recall is None:
         raise ValueError("memory_vectors were given without recall=Recall(...): placing them needs the "
                          "<|memory_pad|> id and the model's memory embedding")
@@ -295,6 +297,9 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
     if logits_processor is None:
         logits_processor = build_logits_processor(settings, eos_token_id=eos or None, prompt_ids=input_ids.to(pair.device),
                                                   device=pair.device, vocab_size=pair.vocab)
+    no_memory = NoMemory.of(recall, recall_on)
+    if no_memory is not None:
+        logits_processor = LogitsProcessorList([*logits_processor, no_memory])
     criteria = build_stopping_criteria(settings, prompt_length=prompt_len, eos_token_id=eos or None,
                                        tokenizer=tokenizer, max_position_embeddings=context)
     criteria.extend(stopping_criteria or [])
@@ -303,11 +308,11 @@ def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
                dict(memory_vectors or {}), generators(settings.seed, pair.device))
     draft = (make_draft(mixture.draft, pair, model_theta, mixture.ngram, draft_head, draft_gguf)
              if mixture.speculative else None)
-    yield from _drive(run, draft, interrupt, prompt_len, prefill_chunk)
+    yield from _drive(run, draft, interrupt, prompt_len, prefill_chunk, no_memory)
 
 
 @torch.no_grad()  # as a decorator: grad mode is off only while this generator runs, not between its yields
-def _drive(run: _Run, draft, interrupt, prompt_len: int, prefill_chunk: int) -> Iterator:
+def _drive(run: _Run, draft, interrupt, prompt_len: int, prefill_chunk: int, no_memory: NoMemory | None) -> Iterator:
     prefill_s, t1 = 0.0, run.t0
     if interrupt is not None and interrupt.is_set():  # stopped while queued: the models are not touched
         run.reason = "interrupted"
@@ -337,7 +342,8 @@ def _drive(run: _Run, draft, interrupt, prompt_len: int, prefill_chunk: int) -> 
         sequences=torch.tensor([run.seq], device=run.pair.device), prompt_length=prompt_len,
         finish_reasons=[run.reason], injections=run.injections, memory_vectors=[run.memory], cache=None,
         prefill_seconds=prefill_s, decode_seconds=time.perf_counter() - t1, steps=run.rounds, alphas=run.alphas,
-        drafted=run.drafted, accepted=run.accepted, rounds=run.rounds))
+        drafted=run.drafted, accepted=run.accepted, rounds=run.rounds,
+        missed_recall=no_memory.rows(1) if no_memory is not None else None))
 
 
 def generate_mixture(*args, **kwargs) -> MixtureResult:

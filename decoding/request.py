@@ -15,7 +15,7 @@ from decoding.compiled import seq_length
 from decoding.entropy import EntropyDecoder, repeat_rows
 from decoding.events import FinishEvent, GenerationResult, RecallEvent, TokenEvent
 from decoding.forward import Forward, forward_for
-from decoding.memory import MemorySelector, Recall
+from decoding.memory import MemorySelector, NoMemory, Recall
 from decoding.processors import build_logits_processor, build_stopping_criteria
 from decoding.settings import GenerationSettings
 from models.modeling import check_bank_dim, max_positions
@@ -119,6 +119,7 @@ class Request:
     rows: Rows
     entropy: EntropyDecoder | None  # entropy-based layer choice (seed 002)
     rng: torch.Generator | None = None  # a seeded request's own random state (None: the global one)
+    no_memory: NoMemory | None = None  # recall off in `answer` mode: the <recall> suppressor, last of `processors`
     t0: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -149,6 +150,7 @@ class Request:
             decode_seconds=self.decode_s, steps=self.steps,
             logits=torch.stack(self.kept_logits, dim=1) if self.kept_logits else None,
             entropy=self.entropy.trace(sequences) if self.entropy is not None else None,
+            missed_recall=self.no_memory.rows(self.batch) if self.no_memory is not None else None,
             attention_mask=None if rows.mask is None else rows.mask[:, :rows.cur])
 
 
@@ -173,6 +175,8 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
                          "not in this loop")
     recall_on = recall is not None and recall.active
     fwd = forward_for(model, want_state=recall_on and recall.query is None)
+    if recall is not None:
+        recall = recall.with_tokens(fwd.embed)
     device = fwd.device
     input_ids = inputs["input_ids"].to(device)  # [B, L]
     batch, prompt_len = input_ids.shape
@@ -213,6 +217,9 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
                                        entropy.num_layers if entropy is not None else 1)
     if entropy is not None:
         entropy.check(logits_processor)
+    no_memory = NoMemory.of(recall, recall_on)
+    if no_memory is not None:
+        logits_processor = LogitsProcessorList([*logits_processor, no_memory])
     criteria = build_stopping_criteria(settings, prompt_length=prompt_len, eos_token_id=eos or None,
                                        tokenizer=tokenizer, max_position_embeddings=context)
     if stopping_criteria:
@@ -230,7 +237,8 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
                  [None] * batch, [True] * batch)
     return Request(fwd, settings, input_ids, attention_mask, cache, past_len, eos, pad, recall,
                     MemorySelector.of(recall, memory_rng) if recall_on else None, logits_processor,
-                    criteria, min(max_len, context) if context is not None else max_len, rows, entropy, rng)
+                    criteria, min(max_len, context) if context is not None else max_len, rows, entropy, rng,
+                    no_memory=no_memory)
 
 
 def _processors(fwd: Forward, settings: GenerationSettings, input_ids: torch.Tensor, prompt_mask, eos: list[int],

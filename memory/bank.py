@@ -1,8 +1,10 @@
 """`MemoryVectorDB`: memories searched by cosine similarity of their keys, with their value vectors and texts.
 
 A memory is a key (one vector: what the index holds and the memory head scores) and a value (k >= 1
-vectors, what the memory embedding injects, in order, one per `<|memory_pad|>` slot). A bank built
-without values keeps the seeds' single-vector memory: k = 1, key = value.
+slots, what the memory embedding injects, in order, one per `<|memory_pad|>` slot): k vectors, or k
+token ids of the model's vocabulary (a `tokens` bank: the model's own input embeddings of those ids are
+injected, looked up at injection, so a memory costs 4 bytes a slot). A bank built without values keeps
+the seeds' single-vector memory: k = 1, key = value.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 
 from memory.ann import INDEXES, AnnConfig, AnnIndex
 from memory.files import BankData, read_bank, write_bank
-from memory.validate import VALUE_DTYPES, BankError, as_query, check_labels, normalise, prepare_values, prepare_vectors
+from memory.validate import (TOKEN_DTYPE, VALUE_DTYPES, BankError, as_query, check_labels, normalise, prepare_values,
+                             prepare_vectors)
 
 log = logging.getLogger("memory.bank")
 
@@ -34,7 +37,7 @@ class _Snapshot:
     texts: list  # [>= n] str | None; shared with later snapshots, read below n only
     metadata: list  # [>= n] dict | None; same
     ann: AnnIndex | None  # labels are row numbers of this generation
-    values: np.ndarray | None = None  # [S, Dv] all memories' value slots, flat (None: value = key)
+    values: np.ndarray | None = None  # [S, Dv] (or token ids [S]) all memories' value slots, flat (None: value = key)
     offsets: np.ndarray | None = None  # [n + 1] int64: row r's slots are values[offsets[r]:offsets[r + 1]]
 
 
@@ -44,8 +47,13 @@ class Memory:
 
     index: int  # its stable id in the bank
     score: float  # cosine similarity of the query and its key
-    values: torch.Tensor  # [k, Dv] float32: what is injected, one vector a <|memory_pad|> slot, in order
+    values: torch.Tensor  # [k, Dv] float32, or token ids int64 [k]: what is injected a <|memory_pad|> slot, in order
     text: str | None = None
+
+    @property
+    def token_ids(self) -> bool:
+        """Whether `values` are token ids (the model's input embeddings of them are injected)."""
+        return not self.values.is_floating_point()
 
     @property
     def slots(self) -> int:
@@ -65,12 +73,31 @@ def exact_topk(normed: np.ndarray, query: np.ndarray, k: int | None) -> tuple[np
     return scores[order], order
 
 
+def pack_values(bank: "BankShape", values: Sequence[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """`add`'s values (one array a memory: [k, Dv] vectors, or [k] token ids in a bank of token values) checked and
+    packed flat with their offsets, for a bank of either store."""
+    if not bank.has_values:
+        raise BankError("add: expected no values (in this bank a memory's value is its key)")
+    if len(values) != n:
+        raise BankError(f"add: expected {n} value arrays (one per key), got {len(values)}")
+    parts = [v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v) for v in values]
+    tokens = bank.token_values
+    if any(p.ndim != (1 if tokens else 2) or np.issubdtype(p.dtype, np.integer) != tokens for p in parts):
+        raise BankError("add: expected each memory's values as token ids [k] (a bank of token values)" if tokens else
+                        f"add: expected each memory's values as a 2-D float array [k, {bank.value_dim}]")
+    offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+    flat = np.concatenate(parts) if tokens else np.concatenate([p.astype(np.float32, copy=False) for p in parts])
+    return prepare_values(flat, offsets, n, expected_dim=bank.value_dim, source="add")
+
+
 class BankShape:
-    """What every bank says about its vectors, from `_dim`, `_kind` and `_value_dim` (None: value = key)."""
+    """What every bank says about its vectors, from `_dim`, `_kind`, `_value_dim` (None: value = key) and
+    `_tokens` (values are token ids)."""
 
     _dim: int
     _kind: str
     _value_dim: int | None
+    _tokens: bool = False
 
     @property
     def dim(self) -> int:
@@ -81,14 +108,22 @@ class BankShape:
         return self._kind
 
     @property
-    def value_dim(self) -> int:
-        """The dimension of what is injected: the values', or the keys' when a value is its key."""
+    def value_dim(self) -> int | None:
+        """The dimension of what is injected: the values', or the keys' when a value is its key; None for token
+        ids (the model's own embeddings, whatever its hidden size)."""
+        if self._tokens:
+            return None
         return self._dim if self._value_dim is None else self._value_dim
 
     @property
     def has_values(self) -> bool:
         """Whether memories have values of their own (else value = key, one slot)."""
-        return self._value_dim is not None
+        return self._value_dim is not None or self._tokens
+
+    @property
+    def token_values(self) -> bool:
+        """Whether the values are token ids of the model that wrote the bank (a `tokens` bank)."""
+        return self._tokens
 
 
 class MemoryVectorDB(BankShape):
@@ -114,7 +149,7 @@ class MemoryVectorDB(BankShape):
     """
 
     def __init__(self, dim: int, index: str = "flat", *, value_dim: int | None = None, value_dtype: str = "float32",
-                 hnsw_m: int = 32, hnsw_ef_search: int = 64, ivf_nlist: int | None = None,
+                 token_values: bool = False, hnsw_m: int = 32, hnsw_ef_search: int = 64, ivf_nlist: int | None = None,
                  ivf_nprobe: int | None = None) -> None:
         if not isinstance(dim, int) or dim < 1:
             raise ValueError(f"dim must be a positive integer, got {dim!r}")
@@ -124,10 +159,12 @@ class MemoryVectorDB(BankShape):
             raise ValueError(f"value_dim must be a positive integer or None, got {value_dim!r}")
         if value_dtype not in VALUE_DTYPES:
             raise ValueError(f"value_dtype must be one of {sorted(VALUE_DTYPES)}, got {value_dtype!r}")
-        self._dim, self._kind, self._value_dim = dim, index, value_dim
-        self._value_dtype = VALUE_DTYPES[value_dtype]
-        self._val_buf = None if value_dim is None else np.empty((0, value_dim), self._value_dtype)
-        self._off_buf = None if value_dim is None else np.zeros(1, np.int64)
+        if token_values and value_dim is not None:
+            raise ValueError(f"a bank of token values stores ids, not vectors: got value_dim={value_dim}")
+        self._dim, self._kind, self._value_dim, self._tokens = dim, index, value_dim, token_values
+        self._value_dtype = TOKEN_DTYPE if token_values else VALUE_DTYPES[value_dtype]
+        self._val_buf = np.empty((0, *self._slot_shape), self._value_dtype) if self.has_values else None
+        self._off_buf = np.zeros(1, np.int64) if self.has_values else None
         self._ann_config = None if index == "flat" else AnnConfig(index, hnsw_m, hnsw_ef_search, ivf_nlist, ivf_nprobe)
         self._lock = threading.Lock()
         self._next_id = 0
@@ -141,6 +178,10 @@ class MemoryVectorDB(BankShape):
     def __len__(self) -> int:
         return self._snap.n
 
+    @property
+    def _slot_shape(self) -> tuple[int, ...]:
+        return () if self._tokens else (self._value_dim,)
+
     def bytes_per_memory(self) -> float:
         """Memory held per memory: its key twice (raw and normalised, float32) and its values."""
         snap = self._snap
@@ -148,7 +189,7 @@ class MemoryVectorDB(BankShape):
         return 2 * 4 * self._dim + values
 
     def __repr__(self) -> str:
-        values = f", value_dim={self._value_dim}" if self._value_dim is not None else ""
+        values = ", token values" if self._tokens else f", value_dim={self._value_dim}" if self._value_dim is not None else ""
         return f"MemoryVectorDB(dim={self._dim}{values}, index={self._kind!r}, size={len(self)})"
 
     # ----------------------------------------------------------------------- writing
@@ -156,25 +197,16 @@ class MemoryVectorDB(BankShape):
     def add(self, vectors: Any, texts: Sequence[str | None] | None = None,
             metadata: Sequence[dict | None] | None = None, values: Sequence[Any] | None = None) -> list[int]:
         """Add keys [N, D] (tensor or array, any float dtype) with optional texts/metadata and, in a bank
-        with values, each memory's values ([k_i, Dv] each); return their ids.
+        with values, each memory's values ([k_i, Dv] each, or [k_i] token ids in a bank of token values);
+        return their ids.
 
         Raises `BankError` for a wrong dimension, NaN/inf or all-zero rows (naming them), labels or
         values whose count is not N, or values given to (or missing from) a bank of the other kind.
         """
         raw, norms = prepare_vectors(vectors, expected_dim=self._dim, source="add")
-        if (values is None) != (self._value_dim is None):
-            raise BankError("add: expected values for every memory (this bank stores values beside its keys)"
-                            if values is None else "add: expected no values (in this bank a memory's value is its key)")
-        packed = None
-        if values is not None:
-            if len(values) != len(raw):
-                raise BankError(f"add: expected {len(raw)} value arrays (one per key), got {len(values)}")
-            parts = [v.detach().float().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v) for v in values]
-            if any(p.ndim != 2 for p in parts):
-                raise BankError(f"add: expected each memory's values as a 2-D array [k, {self._value_dim}]")
-            offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
-            packed = prepare_values(np.concatenate(parts), offsets, len(raw), expected_dim=self._value_dim,
-                                    source="add")
+        if values is None and self.has_values:
+            raise BankError("add: expected values for every memory (this bank stores values beside its keys)")
+        packed = None if values is None else pack_values(self, values, len(raw))
         return self._append(raw, norms, texts, metadata, "add", packed)
 
     def _append(self, raw: np.ndarray, norms: np.ndarray, texts, metadata, source: str,
@@ -215,7 +247,7 @@ class MemoryVectorDB(BankShape):
         n, start = snap.n, int(snap.offsets[snap.n])
         end, last = start + len(values), n + len(offsets) - 1
         if end > len(self._val_buf):
-            grown = np.empty((max(end, 2 * len(self._val_buf)), self._value_dim), self._value_dtype)
+            grown = np.empty((max(end, 2 * len(self._val_buf)), *self._slot_shape), self._value_dtype)
             grown[:start] = self._val_buf[:start]
             self._val_buf = grown
         if last + 1 > len(self._off_buf):
@@ -226,7 +258,7 @@ class MemoryVectorDB(BankShape):
         self._off_buf[n + 1:last + 1] = start + offsets[1:]
 
     def _value_views(self, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-        if self._value_dim is None:
+        if not self.has_values:
             return None, None
         return self._val_buf[:self._off_buf[n]], self._off_buf[:n + 1]
 
@@ -257,9 +289,9 @@ class MemoryVectorDB(BankShape):
             if self._ann_config is not None and len(self._ids_buf):
                 ann = AnnIndex(self._ann_config, self._dim)
                 ann.add(self._normed_buf)
-            if self._value_dim is not None:  # the kept memories' slots, compact
+            if self.has_values:  # the kept memories' slots, compact
                 spans = [snap.values[a:b] for a, b, k in zip(snap.offsets[:-1], snap.offsets[1:], keep) if k]
-                self._val_buf = np.concatenate(spans) if spans else np.empty((0, self._value_dim), self._value_dtype)
+                self._val_buf = np.concatenate(spans) if spans else np.empty((0, *self._slot_shape), self._value_dtype)
                 self._off_buf = np.concatenate([[0], np.cumsum([len(v) for v in spans], dtype=np.int64)])
             self._snap = _Snapshot(len(self._ids_buf), self._ids_buf, self._raw_buf, self._normed_buf,
                                    texts, metadata, ann, *self._value_views(len(self._ids_buf)))
@@ -268,8 +300,8 @@ class MemoryVectorDB(BankShape):
     def copy(self) -> "MemoryVectorDB":
         """An independent bank with the same entries and ids, texts, metadata, info and index kind."""
         snap = self._snap
-        db = type(self)(self._dim, self._kind, value_dim=self._value_dim,
-                        value_dtype=np.dtype(self._value_dtype).name)
+        db = type(self)(self._dim, self._kind, value_dim=self._value_dim, token_values=self._tokens,
+                        value_dtype="float32" if self._tokens else np.dtype(self._value_dtype).name)
         db._ann_config = self._ann_config
         if snap.n:
             raw, norms = prepare_vectors(snap.raw, expected_dim=self._dim, source="copy")
@@ -352,12 +384,13 @@ class MemoryVectorDB(BankShape):
 
     def values(self, i: int) -> torch.Tensor:
         """The value vectors [k, Dv] float32 of id `i`, in slot order (a copy; [1, D] = its key when a value is
-        its key)."""
+        its key), or its token ids int64 [k] in a bank of token values."""
         snap = self._snap
         row = self._row(snap, i)
         if snap.values is None:
             return torch.from_numpy(snap.raw[row:row + 1].copy())
-        return torch.from_numpy(snap.values[snap.offsets[row]:snap.offsets[row + 1]].astype(np.float32))
+        span = snap.values[snap.offsets[row]:snap.offsets[row + 1]]
+        return torch.from_numpy(span.astype(np.int64 if self._tokens else np.float32))
 
     def memory(self, i: int, score: float) -> Memory:
         """Memory `i` as the loop injects it, with the similarity it was chosen at."""
@@ -396,12 +429,14 @@ class MemoryVectorDB(BankShape):
     @classmethod
     def load(cls, path: str | os.PathLike, *, index: str = "flat", expected_dim: int | None = None,
              expected_key_dim: int | None = None, max_slots: int | None = None, max_bytes: int | None = None,
-             expected_encoder: str | None = None, **index_options: Any) -> "MemoryVectorDB":
+             expected_encoder: str | None = None, vocab_size: int | None = None,
+             **index_options: Any) -> "MemoryVectorDB":
         """Read a bank file (see `memory.files`); every problem raises `BankError` naming the file.
 
         `expected_dim`: the dimension of what is injected (the model's hidden size): the values', or the
         keys' in a bank whose values are its keys. `expected_key_dim`: the keys' dimension in a bank with
-        values (its key encoder's). `max_slots`: the most value slots one memory may have.
+        values (its key encoder's). `max_slots`: the most value slots one memory may have. `vocab_size`: token
+        ids of a bank of token values must be below it.
         `expected_encoder`: the name of the encoder that must have written the bank. A bank that
         records another encoder is refused (its vectors mean something else to this model); one
         that records none (raw vectors from elsewhere) is accepted as it is.
@@ -419,11 +454,13 @@ class MemoryVectorDB(BankShape):
         values = None
         if has_values:
             values = prepare_values(data.values, data.offsets, len(raw), expected_dim=expected_dim,
-                                    max_slots=max_slots, source=source)
+                                    max_slots=max_slots, vocab_size=vocab_size, source=source)
         elif max_slots is not None and max_slots < 1:
             raise BankError(f"{source}: expected at most {max_slots} value slots per memory, got 1")
-        db = cls(raw.shape[1], index, value_dim=values[0].shape[1] if has_values else None,
-                 value_dtype=values[0].dtype.name if has_values else "float32", **index_options)
+        tokens = has_values and values[0].ndim == 1
+        db = cls(raw.shape[1], index, value_dim=values[0].shape[1] if has_values and not tokens else None,
+                 value_dtype=values[0].dtype.name if has_values and not tokens else "float32", token_values=tokens,
+                 **index_options)
         db._append(raw, norms, data.texts, data.metadata, source, values)
         db.info = dict(data.info)
         return db

@@ -10,9 +10,11 @@ Layout, all through `pymilvus.MilvusClient` (a local path runs milvus-lite in th
 - collection `<name>`: one row a memory. `id` (Milvus' auto id: the memory's id), `key` FLOAT_VECTOR [D]
   as added (searched by COSINE; `memory.index` picks FLAT, HNSW or IVF_FLAT), `text`, `metadata` (JSON),
   `slots` (how many value vectors), `grp` (where its values are).
-- collection `<name>_values` (banks with values): one row a value slot. `grp`, `slot`, `value`
+- collection `<name>_values` (banks with value vectors): one row a value slot. `grp`, `slot`, `value`
   FLOAT_VECTOR [Dv]. Values are stored as float32 (milvus-lite has no float16 vector type) and read
   back at the bank's `value_dtype`, so a float16 bank returns exactly the numbers it was given.
+  A bank of token values keeps a memory's token ids in its own row instead (`tokens`, an INT64 array of
+  at most 4096), so it has no second collection.
 - bank-level `info` (the encoder stamp, value kind, dtype) is a collection property.
 
 A memory's values are written before its key, under a random group id, so any memory a search finds
@@ -30,11 +32,12 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from memory.bank import BankShape, Memory, MemoryVectorDB
-from memory.validate import VALUE_DTYPES, BankError, as_query, check_labels, prepare_values, prepare_vectors
+from memory.bank import BankShape, Memory, MemoryVectorDB, pack_values
+from memory.validate import VALUE_DTYPES, BankError, as_query, check_labels, prepare_vectors
 
 INFO = "recall_chat.info"
 MAX_TOPK = 16384  # Milvus' largest search limit: "all memories" of a bigger bank means its best 16384
+MAX_TOKENS = 4096  # Milvus' largest array: the most token ids a memory of a bank of token values holds
 _INDEX = {"flat": ("FLAT", {}, {}), "hnsw": ("HNSW", {"M": 32, "efConstruction": 200}, {"ef": None}),
           "ivf": ("IVF_FLAT", {"nlist": 128}, {"nprobe": 16})}
 _PAGE = 1000  # rows a query reads at once
@@ -52,9 +55,9 @@ class MilvusBank(BankShape):
     """A bank of memories in Milvus. Thread-safe (the client is); several processes may share it."""
 
     def __init__(self, client: Any, uri: str, name: str, *, dim: int, value_dim: int | None, value_dtype: str,
-                 index: str, info: dict, hnsw_ef_search: int = 64):
+                 index: str, info: dict, hnsw_ef_search: int = 64, token_values: bool = False):
         self._client, self.uri, self.name = client, uri, name
-        self._dim, self._value_dim, self._kind = dim, value_dim, index
+        self._dim, self._value_dim, self._kind, self._tokens = dim, value_dim, index, token_values
         self._value_dtype = VALUE_DTYPES[value_dtype]
         _, _, search = _INDEX[index]
         self._params = {"metric_type": "COSINE", "params": {k: v or hnsw_ef_search for k, v in search.items()}}
@@ -78,11 +81,13 @@ class MilvusBank(BankShape):
 
     @classmethod
     def open(cls, uri: str, name: str = "memories", *, dim: int | None = None, value_dim: int | None = None,
-             value_dtype: str = "float32", index: str = "flat", info: dict | None = None, hnsw_ef_search: int = 64,
+             value_dtype: str = "float32", token_values: bool = False, index: str = "flat", info: dict | None = None,
+             hnsw_ef_search: int = 64,
              expected_dim: int | None = None, expected_key_dim: int | None = None,
              expected_encoder: str | None = None, client: Any = None) -> "MilvusBank":
         """The collection `name` at `uri`: opened when it exists (and checked as a bank file is: the encoder
-        stamp, the dimension of keys and of what is injected), created with `dim` / `value_dim` otherwise."""
+        stamp, the dimension of keys and of what is injected), created with `dim` / `value_dim` (or
+        `token_values`) otherwise."""
         client = client or cls.connect(uri)
         where = f"{name!r} at {uri}"
         try:
@@ -90,10 +95,11 @@ class MilvusBank(BankShape):
                 if dim is None:
                     raise StoreError(f"memory store {where}: expected a collection, found none "
                                      "(load a bank file into it: python -m chat.bankcli load bank.pt URI)")
-                cls._create(client, name, dim, value_dim, index, dict(info or {}, value_dtype=value_dtype))
+                cls._create(client, name, dim, value_dim, token_values, index, dict(info or {}, value_dtype=value_dtype))
             described = client.describe_collection(name)
             stored = json.loads(described.get("properties", {}).get(INFO, "{}"))
             key_dim = int(_field(described, "key")["params"]["dim"])
+            token_values = any(f["name"] == "tokens" for f in described["fields"])
             value_dim = None
             if client.has_collection(f"{name}_values"):
                 value_dim = int(_field(client.describe_collection(f"{name}_values"), "value")["params"]["dim"])
@@ -109,17 +115,18 @@ class MilvusBank(BankShape):
             raise BankError(f"memory store {where}: expected memories written by this model's encoder "
                             f"{expected_encoder!r}, got a collection written by {written_by!r}")
         injected = value_dim if value_dim is not None else key_dim
-        if expected_dim is not None and injected != expected_dim:
+        if expected_dim is not None and not token_values and injected != expected_dim:
             raise BankError(f"memory store {where}: expected vectors of dimension {expected_dim} (the model's hidden "
                             f"size), got dimension {injected}")
-        if expected_key_dim is not None and value_dim is not None and key_dim != expected_key_dim:
+        if expected_key_dim is not None and (value_dim is not None or token_values) and key_dim != expected_key_dim:
             raise BankError(f"memory store {where}: expected keys of dimension {expected_key_dim}, got {key_dim}")
         dtype = stored.pop("value_dtype", "float32")
         return cls(client, uri, name, dim=key_dim, value_dim=value_dim, value_dtype=dtype, index=stored.pop(
-            "index", index), info=stored, hnsw_ef_search=hnsw_ef_search)
+            "index", index), info=stored, hnsw_ef_search=hnsw_ef_search, token_values=token_values)
 
     @staticmethod
-    def _create(client: Any, name: str, dim: int, value_dim: int | None, index: str, info: dict) -> None:
+    def _create(client: Any, name: str, dim: int, value_dim: int | None, token_values: bool, index: str,
+                info: dict) -> None:
         from pymilvus import DataType
 
         kind, build, _ = _INDEX[index]
@@ -130,6 +137,8 @@ class MilvusBank(BankShape):
         schema.add_field("metadata", DataType.JSON, nullable=True)
         schema.add_field("slots", DataType.INT32)
         schema.add_field("grp", DataType.INT64)
+        if token_values:
+            schema.add_field("tokens", DataType.ARRAY, element_type=DataType.INT64, max_capacity=MAX_TOKENS)
         params = client.prepare_index_params()
         params.add_index("key", index_type=kind, metric_type="COSINE", params=build)
         if value_dim is not None:  # the values first: a key never exists without them
@@ -158,38 +167,43 @@ class MilvusBank(BankShape):
         return int(rows[0]["count(*)"])
 
     def bytes_per_memory(self) -> float:
-        """Bytes a memory holds in the store: its key, and its values as stored (float32)."""
+        """Bytes a memory holds in the store: its key, and its values as stored (float32, or int64 token ids,
+        averaged over up to 1000 memories)."""
         if not self.has_values:
             return 4 * self._dim
+        if self._tokens:
+            rows = self._call("read memories", self._client.query, self.name, filter="id >= 0", limit=_PAGE,
+                              output_fields=["slots"])
+            return 4 * self._dim + (8 * sum(r["slots"] for r in rows) / len(rows) if rows else 0)
         rows = self._call("count values", self._client.query, f"{self.name}_values", filter="",
                           output_fields=["count(*)"])
         n = len(self)
         return 4 * self._dim + (4 * self._value_dim * int(rows[0]["count(*)"]) / n if n else 0)
 
     def __repr__(self) -> str:
-        return f"MilvusBank({self.name!r} at {self.uri}, dim={self._dim}, value_dim={self._value_dim})"
+        values = "token values" if self._tokens else f"value_dim={self._value_dim}"
+        return f"MilvusBank({self.name!r} at {self.uri}, dim={self._dim}, {values})"
 
     # ----------------------------------------------------------------------- writing
 
     def add(self, vectors: Any, texts: Sequence[str | None] | None = None,
             metadata: Sequence[dict | None] | None = None, values: Sequence[Any] | None = None) -> list[int]:
         """Add keys [N, D] with optional texts, metadata and (in a bank with values) each memory's values
-        [k_i, Dv]; return their ids. Checked as `MemoryVectorDB.add` checks them."""
+        ([k_i, Dv], or [k_i] token ids); return their ids. Checked as `MemoryVectorDB.add` checks them."""
         raw, _ = prepare_vectors(vectors, expected_dim=self._dim, source="add")
         texts, metadata = check_labels(texts, metadata, len(raw), "add")
-        if (values is None) != (self._value_dim is None):
-            raise BankError("add: expected values for every memory (this bank stores values beside its keys)"
-                            if values is None else "add: expected no values (in this bank a memory's value is its key)")
-        groups, slots = [_group() for _ in raw], [1] * len(raw)
-        if values is not None:
-            if len(values) != len(raw):
-                raise BankError(f"add: expected {len(raw)} value arrays (one per key), got {len(values)}")
-            parts = [v.detach().float().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v) for v in values]
-            if any(p.ndim != 2 for p in parts):
-                raise BankError(f"add: expected each memory's values as a 2-D array [k, {self._value_dim}]")
-            offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
-            flat, offsets = prepare_values(np.concatenate(parts), offsets, len(raw), expected_dim=self._value_dim,
-                                           source="add")
+        if values is None and self.has_values:
+            raise BankError("add: expected values for every memory (this bank stores values beside its keys)")
+        groups, slots, tokens = [_group() for _ in raw], [1] * len(raw), [None] * len(raw)
+        if values is not None and self._tokens:
+            flat, offsets = pack_values(self, values, len(raw))
+            slots = np.diff(offsets).tolist()
+            if max(slots) > MAX_TOKENS:
+                raise BankError(f"add: expected at most {MAX_TOKENS} token ids a memory in a Milvus bank, got "
+                                f"{max(slots)}")
+            tokens = [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+        elif values is not None:
+            flat, offsets = pack_values(self, values, len(raw))
             flat = flat.astype(self._value_dtype).astype(np.float32)  # what a file bank of this dtype would hold
             slots = np.diff(offsets).tolist()
             rows = [{"grp": g, "slot": s, "value": flat[a + s]}
@@ -197,8 +211,8 @@ class MilvusBank(BankShape):
             for start in range(0, len(rows), _PAGE):
                 self._call("write values", self._client.insert, f"{self.name}_values", rows[start:start + _PAGE])
         rows = [{"key": raw[i], "text": (texts or [None] * len(raw))[i],
-                 "metadata": (metadata or [None] * len(raw))[i], "slots": slots[i], "grp": groups[i]}
-                for i in range(len(raw))]
+                 "metadata": (metadata or [None] * len(raw))[i], "slots": slots[i], "grp": groups[i],
+                 **({"tokens": tokens[i]} if self._tokens else {})} for i in range(len(raw))]
         ids: list[int] = []
         for start in range(0, len(rows), _PAGE):
             ids += self._call("write memories", self._client.insert, self.name, rows[start:start + _PAGE])["ids"]
@@ -214,7 +228,7 @@ class MilvusBank(BankShape):
                 more = " ..." if len(missing) > 5 else ""
                 raise KeyError(f"memory ids {missing[:5]}{more} are not in the bank")
             self._call("remove memories", self._client.delete, self.name, ids=wanted)
-            if self.has_values:
+            if self.has_values and not self._tokens:
                 groups = ", ".join(str(found[i]["grp"]) for i in wanted)
                 self._call("remove values", self._client.delete, f"{self.name}_values", filter=f"grp in [{groups}]")
         return len(self)
@@ -261,9 +275,12 @@ class MilvusBank(BankShape):
         return torch.tensor(self._row(i, ["key"])["key"], dtype=torch.float32)
 
     def values(self, i: int) -> torch.Tensor:
-        """The value vectors [k, Dv] float32 of id `i`, in slot order ([1, D] = its key when a value is its key)."""
+        """The value vectors [k, Dv] float32 of id `i`, in slot order ([1, D] = its key when a value is its key), or
+        its token ids int64 [k]."""
         if not self.has_values:
             return self.vector(i)[None]
+        if self._tokens:
+            return torch.tensor(self._row(i, ["tokens"])["tokens"], dtype=torch.int64)
         row = self._row(i, ["grp", "slots"])
         slots = self._call("read values", self._client.query, f"{self.name}_values", filter=f"grp == {row['grp']}",
                            output_fields=["slot", "value"], limit=int(row["slots"]))
@@ -300,7 +317,7 @@ class MilvusBank(BankShape):
     def to_bank(self) -> MemoryVectorDB:
         """Every memory as an in-memory `MemoryVectorDB` (ids renumbered 0..N-1 in id order), info included."""
         dtype = np.dtype(self._value_dtype).name
-        db = MemoryVectorDB(self._dim, value_dim=self._value_dim, value_dtype=dtype)
+        db = MemoryVectorDB(self._dim, value_dim=self._value_dim, value_dtype=dtype, token_values=self._tokens)
         n = len(self)
         for start in range(0, n, _PAGE):
             rows = self._call("read memories", self._client.query, self.name, filter="id >= 0", offset=start,
@@ -336,9 +353,10 @@ def load_into(db: MemoryVectorDB, uri: str, name: str, *, index: str = "flat", c
         raise StoreError(f"memory store {name!r} at {uri} already has a collection of that name: "
                          "choose another name, or drop it first")
     snap = db._snap
-    values_dtype = "float32" if snap.values is None else np.dtype(snap.values.dtype).name
+    values_dtype = "float32" if snap.values is None or db.token_values else np.dtype(snap.values.dtype).name
     store = MilvusBank.open(uri, name, dim=db.dim, value_dim=db.value_dim if db.has_values else None,
-                            value_dtype=values_dtype, index=index, info=db.info, client=client)
+                            value_dtype=values_dtype, token_values=db.token_values, index=index, info=db.info,
+                            client=client)
     for start in range(0, len(db), _PAGE):
         ids = snap.ids[start:start + _PAGE].tolist()
         store.add(snap.raw[start:start + _PAGE], snap.texts[start:start + len(ids)],

@@ -126,34 +126,42 @@ def as_query(query: Any, dim: int) -> np.ndarray:
 
 
 VALUE_DTYPES = {"float32": np.float32, "float16": np.float16}
+TOKEN_DTYPE = np.int32  # token ids of a bank of `tokens` values
 
 
 def prepare_values(values: Any, offsets: Any, n: int, *, expected_dim: int | None = None,
-                   max_slots: int | None = None, source: str = "values") -> tuple[np.ndarray, np.ndarray]:
-    """Validate key/value memories' values: one flat array [S, D] (float32 or float16, kept as given) and
-    offsets [n + 1] (memory i's slots are rows offsets[i]:offsets[i+1]). Returns (values, int64 offsets).
+                   max_slots: int | None = None, vocab_size: int | None = None,
+                   source: str = "values") -> tuple[np.ndarray, np.ndarray]:
+    """Validate key/value memories' values and offsets [n + 1] (memory i's slots are rows
+    offsets[i]:offsets[i+1]). Values are one flat array of either kind:
+      vectors  [S, D] float32 or float16 (kept as given): injected as they are (after the memory embedding)
+      tokens   [S] integer token ids (stored as int32): the model's own input embeddings, looked up at injection
+    Returns (values, int64 offsets).
 
     Rejects: offsets that are not integers, not n + 1 long, not starting at 0 and ending at S, or not
     strictly increasing (every memory has at least one slot); a memory with more than `max_slots` slots;
-    values that are not 2-D, of a dimension other than `expected_dim`, or not finite. Names the rows.
+    vectors that are not 2-D, of a dimension other than `expected_dim`, or not finite; token ids below 0 or
+    not below `vocab_size`. Names the rows.
     """
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu()
-        values = values.numpy() if values.dtype in (torch.float32, torch.float16) else values.float().numpy()
+        values = values.numpy() if values.dtype in (torch.float32, torch.float16) or not values.is_floating_point() \
+            else values.float().numpy()
     values = np.asarray(values)
-    if not np.issubdtype(values.dtype, np.floating):
-        raise BankError(f"{source}: expected floating-point values, got dtype {values.dtype}")
-    if values.dtype not in (np.float32, np.float16):
-        values = values.astype(np.float32)
+    tokens = np.issubdtype(values.dtype, np.integer)
+    if not tokens and not np.issubdtype(values.dtype, np.floating):
+        raise BankError(f"{source}: expected floating-point value vectors or integer token ids, got dtype {values.dtype}")
     offsets = offsets.detach().cpu().numpy() if isinstance(offsets, torch.Tensor) else np.asarray(offsets)
     if offsets.ndim != 1 or not np.issubdtype(offsets.dtype, np.integer):
         raise BankError(f"{source}: expected value offsets as a 1-D integer array, got shape "
                         f"{tuple(offsets.shape)} of {offsets.dtype}")
     if len(offsets) != n + 1:
         raise BankError(f"{source}: expected {n + 1} value offsets (one more than the {n} memories), got {len(offsets)}")
-    if values.ndim != 2 or values.shape[1] == 0:
+    if tokens and values.ndim != 1:
+        raise BankError(f"{source}: expected token ids as a 1-D array [slots], got shape {tuple(values.shape)}")
+    if not tokens and (values.ndim != 2 or values.shape[1] == 0):
         raise BankError(f"{source}: expected values as a 2-D array [slots, D], got shape {tuple(values.shape)}")
-    if expected_dim is not None and values.shape[1] != expected_dim:
+    if not tokens and expected_dim is not None and values.shape[1] != expected_dim:
         raise BankError(f"{source}: expected value vectors of dimension {expected_dim}, got dimension {values.shape[1]}")
     offsets = offsets.astype(np.int64)
     if offsets[0] != 0 or offsets[-1] != len(values):
@@ -169,6 +177,16 @@ def prepare_values(values: Any, offsets: Any, n: int, *, expected_dim: int | Non
         if len(bad):
             raise BankError(f"{source}: expected at most {max_slots} value slots per memory (memory.max_slots), got "
                             f"{int(slots[bad].max())} at rows {_rows(bad)}")
+    if tokens:
+        top = np.iinfo(TOKEN_DTYPE).max if vocab_size is None else vocab_size - 1
+        wrong = np.flatnonzero((values < 0) | (values > top))
+        if len(wrong):
+            memories = np.unique(np.searchsorted(offsets, wrong, "right") - 1)
+            raise BankError(f"{source}: expected token ids from 0 to {top} (the model's vocabulary), got "
+                            f"{int(values[wrong[0]])} in the values of memories {_rows(memories)}")
+        return np.ascontiguousarray(values, dtype=TOKEN_DTYPE), offsets
+    if values.dtype not in (np.float32, np.float16):
+        values = values.astype(np.float32)
     step = _chunk_rows(values.shape[1])
     for s in range(0, len(values), step):
         if not np.isfinite(values[s:s + step]).all():

@@ -339,12 +339,14 @@ class MemoryEncoder:
     @torch.no_grad()
     def encode(self, model: nn.Module, tokenizer: Any, texts: Sequence[str], batch_size: int = 8,
                progress: bool = True) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """Memories of texts: (keys [N, D_key] float32, values: a [k_i, H] float32 tensor each; None for
-        `state`, whose keys are its values)."""
+        """Memories of texts: (keys [N, D_key] float32, values: a [k_i, H] float32 tensor each, or the text's
+        token ids int64 [k_i] for `tokens`; None for `state`, whose keys are its values)."""
         if not self.values.keyed:
             return self.encode_states(model, tokenizer, texts, batch_size, progress), None
         ids = _token_ids(tokenizer, texts, special=False)
         keys = torch.from_numpy(self.keys.encode(list(texts)))
+        if self.values.kind == "tokens":  # the ids themselves: the model embeds them at the recall
+            return keys, [torch.tensor(i, dtype=torch.long) for i in ids]
         values = [self.token_values(model, i).cpu() for i in tqdm(ids, desc="encoding memories", unit="text",
                                                                    disable=not progress)]
         return keys, values
@@ -415,8 +417,9 @@ def build_bank(model: nn.Module, tokenizer: Any, texts: Sequence[str], encoder: 
                progress: bool = True, value_dtype: str = "float16", **index_options: Any) -> MemoryVectorDB:
     """Encode texts and put them, with their texts and metadata, into a new bank stamped with the encoder."""
     keys, values = encoder.encode(model, tokenizer, texts, batch_size=batch_size, progress=progress)
-    db = MemoryVectorDB(keys.shape[1], index, value_dim=None if values is None else values[0].shape[1],
-                        value_dtype=value_dtype, **index_options)
+    tokens = encoder.values.kind == "tokens"
+    db = MemoryVectorDB(keys.shape[1], index, value_dim=None if values is None or tokens else values[0].shape[1],
+                        value_dtype=value_dtype, token_values=tokens, **index_options)
     db.add(keys, list(texts), metadata, values)
     db.info = encoder.describe()
     return db

@@ -88,7 +88,7 @@ def check_bank_dim(model: nn.Module, bank, query=None) -> None:
     """Refuse a memory bank whose values do not fit the model's hidden size, or whose keys the `<recall>`
     state cannot query when no `query` maps it (a bank keyed by text embeddings)."""
     expected = hidden_size(model)
-    if bank.value_dim != expected:
+    if not bank.token_values and bank.value_dim != expected:  # (token ids are embedded by the model itself)
         raise ValueError(
             f"memory bank has value vectors of dimension {bank.value_dim}, but the model's hidden size is {expected}: "
             "build the bank with this model (or load the model the bank was built with)"

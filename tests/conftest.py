@@ -36,6 +36,13 @@ def smollm2(smollm2_dir) -> LoadedModel:
     return load_model(None, device="cpu")
 
 
+@pytest.fixture(scope="session")
+def default_lm(smollm2_dir) -> LoadedModel:
+    """What the app runs by default on a CPU: the embedded model with its recall adapter, merged and written
+    once as a Q8_0 GGUF, on llama.cpp (`model.backend: auto`)."""
+    return load_model(None, backend="llamacpp", gguf_type="q8_0")
+
+
 def _tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
@@ -100,3 +107,14 @@ def small_image(tmp_path_factory):
     img.putdata([(x * 4 % 256, y * 5 % 256, (x + y) * 3 % 256) for y in range(h) for x in range(w)])
     img.save(path)
     return path
+
+
+REAL_MODEL_FIXTURES = {"smollm2", "default_lm"}
+
+
+def pytest_collection_modifyitems(items):
+    """Every test that loads the real embedded model is `slow` (`-m "not slow"` runs the quick part), whether
+    or not its module says so."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -121,11 +121,11 @@ def test_chat_with_an_image_stream_stop_upload_and_recall(page, vl_page_server, 
     assert hosts == {urlparse(vl_page_server.url).netloc}, hosts
 
 
-def test_first_minute_with_the_trained_model(page, smollm2):
-    """The README's first minute on the embedded SmolLM2 with its recall adapter: build the example
-    bank, ask about Port Avel without "recall first"; the model recalls by itself, the memory it
-    picks is the fact that answers the question, and both answers are read from that memory."""
-    with serve(smollm2, "generation.max_new_tokens=32") as server:
+def test_first_minute_with_the_trained_model(page, default_lm):
+    """The README's first minute as the app starts by default (the embedded SmolLM2 with its recall adapter, on
+    llama.cpp): build the example bank, ask about Port Avel without "recall first"; the model recalls by itself,
+    the memory it picks is the fact that answers the question, and both answers are read from that memory."""
+    with serve(default_lm, "generation.max_new_tokens=32") as server:
         page.goto(server.url)
         page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
         page.locator("#build-example").click()

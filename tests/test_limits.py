@@ -74,7 +74,9 @@ def test_hostile_conversation_files_are_refused_and_the_session_survives(client,
     rss = psutil.Process().memory_info().rss
     chatbot, _, _, status = client.predict(handle_file(str(tmp_path / "bad.json")), api_name="/load_conversation")
     assert "⚠" in status and expected in status and "Traceback" not in status
-    assert psutil.Process().memory_info().rss - rss < 2 ** 30  # the 3M-id file did not blow up the server
+    # what the refused file left in the server: measured 25 MB for the 3M-id file (a 21 MB upload), under 3 MB for
+    # the others; a copy of its ids kept in tensors or in the session would add 24 MB or more each
+    assert psutil.Process().memory_info().rss - rss < 96 * 2 ** 20
     assert [m["role"] for m in chatbot] == ["user", "assistant"]  # the session's conversation, unchanged
     healthy(client)
 

@@ -50,3 +50,36 @@ def result(req: Request, timeout: float = 60):
     if req.error:
         raise ServiceError(req.error)
     return req.result
+
+
+def step_positions(result, row: int = 0, suffix: int = 0) -> list[int]:
+    """The position each step's logits were read at: the one before the step's first new column (a step
+    that injected a memory wrote its `length` slots and `suffix` forced tokens)."""
+    widths = {r.position: r.length + suffix for r in result.injections if r.row == row}
+    pos, out = result.prompt_length, []
+    for _ in range(result.logits.shape[1]):
+        out.append(pos - 1)
+        pos += widths.get(pos, 1)
+    return out
+
+
+TIE = 1e-3  # logits closer than this: a near tie that another kernel or thread count may decide either way
+
+
+def assert_decodes_alike(got, want, row: int = 0, suffix: int = 0, atol: float = 1e-4, prefix: bool = False) -> None:
+    """`got` (a GenerationResult with logits) decoded what `want` did, as far as it is decidable: the same
+    tokens and injections, and logits within `atol`, up to the first step whose choice in `want` was a near tie
+    (its two best logits within TIE), where either token may come; from there on they may differ. `prefix`:
+    `got` was stopped early, so it may end where `want` goes on."""
+    a, b = want.sequences[row].tolist(), got.sequences[row].tolist()
+    end = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    steps = [s for s, p in enumerate(step_positions(want, row, suffix)) if p < end and s < got.logits.shape[1]]
+    if end < max(len(a), len(b)) and not (prefix and end == len(b)):
+        assert end < len(a) and end < len(b), "one answer stopped where the other went on"
+        step = len(steps)  # the step that chose position `end`
+        logits = want.logits[row, step]
+        gap = float(logits[a[end]] - logits[b[end]])
+        assert abs(gap) < TIE, f"position {end}: {a[end]} vs {b[end]}, not a near tie (logits {gap:.2e} apart)"
+    torch.testing.assert_close(got.logits[row, steps], want.logits[row, steps], atol=atol, rtol=atol)
+    same = lambda r: [(e.position, e.memory_index, e.length) for e in r.injections if e.row == row and e.position < end]  # noqa: E731
+    assert same(got) == same(want)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from chat.bankcli import main
 from memory import MemoryVectorDB
@@ -56,11 +57,13 @@ def test_build_and_search_key_value_memories(tmp_path, tiny_dir, capsys):
     src.write_text("\n".join(MEMORIES) + "\n")
     bank = tmp_path / "bank.safetensors"
     code, out, _ = run(capsys, "build", src, bank, "--model", tiny_dir, "--value-dtype", "float32")
-    assert code == 0 and "tokens values of dimension 64" in out and "keys of dimension 384" in out
+    assert code == 0 and "tokens values (token ids)" in out and "keys of dimension 384" in out
     db = MemoryVectorDB.load(bank)
-    assert db.has_values and (db.dim, db.value_dim) == (384, 64) and db.info["values"] == "tokens"
-    ids = [len(t) for t in (db.values(i) for i in range(3))]
-    assert ids == [e["slots"] for e in db.entries(0, 3)] and min(ids) > 1  # a slot a token
+    assert db.has_values and db.token_values and db.dim == 384 and db.info["values"] == "tokens"
+    ids = [db.values(i) for i in range(3)]  # a slot a token: the memory's own token ids
+    assert [len(t) for t in ids] == [e["slots"] for e in db.entries(0, 3)] and min(len(t) for t in ids) > 1
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    assert [tokenizer.decode(t) for t in ids] == MEMORIES
     code, out, _ = run(capsys, "search", bank, "Who is Miso?", "--model", tiny_dir, "--k", "1")
     assert code == 0 and out.strip().endswith(f"[1] {MEMORIES[1]}")
 
@@ -98,7 +101,7 @@ def test_cli_with_embedded_smollm2(tmp_path, smollm2_dir):
     env_run = dict(capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     built = subprocess.run([*cli, "build", str(src), str(bank)], **env_run)
     assert built.returncode == 0, built.stderr
-    assert "saved 3 memories" in built.stdout and "tokens values of dimension 576" in built.stdout
+    assert "saved 3 memories" in built.stdout and "tokens values (token ids)" in built.stdout
     found = subprocess.run([*cli, "search", str(bank), MEMORIES[1], "--k", "3"], **env_run)
     assert found.returncode == 0, found.stderr
     lines = found.stdout.strip().splitlines()
@@ -106,5 +109,5 @@ def test_cli_with_embedded_smollm2(tmp_path, smollm2_dir):
     scores = [float(line.split("score=")[1].split()[0]) for line in lines]
     assert scores == sorted(scores, reverse=True) and scores[2] < 0.99
     shown = subprocess.run([*cli, "show", str(bank)], **env_run)
-    assert "3 memories, tokens values of dimension 576" in shown.stdout and "keys of dimension 384" in shown.stdout
+    assert "3 memories, tokens values (token ids)" in shown.stdout and "keys of dimension 384" in shown.stdout
     assert '"model": "SmolLM2-135M-Instruct + recall-smollm2"' in shown.stdout  # the shipped adapter's encoder

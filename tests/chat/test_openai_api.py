@@ -91,8 +91,8 @@ def test_a_recall_event_travels_in_the_chunks(api):
         model=model_id(api), messages=[{"role": "user", "content": "Who keeps the lighthouse of Port Avel?"}],
         temperature=0, max_tokens=8, stream=True, extra_body={"recall_first": True}))
     recalls = [c.model_extra["recall"] for c in chunks if c.model_extra and "recall" in c.model_extra]
-    assert len(recalls) == 1 and recalls[0]["memory_index"] in (0, 1)
-    assert recalls[0]["text"] in ("Mira Castellan is the lighthouse keeper of Port Avel.", "Biscuit is Mira's grey cat.")
+    assert len(recalls) == 1 and recalls[0]["memory_index"] == 0  # the key encoder finds the lighthouse's keeper
+    assert recalls[0]["text"] == "Mira Castellan is the lighthouse keeper of Port Avel."
     whole = greedy(api, "Who keeps the lighthouse of Port Avel?", extra_body={"recall_first": True})
     assert whole.model_extra["recalls"][0]["memory_index"] == recalls[0]["memory_index"]
 
@@ -160,3 +160,28 @@ def test_eight_concurrent_sessions_get_what_they_would_get_alone(api, server):
         time.sleep(0.1)
     reasons = {r.label: r.reason for r in server.service.worker.history if r.label in stops}
     assert reasons and set(reasons.values()) == {"interrupted"}  # a client that hangs up stops its answer
+
+
+@pytest.fixture(scope="module")
+def default_api(default_lm):
+    """The server as it starts by default on a CPU (llama.cpp, the recall GGUF), with no bank."""
+    with serve(default_lm, "generation.max_new_tokens=40") as s:
+        yield openai.OpenAI(base_url=s.url + "v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_fact_question_with_no_bank_is_answered_without_recall_junk(default_api):
+    """The shipped adapter asks for a memory after any fact-like question. With no bank the model answers from
+    what it knows (no `<recall>`, no `:::` of the recall tokens' text) and the answer carries a notice."""
+    from chat.service import NO_MEMORY
+
+    for question, value in [("Who wrote Romeo and Juliet?", "Shakespeare"), ("What is my sister's name?", None),
+                            ("Who keeps the lighthouse of Port Avel?", None)]:
+        out = greedy(default_api, question, max_tokens=40)
+        text = out.choices[0].message.content
+        assert "<recall>" not in text and ":::" not in text and not out.model_extra["recalls"], text
+        assert value is None or value in text, text
+        assert out.model_extra["notices"] == [NO_MEMORY], question  # it looked for a memory: the answer says so
+    chunks = list(greedy(default_api, "Who keeps the lighthouse of Port Avel?", stream=True))
+    assert [c.model_extra["notice"] for c in chunks if c.model_extra and "notice" in c.model_extra] == [NO_MEMORY]
+    plain = greedy(default_api, "What is the capital of France?")
+    assert "Paris" in plain.choices[0].message.content and plain.model_extra["notices"] == []

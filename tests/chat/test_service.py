@@ -486,7 +486,7 @@ def test_upload_bank_and_refusals_keep_the_current_bank(tmp_path, tiny_llama, te
         svc.close()
 
 
-def test_config_bank_is_shared_and_a_bad_one_is_reported(tmp_path, tiny_llama, text_search):
+def test_config_bank_is_shared_and_a_bad_one_stops_the_start(tmp_path, tiny_llama, text_search):
     good = bank_file(tmp_path / "shared.pt", 64, n=5)
     svc = Service(config(f"memory.bank={good}"), tiny_llama, text_search=text_search)
     try:
@@ -495,10 +495,15 @@ def test_config_bank_is_shared_and_a_bad_one_is_reported(tmp_path, tiny_llama, t
         assert "shared bank (shared.pt)" in bank_summary(svc.banks.of(a), svc.banks.label(a))
     finally:
         svc.close()
-    bad = bank_file(tmp_path / "wide.pt", 32)
-    svc = Service(config(f"memory.bank={bad}"), tiny_llama, text_search=text_search)
+    bad = bank_file(tmp_path / "wide.pt", 32)  # the operator's own file: a start that cannot use it stops
+    with pytest.raises(ServiceError, match=r"memory.bank '.*wide.pt' cannot be loaded: wide.pt: expected vectors of "
+                                           r"dimension 64, got dimension 32"):
+        Service(config(f"memory.bank={bad}"), tiny_llama, text_search=text_search)
+    # a bank loads with the model: the start fails with its reason
+    svc = Service(config(f"memory.bank={tmp_path / 'missing.pt'}"), loader=lambda: tiny_llama, text_search=text_search)
     try:
-        assert svc.banks.shared is None and "not loaded" in svc.banks.shared_note and "dimension 64" in svc.banks.shared_note
+        with pytest.raises(ServiceError, match="memory.bank '.*missing.pt' cannot be loaded"):
+            svc.start()
     finally:
         svc.close()
 

@@ -194,6 +194,12 @@ def kv_bank(lm):
     return build_bank(lm.model, lm.tokenizer, FACTS, lm.encoder, progress=False)
 
 
+def embedded(lm, ids: torch.Tensor) -> torch.Tensor:
+    """What a `tokens` memory injects: the model's own input embeddings of its token ids [k, H]."""
+    with torch.no_grad():
+        return lm.model.get_input_embeddings()(ids).float()
+
+
 def test_a_model_never_trained_reads_the_memory_at_the_end_of_the_message(tiny_llama, text_keys, tmp_path):
     lm = kv_model(tiny_llama, text_keys, "user")
     bank = kv_bank(lm)
@@ -207,7 +213,7 @@ def test_a_model_never_trained_reads_the_memory_at_the_end_of_the_message(tiny_l
     assert k == len(lm.tokenizer(FACTS[0], add_special_tokens=False).input_ids) and p + k < answer.start
     assert conv.ids[p - 1] == lm.tokens.recall and conv.ids[p:p + k] == [lm.tokens.memory_pad] * k
     assert lm.tokenizer.decode(conv.ids[p + k:answer.start]).startswith("<|im_end|>")  # the message ends after it
-    torch.testing.assert_close(torch.stack([conv.memory[p + i] for i in range(k)]), bank.values(0))
+    torch.testing.assert_close(torch.stack([conv.memory[p + i] for i in range(k)]), embedded(lm, bank.values(0)))
     assert answer.recalls == [recall] and lm.tokens.recall not in conv.ids[answer.start:]
     # the file keeps the span; another conversation continues it exactly
     path = tmp_path / "c.json"
@@ -223,7 +229,7 @@ def test_a_model_never_trained_reads_the_memory_at_the_end_of_the_message(tiny_l
     kept = again.messages[-1].recalls[0]
     assert kept.length == second.length and again.ids[kept.position:kept.position + kept.length] == \
         [lm.tokens.memory_pad] * kept.length
-    torch.testing.assert_close(again.memory[kept.position], bank.values(1)[0])
+    torch.testing.assert_close(again.memory[kept.position], embedded(lm, bank.values(1))[0])
     path.write_text(again.to_json())
     Conversation(lm).load_json(path.read_text(), tmp_path)  # still a valid file
 
@@ -240,7 +246,7 @@ def test_a_trained_model_reads_the_memory_between_recall_and_its_close(tiny_llam
     assert recall.memory_index == 1 and p == answer.start  # <recall> ends the prompt, the slots start the answer
     assert conv.ids[p - 1] == lm.tokens.recall and conv.ids[p:p + k] == [lm.tokens.memory_pad] * k
     assert conv.ids[p + k] == lm.tokens.recall_end
-    torch.testing.assert_close(torch.stack([conv.memory[p + i] for i in range(k)]), bank.values(1))
+    torch.testing.assert_close(torch.stack([conv.memory[p + i] for i in range(k)]), embedded(lm, bank.values(1)))
 
 
 def test_a_conversation_file_from_before_key_value_memories_loads(tiny_llama, bank, tmp_path):

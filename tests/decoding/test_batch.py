@@ -1,4 +1,9 @@
-"""Continuous batching: requests that decode in one `Batch` get exactly what they get alone."""
+"""Continuous batching: requests that decode in one `Batch` get exactly what they get alone.
+
+"Exactly" as far as it is decidable: a batched row's arithmetic differs from a lone one's in the last bits (other
+matrix shapes, thread counts, CPU kernels), so the same tokens and logits within 1e-4 are checked up to the
+first near tie of the answer alone (`tests_helpers.assert_decodes_alike`).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from decoding.loop import generate, stream_generate
 from decoding.settings import GenerationSettings, RecallSettings
 from test_families import tiny, tokenizer  # noqa: F401 - tokenizer is a fixture
 from test_loop import CHAT, bank_for, ids_of, kv_bank_for, recall_of, vl_inputs
+from tests_helpers import assert_decodes_alike
 
 def settings_for(lm) -> list[GenerationSettings]:
     """Four requests' settings, all different; the second and fourth are pushed to recall."""
@@ -71,7 +77,7 @@ QUESTIONS = ["Tell me a story", "What do you remember about the ferry?", "Hi", "
 
 def alone_and_batched(lm, recall_for, starts_at, stops=None, **kwargs):
     """Each request alone (no batch), then all of them in one batch, joining at rounds `starts_at`."""
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm), **kwargs)
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm), output_logits=True, **kwargs)
     settings = settings_for(lm)
     alone = [list(stream_generate(lm.model, prompt(lm, q), settings[i], recall=recall_for(i), **kw))
              for i, q in enumerate(QUESTIONS)]
@@ -94,16 +100,15 @@ def test_requests_joining_and_leaving_a_batch_get_what_they_get_alone(tiny_llama
     lm = tiny_llama
     banks = {1: bank(lm, seed=1), 3: bank(lm, n=5, seed=2)}
     recall_for = lambda i: recall_of(lm, banks[i]) if i in banks else None  # noqa: E731
-    alone, together, widest, batch = alone_and_batched(lm, recall_for, starts_at=[0, 0, 3, 7], output_logits=True)
+    alone, together, widest, batch = alone_and_batched(lm, recall_for, starts_at=[0, 0, 3, 7])
     # one-slot: all four ran together; k-slot spans use up request 1's 9 tokens before request 3 joins
     assert widest == (4 if bank is bank_for else 3) and batch.seats == [] and batch.cache is None  # all left
     for i, (one, many) in enumerate(zip(alone, together)):
         a, b = result_of(one), result_of(many)
-        assert b.sequences.tolist() == a.sequences.tolist(), f"request {i}"
-        assert [(r.position, r.memory_index, r.length) for r in b.injections] == \
-               [(r.position, r.memory_index, r.length) for r in a.injections]
-        torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=1e-4)
-        assert [e.text for e in many if isinstance(e, TokenEvent)] == [e.text for e in one if isinstance(e, TokenEvent)]
+        assert_decodes_alike(b, a, suffix=1 if bank is kv_bank_for else 0)
+        if b.sequences.tolist() == a.sequences.tolist():  # (no near tie went the other way)
+            assert [e.text for e in many if isinstance(e, TokenEvent)] == \
+                   [e.text for e in one if isinstance(e, TokenEvent)]
     assert any(result_of(e).injections for e in alone)  # the recall path was exercised
     if bank is kv_bank_for:  # spans of several slots ran while other rows were seated
         assert any(r.length > 1 for e in together for r in result_of(e).injections)
@@ -116,9 +121,9 @@ def test_a_stop_ends_its_row_within_one_step_and_leaves_the_others_alone(tiny_ll
     stopped = result_of(together[1])
     # rounds 0-3 gave four tokens; the stop came before round 4, which ends the row after its step in flight
     assert stopped.finish_reasons == ["interrupted"] and len(stopped.new_tokens[0]) == 5
-    assert stopped.sequences.tolist()[0] == result_of(alone[1]).sequences.tolist()[0][:stopped.sequences.shape[1]]
+    assert_decodes_alike(stopped, result_of(alone[1]), prefix=True)
     for i in (0, 2, 3):
-        assert result_of(together[i]).sequences.tolist() == result_of(alone[i]).sequences.tolist()
+        assert_decodes_alike(result_of(together[i]), result_of(alone[i]))
 
 
 @pytest.mark.parametrize("stop_round", [1, 2, 3, 4])
@@ -127,7 +132,7 @@ def test_a_stop_next_to_a_recall_in_a_batch_leaves_nothing_half_done(tiny_llama,
     no <recall> is left without its memory, the memories kept are those of its <|memory_pad|> positions,
     its cache covers all but its last token, and the other request gets what it gets alone."""
     lm = tiny_llama
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm), output_logits=True)
     recall_id, pad_id = lm.tokens.recall, lm.tokens.memory_pad
     always = GenerationSettings(max_new_tokens=40, sequence_bias=(((recall_id,), 100.0),))
     plain = GenerationSettings(max_new_tokens=30)
@@ -144,14 +149,14 @@ def test_a_stop_next_to_a_recall_in_a_batch_leaves_nothing_half_done(tiny_llama,
     pads = [stopped.prompt_length + i for i, t in enumerate(new) if t == pad_id]
     assert sorted(stopped.memory_vectors[0]) == pads == [r.position for r in stopped.injections]
     assert int(stopped.cache.get_seq_length()) == stopped.sequences.shape[1] - 1
-    assert result_of(together[1]).sequences.tolist() == alone.sequences.tolist()
+    assert_decodes_alike(result_of(together[1]), alone)
 
 
 def test_the_cache_a_request_takes_back_continues_its_conversation(tiny_llama):
     """After leaving, a request's cache holds exactly its own keys and values: a next turn on it equals
     a next turn on the cache of the same answer decoded alone."""
     lm = tiny_llama
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm), output_logits=True)
     s = GenerationSettings(max_new_tokens=12)
     alone = generate(lm.model, prompt(lm, QUESTIONS[0]), s, cache=DynamicCache(config=lm.model.config), **kw)
     batch = Batch()
@@ -159,7 +164,9 @@ def test_the_cache_a_request_takes_back_continues_its_conversation(tiny_llama):
                              **kw), threading.Event()) for q in QUESTIONS]
     together, _ = drive({0: gens}, batch)
     mine = result_of(together[0])
-    assert mine.sequences.tolist() == alone.sequences.tolist()
+    assert_decodes_alike(mine, alone)
+    if mine.sequences.tolist() != alone.sequences.tolist():
+        pytest.skip("a near tie went the other way in the batch: the caches hold different answers")
     assert isinstance(mine.cache, DynamicCache) and mine.cache.get_seq_length() == alone.cache.get_seq_length()
     for a, b in zip(alone.cache.layers, mine.cache.layers):
         torch.testing.assert_close(b.keys, a.keys, atol=1e-5, rtol=1e-5)
@@ -168,13 +175,13 @@ def test_the_cache_a_request_takes_back_continues_its_conversation(tiny_llama):
     nxt = lambda r: {"input_ids": torch.cat([r.sequences, torch.tensor([follow])], 1)}  # noqa: E731
     again_alone = generate(lm.model, nxt(alone), s, cache=alone.cache, **kw)
     again_batched = generate(lm.model, nxt(mine), s, cache=mine.cache, **kw)
-    assert again_batched.sequences.tolist() == again_alone.sequences.tolist()
+    assert_decodes_alike(again_batched, again_alone)
 
 
 def test_mrope_rows_batch_too(tiny_qwen3vl, small_image):
     """Qwen3-VL's [4, B, 1] positions: a request with an image and a text one decode together exactly."""
     lm = tiny_qwen3vl
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm), output_logits=True)
     s = GenerationSettings(max_new_tokens=10)
     inputs = [vl_inputs(lm, small_image), prompt(lm, "Hello there")]
     alone = [generate(lm.model, x, s, **kw) for x in inputs]
@@ -183,12 +190,12 @@ def test_mrope_rows_batch_too(tiny_qwen3vl, small_image):
                                   for x in inputs]}, batch)
     assert widest == 2
     for one, many in zip(alone, together):
-        assert result_of(many).sequences.tolist() == one.sequences.tolist()
+        assert_decodes_alike(result_of(many), one)
 
 
 def test_a_long_answer_grows_the_batch_cache_into_the_next_bucket(tiny_llama):
     lm = tiny_llama
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm), output_logits=True)
     s = GenerationSettings(max_new_tokens=150, min_new_tokens=150)
     alone = [generate(lm.model, prompt(lm, q), s, **kw) for q in QUESTIONS[:2]]
     batch = Batch()
@@ -196,7 +203,7 @@ def test_a_long_answer_grows_the_batch_cache_into_the_next_bucket(tiny_llama):
                              for q in QUESTIONS[:2]]}, batch)
     assert batch.forwards >= 149 and batch.rows_run >= 298
     for one, many in zip(alone, together):
-        assert result_of(many).sequences.tolist() == one.sequences.tolist()  # through buckets 128 -> 256
+        assert_decodes_alike(result_of(many), one)  # through buckets 128 -> 256
 
 
 def test_seeded_sampling_draws_are_each_requests_own(tiny_llama):

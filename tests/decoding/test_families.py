@@ -97,7 +97,14 @@ def test_replay_of_injected_memories(family, tokenizer):
 
 
 def test_soft_capping_is_applied_like_the_model_does(tokenizer):
+    """Gemma 2's final logits are 5 * tanh(raw / 5): with the head scaled so raw logits reach far past 5, the loop's
+    logits are the capped ones (deleting the cap in the loop fails this: its logits would be the raw ones)."""
     model, tok, _ = tiny("gemma2", tokenizer)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(200)  # (tied to the input embedding: both runs below read the same model)
     inputs = tok([CHAT.format("Hi")], return_tensors="pt")
     result = generate(model, inputs, GenerationSettings(max_new_tokens=2), output_logits=True)
-    assert float(result.logits.abs().max()) <= 5.0  # final_logit_softcapping=5 bounds every logit
+    with torch.no_grad():
+        raw = model.lm_head(model.model(**inputs).last_hidden_state[:, -1]).float()[0]
+    assert float(raw.abs().max()) > 20  # the uncapped logits go far past the cap
+    torch.testing.assert_close(result.logits[0, 0], 5.0 * torch.tanh(raw / 5.0), atol=1e-4, rtol=1e-4)

@@ -30,8 +30,8 @@ QUESTION = "Who keeps the lighthouse of Port Avel?"
 
 
 @pytest.fixture(scope="module")
-def recall_lm():
-    return load_model(None, backend="llamacpp", gguf_type="q8_0")
+def recall_lm(default_lm):
+    return default_lm
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,10 @@ def test_the_memory_heads_query_is_transformers_final_state(recall_lm, smollm2):
     with torch.no_grad():
         out = smollm2.model(input_ids=ids, output_hidden_states=True)
     ref, ref_logits = out.hidden_states[-1][0, -1], out.logits[0, -1]
-    assert torch.cosine_similarity(state[0], ref, dim=0) > 0.999
-    assert torch.corrcoef(torch.stack([logits[0], ref_logits]))[0, 1] > 0.999
+    # llama.cpp builds with the machine's own kernels (bench/llamacpp_bounds.py): cosine 0.99923 (AVX2), 0.99908
+    # (AVX, no FMA), 0.9988 (an AVX-512 machine); logits corr 0.99921 (AVX2), 0.99903 (AVX)
+    assert torch.cosine_similarity(state[0], ref, dim=0) > 0.997
+    assert torch.corrcoef(torch.stack([logits[0], ref_logits]))[0, 1] > 0.997
     assert int(logits.argmax()) == int(ref_logits.argmax())
     assert cache.get_seq_length() == ids.shape[1]
 
@@ -88,7 +90,8 @@ def test_a_bank_keyed_by_hidden_states_is_queried_with_llamacpps_recall_state(re
     recall = Recall(recall_lm.tokens.recall, recall_lm.tokens.memory_pad, bank, RecallSettings(top_k=1))
     out = generate(recall_lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=recall)
     (event,) = out.injections
-    assert event.memory_index == 17 and event.score > 0.995 and event.position == ids.shape[1]  # measured 0.998 (Q8_0)
+    # the score is the cosine of llama.cpp's <recall> state with transformers': 0.99809 (AVX2), 0.99803 (AVX)
+    assert event.memory_index == 17 and event.score > 0.995 and event.position == ids.shape[1]
 
 
 def test_first_minute_questions_recall_the_right_memory_and_answer_as_on_transformers(recall_lm, smollm2,
@@ -136,7 +139,9 @@ def test_an_injected_k_slot_memory_is_read_back_exactly(recall_lm):
                      recall=recall, memory_vectors=out.memory_vectors, output_logits=True)
     step, fresh = out.logits[0, -1], again.logits[0, 0]
     assert int(step.argmax()) == int(fresh.argmax()) == int(seq[0, -1])
-    assert torch.corrcoef(torch.stack([step, fresh]))[0, 1] > 0.9999
+    # the same numbers on AVX2 (corr 1.0, max diff 0); AVX-only kernels give the k positions and the prefill
+    # other sums: corr 0.99946, max diff 1.8 % of the largest logit (bench/llamacpp_bounds.py)
+    assert torch.corrcoef(torch.stack([step, fresh]))[0, 1] > 0.998
     assert (step - fresh).abs().max() < 0.05 * step.abs().max()
 
 

@@ -17,6 +17,7 @@ from decoding import (
 )
 from decoding.processors import to_generation_config
 from memory import MemoryVectorDB
+from tests_helpers import step_positions
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -149,17 +150,6 @@ def replay_embeds(lm, result):
     return seq, emb
 
 
-def step_positions(result, row: int = 0, suffix: int = 0) -> list[int]:
-    """The position each step's logits were read at: the one before the step's first new column (a step
-    that injected a memory wrote its `length` slots and `suffix` forced tokens)."""
-    widths = {r.position: r.length + suffix for r in result.injections if r.row == row}
-    pos, out = result.prompt_length, []
-    for _ in range(result.logits.shape[1]):
-        out.append(pos - 1)
-        pos += widths.get(pos, 1)
-    return out
-
-
 def check_replay(result, full_logits, suffix: int = 0):
     cached = result.logits[0]  # [steps, V]
     replayed = full_logits[0, step_positions(result, 0, suffix)].float()
@@ -207,6 +197,25 @@ def test_replay_k_slot_memories_tiny_llama(tiny_llama):
     with torch.no_grad():
         full = lm.model(inputs_embeds=emb).logits
     check_replay(result, full, suffix=1)
+
+
+def test_a_bank_of_token_ids_recalls_as_the_bank_of_their_embeddings(tiny_llama):
+    """A `tokens` memory stores its token ids; the loop injects the model's own input embeddings of them: the
+    same recalls, tokens and logits as a bank that stores those embeddings as vectors."""
+    lm = tiny_llama
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(6, KEY_DIM, generator=g)
+    ids = [torch.randint(0, 40_000, (k,), generator=g) for k in (3, 1, 4, 2, 5, 2)]
+    tokens = MemoryVectorDB(KEY_DIM, token_values=True)
+    tokens.add(keys, [f"fact {i}" for i in range(6)], values=ids)
+    vectors = MemoryVectorDB(KEY_DIM, value_dim=lm.hidden_size)
+    with torch.no_grad():
+        vectors.add(keys, [f"fact {i}" for i in range(6)], values=[lm.model.get_input_embeddings()(i) for i in ids])
+    inputs = lm.tokenizer([CHAT.format("What do you remember?")], return_tensors="pt")
+    a, b = (run_with_recalls(lm, inputs, db, steps=30) for db in (tokens, vectors))
+    assert len(a.injections) >= 2 and a.injections == b.injections and torch.equal(a.sequences, b.sequences)
+    torch.testing.assert_close(a.logits, b.logits, atol=0, rtol=0)
+    check_slots(lm, a, vectors, (lm.tokens.recall_end,))
 
 
 def test_replay_tiny_qwen3vl_with_image(tiny_qwen3vl, small_image):
@@ -462,7 +471,11 @@ def test_custom_generate_seed_signature(tiny_llama):
         do_sample=False, pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id,
         interrupt_event=None, early_stop_on_tool_call=False)
     assert out.shape == (1, ids.shape[1] + 5)
-    assert positions[0][0] == ids.shape[1] and -1.0 <= positions[0][1] <= 1.0
+    with torch.no_grad():  # greedy memory head: the memory whose key is closest to the <recall> state
+        state = lm.model(**{"input_ids": ids}, output_hidden_states=True).hidden_states[-1][0, -1]
+    best, index = db.topk(state, 1)
+    assert positions[0][0] == ids.shape[1] and positions[0][1] == pytest.approx(float(best[0]), abs=1e-5)
+    assert out[0, ids.shape[1]] == lm.tokens.memory_pad
     plain = custom_generate(
         lm.model, lm.tokenizer, None, lm.tokens.as_dict(), {}, prompt, 5, None, None, 1.0, 0, 1.0, False,
         lm.tokenizer.pad_token_id, lm.tokenizer.eos_token_id, None, False)

@@ -375,3 +375,51 @@ def test_add_checks_values():
     with pytest.raises(BankError, match="expected no values"):
         MemoryVectorDB(8).add(vectors(1), values=[np.ones((1, 8))])
     assert len(db) == 0  # nothing half-added
+
+
+# --------------------------------------------------------------------------- token values
+
+
+def token_db() -> MemoryVectorDB:
+    """Four memories with 8-d keys and 2..5 token ids each (a bank of `tokens` values)."""
+    db = MemoryVectorDB(8, token_values=True)
+    db.add(vectors(4), [f"memory {i}" for i in range(4)],
+           values=[torch.arange(k) + 10 * k for k in (2, 3, 4, 5)])
+    db.info = {"values": "tokens", "keys": "a text encoder", "encoder": "model/tokens/keys"}
+    return db
+
+
+@pytest.mark.parametrize("ext", [".pt", ".safetensors"])
+def test_token_values_round_trip_as_ids_at_four_bytes_a_slot(tmp_path, ext):
+    db = token_db()
+    db.remove([1])
+    db.save(tmp_path / f"tok{ext}")
+    back = MemoryVectorDB.load(tmp_path / f"tok{ext}", expected_dim=576, expected_key_dim=8, vocab_size=100)
+    assert back.has_values and back.token_values and back.value_dim is None and len(back) == 3
+    for new, old in enumerate((0, 2, 3)):
+        ids = back.values(new)
+        assert ids.dtype == torch.int64 and torch.equal(ids, db.values(old))
+        memory = back.memory(new, 0.5)
+        assert memory.token_ids and memory.slots == len(ids)
+    assert back.bytes_per_memory() == pytest.approx(2 * 4 * 8 + 4 * (2 + 4 + 5) / 3)
+    copy = back.copy()
+    assert copy.token_values and torch.equal(copy.values(2), back.values(2))
+
+
+def test_token_values_outside_the_vocabulary_and_wrong_kinds_are_refused(tmp_path):
+    token_db().save(tmp_path / "tok.pt")
+    with pytest.raises(BankError, match=r"token ids from 0 to 39 .*got 40 in the values of memories 2"):
+        MemoryVectorDB.load(tmp_path / "tok.pt", vocab_size=40)
+    bad = {"embeddings": torch.from_numpy(vectors(2)), "values": torch.tensor([[1, 2], [3, 4]]),
+           "value_offsets": torch.tensor([0, 1, 2])}
+    torch.save(bad, tmp_path / "bad.pt")
+    with pytest.raises(BankError, match=r"token ids as a 1-D array \[slots\], got shape \(2, 2\)"):
+        MemoryVectorDB.load(tmp_path / "bad.pt")
+    db = MemoryVectorDB(8, token_values=True)
+    with pytest.raises(BankError, match=r"as token ids \[k\]"):
+        db.add(vectors(1), values=[np.ones((1, 6), np.float32)])
+    with pytest.raises(BankError, match=r"token ids from 0 to .* got -3"):
+        db.add(vectors(1), values=[torch.tensor([1, -3])])
+    with pytest.raises(BankError, match=r"2-D float array \[k, 6\]"):
+        MemoryVectorDB(8, value_dim=6).add(vectors(1), values=[torch.tensor([1, 2])])
+    assert len(db) == 0

@@ -58,6 +58,28 @@ def test_values_read_back_as_the_file_bank_holds_them(uri):
     assert torch.equal(back.values(1), db.values(2))
 
 
+def test_token_values_live_in_the_memorys_own_row(uri):
+    rng = np.random.default_rng(2)
+    keys = torch.from_numpy(rng.standard_normal((3, 16)).astype(np.float32))
+    db = MemoryVectorDB(16, token_values=True)
+    db.add(keys, ["a", "b", "c"], values=[torch.tensor([5, 6]), torch.tensor([7, 8, 9, 10]), torch.tensor([11])])
+    db.info = {"encoder": "enc-1", "values": "tokens"}
+    store = load_into(db, uri, "tok")
+    assert store.token_values and store.has_values and store.value_dim is None
+    assert not store._client.has_collection("tok_values")  # one row a memory: no second collection
+    ids = [e["index"] for e in store.entries(0, 10)]
+    for row, i in enumerate(ids):
+        assert torch.equal(store.values(i), db.values(row))
+    assert store.bytes_per_memory() == pytest.approx(4 * 16 + 8 * 7 / 3)
+    reopened = MilvusBank.open(uri, "tok", expected_dim=576, expected_key_dim=16, expected_encoder="enc-1")
+    assert reopened.token_values and torch.equal(reopened.memory(ids[1], 0.9).values, torch.tensor([7, 8, 9, 10]))
+    assert reopened.remove([ids[0]]) == 2
+    back = reopened.to_bank()
+    assert back.token_values and torch.equal(back.values(1), torch.tensor([11]))
+    with pytest.raises(BankError, match=r"as token ids \[k\]"):
+        reopened.add(keys[:1], values=[torch.ones(2, 8)])
+
+
 def test_a_memory_written_by_one_client_is_found_by_another_and_survives_a_restart(uri):
     from milvus_lite.server_manager import server_manager_instance
 

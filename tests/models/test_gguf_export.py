@@ -76,7 +76,7 @@ def test_f32_export_gives_transformers_logits_with_the_recall_tokens(smollm2, ca
     for ids, ref in cases:
         got = _llama_logits(path, ids)
         last, want = got[-1], ref[-1]
-        assert (last - want).abs().max() < 0.1  # measured 0.027
+        assert (last - want).abs().max() < 0.1  # measured 0.027 (AVX2), 0.031 (AVX): bench/llamacpp_bounds.py
         assert np.corrcoef(last, want)[0, 1] > 0.9999
         assert last.argmax() == want.argmax()
     monkeypatch.setattr(gguf_export, "export_gguf", lambda *a, **k: pytest.fail("written twice"))
@@ -92,7 +92,7 @@ def test_q8_0_export_is_close_to_transformers(smollm2, cache):
         top2 = ref.topk(2, -1).values
         clear = top2[:, 0] - top2[:, 1] > 2  # wherever transformers' choice is clear, llama.cpp makes it too
         assert (got.argmax(-1) == ref.argmax(-1))[clear].all()
-    assert np.mean(kls) < 0.02  # measured 0.0035 on these prompts
+    assert np.mean(kls) < 0.02  # measured 0.0035 (AVX2), 0.0036 (AVX) on these prompts
 
 
 def test_an_unsupported_type_or_architecture_is_refused(tiny_llama, tiny_qwen3vl, tmp_path):
@@ -141,4 +141,4 @@ def test_the_4_bit_recall_gguf_keeps_the_adapters_weights_at_q8_0_and_stays_clos
     kls = []
     for ids, ref, got in _compared(smollm2, path):
         kls.append(_kl(ref, got))
-    assert np.mean(kls) < 0.02
+    assert np.mean(kls) < 0.02  # measured 0.0031 (AVX2), 0.0022 (AVX)

@@ -39,7 +39,8 @@ def test_every_linear_layer_is_int8_and_the_answer_stays_close_to_fp32(int8, smo
         got = int8.model(seq).logits.float().log_softmax(-1)[0, prompt["input_ids"].shape[1] - 1:-1]
     kl = (ref.exp() * (ref - got)).sum(-1).mean()
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean()
-    assert 0 < kl < 0.15 and agree >= 0.8, (float(kl), float(agree))  # measured: KL 0.04, 91 % (64 tokens)
+    # measured: KL 0.04, 91 % (64 tokens); the fp32 model itself gives KL 0: 0.005 shows int8 weights ran
+    assert 0.005 < kl < 0.15 and agree >= 0.8, (float(kl), float(agree))
 
 
 def test_the_quantized_model_has_no_base_to_mix_with_and_the_config_names_the_choices(int8):
