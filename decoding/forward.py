@@ -24,7 +24,8 @@ def forward_for(model, want_state: bool = False):
     and `step` (-> the last position's final state and its logits, or None when `logits(state)` computes
     them), `cache_for`, `device`, `dtype`. `want_state`: the caller reads the final state (the memory head's
     query of a bank keyed by hidden states); transformers always has it, llama.cpp reads it only then."""
-    from decoding.llamacpp import LlamaCppModel, LlamaForward
+    from decoding.llamacpp import LlamaForward
+    from models.llamacpp import LlamaCppModel
 
     return LlamaForward(model, want_state) if isinstance(model, LlamaCppModel) else Forward(model)
 

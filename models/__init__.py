@@ -4,11 +4,10 @@ from models.quantize import hush_torchao_import
 
 hush_torchao_import()  # before transformers' models are imported, and torchao with them
 
+from models.embedded import EMBEDDED_NAME, RECALL_ADAPTER, embedded_model_dir  # noqa: E402
 from models.encoder import HiddenStateSpec, MemoryEncoder, MemoryProjector, build_bank  # noqa: E402
-from models.loading import (  # noqa: E402
-    EMBEDDED_NAME, MEMORY_PAD, RECALL, RECALL_ADAPTER, RECALL_END, LoadedModel, SpecialTokens, embedded_model_dir,
-    ensure_special_tokens, load_model,
-)
+from models.load import load_model  # noqa: E402
+from models.loading import MEMORY_PAD, RECALL, RECALL_END, LoadedModel, SpecialTokens, ensure_special_tokens  # noqa: E402
 
 __all__ = ["EMBEDDED_NAME", "MEMORY_PAD", "RECALL", "RECALL_ADAPTER", "RECALL_END", "HiddenStateSpec", "LoadedModel",
            "MemoryEncoder", "MemoryProjector", "SpecialTokens", "build_bank", "embedded_model_dir",

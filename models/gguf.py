@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from models.loading import LoadedModel, embedded_gguf
+from models.embedded import embedded_gguf
+from models.loading import LoadedModel
 
 PROBE = "The lighthouse keeper's 3 cats, naïvely: ¿qué? 東京 {\"key\": [1, 2]}\n\tend."
 

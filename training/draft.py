@@ -38,7 +38,8 @@ from decoding.draft_head import DraftHead, head_config
 from decoding.forward import Forward
 from decoding.mixture import solve_alpha
 from models.modeling import backbone_and_head
-from models.loading import cache_root, load_model
+from models import load_model
+from models.embedded import cache_root
 from training.data import prompt_ids
 from training.train import replies
 

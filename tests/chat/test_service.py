@@ -593,7 +593,7 @@ def test_the_decode_step_compiles_in_the_background(smollm2_dir, text_search, mo
 def test_backend_auto_stays_on_transformers_for_what_only_it_runs():
     from chat.service import _backend
 
-    assert _backend(config()) == "auto"  # the embedded model: llama.cpp on a CPU (models.loading.resolve_backend)
+    assert _backend(config()) == "auto"  # the embedded model: llama.cpp on a CPU (models.load.resolve_backend)
     assert _backend(config("generation.entropy_decoding=trough")) == "transformers"
     assert _backend(config("generation.mixture.enabled=true")) == "transformers"
     assert _backend(config("model.quantize=int8")) == "transformers"

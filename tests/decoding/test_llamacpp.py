@@ -18,7 +18,7 @@ from chat.textsearch import TextSearch
 from decoding import GenerationSettings, generate, stream_generate
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 from decoding.forward import forward_for
-from decoding.llamacpp import LlamaCppModel
+from models.llamacpp import LlamaCppModel
 from decoding.memory import Recall
 from decoding.settings import RecallSettings
 from memory import MemoryVectorDB
@@ -243,7 +243,7 @@ def test_loading_refusals_name_the_setting(tmp_path):
 @pytest.fixture(scope="module")
 def own_gguf(tmp_path_factory):
     """A user's own GGUF chat model: the shipped Q4_1 SmolLM2 file, given by path (no recall training)."""
-    from models.loading import embedded_gguf
+    from models.embedded import embedded_gguf
 
     return embedded_gguf()
 

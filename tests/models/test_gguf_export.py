@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import loading
-from models import gguf_export
+from models import embedded, gguf_export
 from models.gguf_export import export_gguf, recall_gguf
 
 PROMPTS = [  # the second ends on <recall>, the third has it mid-prompt
@@ -21,13 +20,10 @@ PROMPTS = [  # the second ends on <recall>, the third has it mid-prompt
 
 
 @pytest.fixture(scope="module")
-def cache(smollm2_dir, tmp_path_factory):
-    """A cache folder of the module's own for `recall_gguf` (the embedded model is still the shared one)."""
-    root = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loading, "embedded_model_dir", lambda: smollm2_dir)
-        mp.setattr(loading, "cache_root", lambda: root)
-        yield root
+def cache(smollm2_dir):
+    """The cache the app uses: each recall GGUF is written there once a machine (and once a test run on CI),
+    shared with every test that runs the default backend."""
+    return embedded.cache_root()
 
 
 def _llama_logits(path, ids: list[int]) -> torch.Tensor:
@@ -96,7 +92,7 @@ def test_q8_0_export_is_close_to_transformers(smollm2, cache):
 
 
 def test_an_unsupported_type_or_architecture_is_refused(tiny_llama, tiny_qwen3vl, tmp_path):
-    source = loading.embedded_gguf()
+    source = embedded.embedded_gguf()
     with pytest.raises(ValueError, match="'q5_k' is not supported; expected one of f32, f16, q8_0, q4_0, q4_1"):
         export_gguf(tiny_llama.model, tiny_llama.tokenizer, source, tmp_path / "x.gguf", "q5_k")
     with pytest.raises(ValueError, match="'q5_k' is not supported"):
@@ -116,9 +112,9 @@ def test_the_base_model_exported_at_q4_1_is_the_shipped_gguf_byte_for_byte(smoll
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    out = export_gguf(model, AutoTokenizer.from_pretrained(smollm2_dir), loading.embedded_gguf(),
+    out = export_gguf(model, AutoTokenizer.from_pretrained(smollm2_dir), embedded.embedded_gguf(),
                       tmp_path / "base.gguf", "q4_1")
-    shipped = {t.name: t for t in GGUFReader(loading.embedded_gguf()).tensors}
+    shipped = {t.name: t for t in GGUFReader(embedded.embedded_gguf()).tensors}
     written = {t.name: t for t in GGUFReader(out).tensors}
     assert written.keys() == shipped.keys() and len(written) == 272
     for name, t in written.items():

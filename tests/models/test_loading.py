@@ -119,7 +119,7 @@ def test_bank_dimension_mismatch_names_both_numbers(tiny_llama):
 
 
 def test_the_backend_auto_runs_the_embedded_model_on_llamacpp_on_a_cpu_and_folders_on_transformers(tmp_path):
-    from models.loading import resolve_backend
+    from models.load import resolve_backend
 
     assert resolve_backend("auto", None, "cpu") == "llamacpp"  # llama-cpp-python is installed here (extra gguf)
     assert resolve_backend("auto", str(tmp_path), "cpu") == "transformers"  # a model folder
