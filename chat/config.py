@@ -45,7 +45,7 @@ class ModelConfig:
     compile: bool = True  # compile the decode step in the background at start (text models; decoding/compiled.py)
     quantize: str = "none"  # none | int8: int8 weights and activations on the CPU (models/quantize.py; changes outputs)
     backend: str = "auto"  # auto (llama.cpp on a CPU) | transformers | llamacpp (a GGUF on llama.cpp, models/llamacpp.py)
-    gguf_type: str = "q8_0"  # the embedded recall model's GGUF on llama.cpp: q8_0 | q4_0 | q4_1 | f16 | f32
+    gguf_type: str = "q8_0"  # the embedded recall model's GGUF on llama.cpp: q8_0 | q4_1 | f16 | f32
     gguf_context: int = 2048  # llama.cpp: the positions each conversation holds (8 stay resident in its KV cache)
 
     def __post_init__(self):

@@ -226,6 +226,16 @@ def write_bank(path: str | os.PathLike, data: BankData) -> None:
     atomic_write(path, lambda fh: writer(fh, data))
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask would change it for every thread a moment)."""
+    with suppress(OSError, ValueError):
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    return 0o022
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
     """Write a file atomically: a temporary file in the same folder, fsync, `os.replace`.
 
@@ -239,6 +249,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # the mode a plain open() would give (mkstemp makes it 0600)
         os.replace(tmp, path)
     except BaseException:
         with suppress(FileNotFoundError):

@@ -24,6 +24,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models import LoadedModel, embedded_model_dir, ensure_special_tokens, load_model
 from models.vision import CHAT_TEMPLATE, IMAGE_PAD, VISION_END, VISION_START, load_image_processor
 
+# pytest-xdist runs the suite in several processes (pyproject: -n auto): each gets its share of the cores, so
+# torch (and llama.cpp, which takes torch's thread count) never runs more threads than there are cores
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
@@ -112,9 +118,19 @@ def small_image(tmp_path_factory):
 REAL_MODEL_FIXTURES = {"smollm2", "default_lm"}
 
 
+# The longest modules and classes (a minute or more on 2 cores), run first: pytest-xdist hands out a module (or a
+# class) at a time in collection order, so the short ones fill the processes in around them.
+LONG_FIRST = ("tests/decoding/test_mixture.py::TestTheGGUFDraft", "tests/decoding/test_mixture.py::TestAPeftPair",
+              "tests/decoding/test_mixture.py::TestTwoModels", "tests/serve/test_replicas.py", "tests/test_start.py",
+              "tests/training/", "tests/models/test_loading.py", "tests/chat/test_bankcli.py",
+              "tests/models/test_quantize.py")
+
+
 def pytest_collection_modifyitems(items):
     """Every test that loads the real embedded model is `slow` (`-m "not slow"` runs the quick part), whether
-    or not its module says so."""
+    or not its module says so; the longest run first."""
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    rank = lambda item: next((i for i, p in enumerate(LONG_FIRST) if item.nodeid.startswith(p)), len(LONG_FIRST))  # noqa: E731
+    items.sort(key=rank)  # (stable: the order within a module is kept)

@@ -30,7 +30,10 @@ NO_RECALL = RecallSettings(enabled=False)
 
 
 def config(*overrides: str):
-    return load_config(overrides=["generation.max_new_tokens=8", *overrides], environ={})
+    """The configuration of these tests; no background compile of the shared tiny models (a compile thread left
+    running would attach a compiled step to a session-wide model and draw on torch's global random state while
+    later tests sample from it), but where a test asks for it."""
+    return load_config(overrides=["generation.max_new_tokens=8", "model.compile=false", *overrides], environ={})
 
 
 @pytest.fixture(scope="module")

@@ -119,6 +119,46 @@ def models_of(case, pair2, peft_lm):
     return (pair2[0].model, pair2[1].model) if case == "two" else (peft_lm.model, None)
 
 
+SMALL_VOCAB = 1024  # the distribution tests' models, but for the llama.cpp draft's: the same tiny Llamas with a
+                    # vocabulary of 1024 (a 49k-token head and softmax are most of a tiny model's time)
+
+
+def small_llama(seed: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=SMALL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)).eval()
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    return small_llama(0), small_llama(1)
+
+
+@pytest.fixture(scope="module")
+def small_peft():
+    """As `peft_lm`, with the small vocabulary (two of its tokens trainable)."""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        trainable_token_indices=[SMALL_VOCAB - 3, SMALL_VOCAB - 1])
+    model = get_peft_model(small_llama(7), config).eval()
+    torch.manual_seed(3)
+    for name, p in model.named_parameters():
+        if "lora_B" in name or "trainable_tokens_delta" in name:
+            p.data.normal_(0, 0.5)
+    return model
+
+
+def distribution_models(case, mode, pair2, peft_lm, small_pair, small_peft):
+    """(θ, t) of a distribution test: the llama.cpp draft needs the real SmolLM2 vocabulary, the other drafts
+    run on the small one (exactness does not depend on the vocabulary's size)."""
+    if mode == "gguf":
+        return models_of(case, pair2, peft_lm)
+    return small_pair if case == "two" else (small_peft, None)
+
+
 def side(model_theta, model_t, which):
     """(module, context) of θ (0) or t (1): for a PEFT pair t is the same model with its adapter off."""
     if which == 0 or model_t is not None:
@@ -359,17 +399,34 @@ def two_token_distribution(model_theta, model_t, prompt, allowed, processors):
     return np.asarray(table).ravel()
 
 
-@pytest.mark.parametrize("case, modes", [("two", ["direct", "ngram", "theta", "head", "gguf"]),
-                                         ("peft", ["ngram", "theta", "head", "gguf"])])
-def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, head, gguf, case, modes):
-    """Against the exact P(x1, x2) of q*: direct; the n-gram draft; θ drafting on its own cache in the pair
-    with its logits reused (two models) or on a separate cache (the batched PEFT pair); an EAGLE head;
-    llama.cpp on a GGUF."""
-    model_theta, model_t = models_of(case, pair2, peft_lm)
-    allowed, prompt, processors = allowed_setup(model_theta, model_t)
-    exact = two_token_distribution(model_theta, model_t, prompt, allowed, processors)
-    index = {a: i for i, a in enumerate(allowed)}
+# The distribution tests draw thousands of answers, the suite's longest tests: each is a class of its own, which
+# pytest-xdist (--dist loadscope) gives a process of its own.
+
+class TestTwoModels:
+    def test_speculative_and_direct_sample_the_same_two_tokens(self, pair2, peft_lm, small_pair, small_peft, head,
+                                                               gguf):
+        """Against the exact P(x1, x2) of q*: direct; the n-gram draft; θ drafting on its own cache in the pair
+        with its logits reused; an EAGLE head; llama.cpp on a GGUF."""
+        sample_the_same_two_tokens("two", ["direct", "ngram", "theta", "head", "gguf"], pair2, peft_lm, small_pair,
+                                   small_peft, head, gguf)
+
+
+class TestAPeftPair:
+    def test_speculative_and_direct_sample_the_same_two_tokens(self, pair2, peft_lm, small_pair, small_peft, head,
+                                                               gguf):
+        """θ (the adapter) and t (its base) in one batched forward: the n-gram draft, θ drafting on a separate
+        cache, an EAGLE head, llama.cpp on a GGUF."""
+        sample_the_same_two_tokens("peft", ["ngram", "theta", "head", "gguf"], pair2, peft_lm, small_pair, small_peft,
+                                   head, gguf)
+
+
+def sample_the_same_two_tokens(case, modes, pair2, peft_lm, small_pair, small_peft, head, gguf):
+    """Each mode's 500 draws of (x1, x2) against q*'s exact P(x1, x2) (chi-square)."""
     for mode in modes:
+        model_theta, model_t = distribution_models(case, mode, pair2, peft_lm, small_pair, small_peft)
+        allowed, prompt, processors = allowed_setup(model_theta, model_t)
+        exact = two_token_distribution(model_theta, model_t, prompt, allowed, processors)
+        index = {a: i for i, a in enumerate(allowed)}
         mixture = MixtureSettings(enabled=True, speculative=mode != "direct", draft=mode if mode != "direct" else "ngram",
                                   gamma=3)
         draws, accepted = [], 0
@@ -386,26 +443,27 @@ def test_speculative_and_direct_sample_the_same_two_tokens(pair2, peft_lm, head,
             assert 0 < accepted < len(draws)  # drafts were kept in some runs and rejected in others
 
 
-def test_the_gguf_draft_keeps_q_star_over_three_tokens(pair2, gguf):
-    """γ = 2: the second draft's distribution comes after llama.cpp evaluated the first draft alone, and
-    the round keeps both drafts, one, or none; P(x1, x2, x3) is still q*'s (chi-square)."""
-    model_theta, model_t = pair2[0].model, pair2[1].model
-    allowed, prompt, processors = allowed_setup(model_theta, model_t)
-    q = lambda ids: reference_q(model_theta, model_t, ids, processors)[0].exp()  # noqa: E731
-    exact = np.asarray([float(q(prompt)[a]) * float(q(prompt + [a])[b]) * float(q(prompt + [a, b])[c])
-                        for a in allowed for b in allowed for c in allowed])
-    index = {a: i for i, a in enumerate(allowed)}
-    draws, kept = [], []
-    for seed in range(600):
-        settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=3, seed=seed)
-        r = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, settings,
-                             MixtureSettings(enabled=True, speculative=True, draft="gguf", gamma=2),
-                             logits_processor=processors, draft_gguf=gguf)
-        a, b, c = r.new_tokens[0].tolist()
-        draws.append((index[a] * ALLOWED_WORDS + index[b]) * ALLOWED_WORDS + index[c])
-        kept.append(r.accepted)
-    assert chi2_p(draws, exact) > P_MIN
-    assert {0, 1, 2} <= set(kept)  # answers kept no draft, one, and two
+class TestTheGGUFDraft:
+    def test_keeps_q_star_over_three_tokens(self, pair2, gguf):
+        """γ = 2: the second draft's distribution comes after llama.cpp evaluated the first draft alone, and
+        the round keeps both drafts, one, or none; P(x1, x2, x3) is still q*'s (chi-square)."""
+        model_theta, model_t = pair2[0].model, pair2[1].model
+        allowed, prompt, processors = allowed_setup(model_theta, model_t)
+        q = lambda ids: reference_q(model_theta, model_t, ids, processors)[0].exp()  # noqa: E731
+        exact = np.asarray([float(q(prompt)[a]) * float(q(prompt + [a])[b]) * float(q(prompt + [a, b])[c])
+                            for a in allowed for b in allowed for c in allowed])
+        index = {a: i for i, a in enumerate(allowed)}
+        draws, kept = [], []
+        for seed in range(600):
+            settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=3, seed=seed)
+            r = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, settings,
+                                 MixtureSettings(enabled=True, speculative=True, draft="gguf", gamma=2),
+                                 logits_processor=processors, draft_gguf=gguf)
+            a, b, c = r.new_tokens[0].tolist()
+            draws.append((index[a] * ALLOWED_WORDS + index[b]) * ALLOWED_WORDS + index[c])
+            kept.append(r.accepted)
+        assert chi2_p(draws, exact) > P_MIN
+        assert {0, 1, 2} <= set(kept)  # answers kept no draft, one, and two
 
 
 @pytest.mark.parametrize("case", ["two", "peft", "peft-two-forwards"])

@@ -1,0 +1,85 @@
+"""The app as an operator starts it: a bank built with the CLI and loaded by `app.py --bank` (larger than the
+upload limit, which is for files strangers send), asked through the `openai` client on the default backend;
+a start-up bank that cannot be loaded stops the start with its reason."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from training.facts import make_facts
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "assets" / "example_memories.txt"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def app(*args: str) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, port
+
+
+def serving(proc: subprocess.Popen, port: int, timeout: float = 600) -> bool:
+    """Wait until the server answers /health (True) or the process ends (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("the app neither started nor stopped")
+
+
+def test_a_cli_built_bank_over_the_upload_limit_loads_at_start_and_answers(tmp_path):
+    texts = EXAMPLE.read_text().splitlines() + [f.text for f in make_facts(800, "eval", seed=29)]
+    (tmp_path / "facts.txt").write_text("\n".join(texts) + "\n")
+    bank = tmp_path / "bank.safetensors"
+    built = subprocess.run([sys.executable, "-m", "chat.bankcli", "build", str(tmp_path / "facts.txt"), str(bank)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr
+    assert bank.stat().st_size > 2 ** 20  # over the 1 MB upload limit set below
+    proc, port = app("--bank", str(bank), "--set", "memory.max_upload_mb=1", "--set", "generation.max_new_tokens=32")
+    try:
+        assert serving(proc, port), proc.stdout.read()
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        out = api.chat.completions.create(model="recall-chat", temperature=0, messages=[
+            {"role": "user", "content": "Who keeps the lighthouse of Port Avel?"}])
+        recall = out.model_extra["recalls"][0]
+        assert recall["text"] == "Mira Castellan is the lighthouse keeper of Port Avel."
+        assert "Mira Castellan" in out.choices[0].message.content
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_a_start_up_bank_that_cannot_be_loaded_stops_the_start(tmp_path):
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"\x00" * 64)
+    proc, port = app("--bank", str(broken))
+    try:
+        assert not serving(proc, port)  # it never opened its port
+        out = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert f"recall-chat: memory.bank '{broken}' cannot be loaded: broken.safetensors: expected a readable " \
+           "safetensors file" in out, out
