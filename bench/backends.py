@@ -20,6 +20,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from chat.config import load_config
 from chat.service import Service
+from decoding.request import Controls
 from decoding import GenerationSettings, RecallSettings, generate
 from models import build_bank, load_model
 
@@ -54,14 +55,11 @@ def closeness(lm_t, lm_g, prompts: list[str], bank_t, bank_g, tokens: int = 24) 
             conv = Conversation(lm)
             inputs = conv.build_inputs(prompt)
             recall = conv.recall(bank, RecallSettings(top_k=1), prompt)
-            runs.append((inputs, recall, generate(lm.merged(), inputs, greedy, recall=recall, tokenizer=lm.tokenizer,
-                                                  output_logits=True)))
+            runs.append((inputs, recall, generate(lm.merged(), inputs, greedy, recall=recall, tokenizer=lm.tokenizer, controls=Controls(output_logits=True))))
         (inputs, _, ref), (_, recall_g, got) = runs
         same.append(ref.sequences.tolist() == got.sequences.tolist())
         new = ref.sequences.shape[1] - inputs["input_ids"].shape[1]  # (a recall's span is new tokens of one step)
-        forced = generate(lm_g.model, inputs, GenerationSettings(max_new_tokens=new, repetition_penalty=1.0),
-                          recall=recall_g, logits_processor=LogitsProcessorList([Along(ref.sequences[0].tolist())]),
-                          output_logits=True)
+        forced = generate(lm_g.model, inputs, GenerationSettings(max_new_tokens=new, repetition_penalty=1.0), recall=recall_g, controls=Controls(logits_processor=LogitsProcessorList([Along(ref.sequences[0].tolist())]), output_logits=True))
         assert forced.sequences.tolist() == ref.sequences.tolist(), "the GGUF path did not follow the reference"
         p, q = ref.logits[0].float().log_softmax(-1), forced.logits[0].float().log_softmax(-1)
         kls.extend((p.exp() * (p - q)).nan_to_num(0).sum(-1).tolist())
@@ -91,7 +89,7 @@ def compare(lm_t, inputs, fast_t: float, settings, ids: dict, args) -> None:
     long_prompt = tok.apply_chat_template([{"role": "user", "content": tok.decode(tok(words).input_ids[:80])}],
                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
     long_prompt = {"input_ids": long_prompt["input_ids"]}
-    ttft = lambda model: statistics.median(timed(lambda: generate(model, long_prompt, settings(1), **ids))  # noqa: E731
+    ttft = lambda model: statistics.median(timed(lambda: generate(model, long_prompt, settings(1)))  # noqa: E731
                                            for _ in range(args.repeats))
     facts = make_facts(args.prompts, "eval", seed=1)
     prompts, texts = [f.questions[0] for f in facts], [f.text for f in facts]
@@ -113,7 +111,7 @@ def compare(lm_t, inputs, fast_t: float, settings, ids: dict, args) -> None:
                     break
 
         def ours(k: int) -> None:
-            generate(lm.model, inputs, settings(k), **ids)
+            generate(lm.model, inputs, settings(k))
 
         got = {"ours": [], "native": []}
         for _ in range(args.repeats):  # interleaved, so machine noise hits both alike

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from decoding.request import Controls
 from decoding import GenerationSettings, generate  # noqa: E402
 from models import load_model  # noqa: E402
 
@@ -62,13 +63,12 @@ def chat(tok, text: str):
 def speed(lm, tokens: int, repeats: int) -> dict[str | None, list[float]]:
     """ms per generated token of each mode, `repeats` runs after one warm-up each."""
     inputs = chat(lm.tokenizer, SPEED_PROMPT)
-    ids = dict(eos_token_id=lm.tokenizer.eos_token_id, pad_token_id=lm.tokenizer.pad_token_id)
     settings = {m: GenerationSettings(max_new_tokens=tokens, min_new_tokens=tokens, entropy_decoding=m, seed=0)
                 for m in MODES}
     times: dict[str | None, list[float]] = {m: [] for m in MODES}
     for run in range(repeats + 1):
         for mode in MODES:
-            result = generate(lm.model, inputs, settings[mode], **ids)
+            result = generate(lm.model, inputs, settings[mode])
             assert result.steps == tokens, (mode, result.steps)
             if run:  # run 0 is the warm-up
                 times[mode].append(1000 * result.decode_seconds / result.steps)
@@ -81,8 +81,7 @@ def answers(lm, mode: str | None, max_tokens: int) -> list[tuple[list[int], str,
     out = []
     for question, _ in QUESTIONS:
         s = GenerationSettings(max_new_tokens=max_tokens, entropy_decoding=mode, seed=0)
-        result = generate(lm.model, chat(tok, question), s, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id)
+        result = generate(lm.model, chat(tok, question), s, controls=Controls(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
         new = result.new_tokens[0].tolist()
         layers = result.entropy.selected_layer_indices[0].tolist() if result.entropy is not None else []
         out.append((new, tok.decode(new, skip_special_tokens=True).strip(), layers))

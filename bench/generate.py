@@ -78,7 +78,7 @@ def measure_int8(model, inputs, settings, ids: dict, n: int, per_token, seq: tor
     compile_s = timed(lambda: step.warm_up(up_to=inputs["input_ids"].shape[1] + n + 1))
     assert step.error is None, step.error
     graphs = counters["stats"]["unique_graphs"]
-    run = lambda k: generate(q.model, inputs, settings(k), **ids)  # noqa: E731
+    run = lambda k: generate(q.model, inputs, settings(k))  # noqa: E731
     start = inputs["input_ids"].shape[1] - 1
     ref = model(seq).logits.float().log_softmax(-1)[0, start:-1]
     out = {"compile": compile_s, "per_token": per_token(run), "same": run(n).sequences.tolist() == seq.tolist()}
@@ -118,7 +118,7 @@ def main() -> None:
         return model.generate(**inputs, generation_config=to_generation_config(settings(k), **ids))
 
     def ours(k: int, **kw):
-        return generate(model, inputs, settings(k), **ids, **kw)
+        return generate(model, inputs, settings(k), **kw)
 
     assert hf(n).tolist() == ours(n).sequences.tolist(), "custom loop and generate disagree"
     if args.backends_only and "llamacpp" in backends:
@@ -150,7 +150,7 @@ def main() -> None:
         db = MemoryVectorDB(lm.hidden_size)
         db.add(torch.randn(size, lm.hidden_size))
         recall = Recall(lm.tokens.recall, lm.tokens.memory_pad, db, RecallSettings(top_k=5), lm.encoder.embedding)
-        res = generate(model, {"input_ids": recall_ids}, GenerationSettings(max_new_tokens=4), recall=recall, **ids)
+        res = generate(model, {"input_ids": recall_ids}, GenerationSettings(max_new_tokens=4), recall=recall)
         assert res.injections, "no recall happened"
         selector = MemorySelector(db, RecallSettings(top_k=5))
         query = torch.randn(lm.hidden_size)

@@ -31,6 +31,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from decoding.request import Controls, Prompt  # noqa: E402
+
 QUESTION = "Who keeps the lighthouse of Port Avel?"
 PROMPTS = [  # as tests/models/test_gguf_export.py
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -61,7 +63,7 @@ def llama_logits(path, ids: list[int], threads: int) -> torch.Tensor:
 
 def measure(threads: int, smollm2, recall_lm) -> dict[str, float]:  # noqa: PLR0914 - one row a test
     from decoding import GenerationSettings, generate
-    from decoding.forward import forward_for
+    from decoding.backend import backend_for
     from decoding.memory import Recall
     from decoding.settings import RecallSettings
     from chat.session import Conversation
@@ -71,7 +73,7 @@ def measure(threads: int, smollm2, recall_lm) -> dict[str, float]:  # noqa: PLR0
     torch.set_num_threads(threads)
     out: dict[str, float] = {}
     ids = prompt(recall_lm)
-    fwd = forward_for(recall_lm.model, want_state=True)
+    fwd = backend_for(recall_lm.model, want_state=True)
     state, logits = fwd.prefill(fwd.embed(ids), None, fwd.cache_for(None, ids.shape[1], True), None, {})
     with torch.no_grad():
         ref = smollm2.model(input_ids=ids, output_hidden_states=True)
@@ -81,7 +83,7 @@ def measure(threads: int, smollm2, recall_lm) -> dict[str, float]:  # noqa: PLR0
     rid = torch.cat([ids, torch.tensor([[recall_lm.tokens.recall]])], dim=1)
     with torch.no_grad():
         want = smollm2.model(input_ids=rid, output_hidden_states=True).hidden_states[-1][0, -1]
-    fwd = forward_for(recall_lm.model, want_state=True)
+    fwd = backend_for(recall_lm.model, want_state=True)
     got, _ = fwd.prefill(fwd.embed(rid), None, fwd.cache_for(None, rid.shape[1], True), None, {})
     out["<recall> state score"] = float(torch.cosine_similarity(got[0], want, dim=0))
 
@@ -89,10 +91,8 @@ def measure(threads: int, smollm2, recall_lm) -> dict[str, float]:  # noqa: PLR0
     bank = build_bank(recall_lm.model, recall_lm.tokenizer, texts, recall_lm.encoder, progress=False)
     recall = Conversation(recall_lm).recall(bank, RecallSettings(), QUESTION)
     run = generate(recall_lm.model, {"input_ids": rid}, GenerationSettings(max_new_tokens=24, min_new_tokens=24,
-                                                                          repetition_penalty=1.0),
-                   recall=recall, tokenizer=recall_lm.tokenizer, output_logits=True)
-    again = generate(recall_lm.model, {"input_ids": run.sequences[:, :-1]}, GenerationSettings(max_new_tokens=1),
-                     recall=recall, memory_vectors=run.memory_vectors, output_logits=True)
+                                                                          repetition_penalty=1.0), recall=recall, tokenizer=recall_lm.tokenizer, controls=Controls(output_logits=True))
+    again = generate(recall_lm.model, Prompt({"input_ids": run.sequences[:, :-1]}, memory_vectors=run.memory_vectors), GenerationSettings(max_new_tokens=1), recall=recall, controls=Controls(output_logits=True))
     step, fresh = run.logits[0, -1], again.logits[0, 0]
     out["replay corr"] = float(torch.corrcoef(torch.stack([step, fresh]))[0, 1])
     out["replay max diff / max |logit|"] = float((step - fresh).abs().max() / step.abs().max())

@@ -16,6 +16,7 @@ random B weights, and says so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import copy
 import importlib.util
 import os
@@ -31,6 +32,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+from decoding.request import Controls
 from decoding import GenerationSettings  # noqa: E402
 from decoding.mixture import generate_mixture  # noqa: E402
 from decoding.settings import MixtureSettings  # noqa: E402
@@ -146,9 +148,7 @@ def main() -> None:
                                       max_new_tokens=tokens, min_new_tokens=tokens, seed=seed, repetition_penalty=1.0)
         mixture = MixtureSettings(enabled=True, gamma=args.gamma, **changes)
         theta_now = lm.merged() if dtype == torch.float32 else theta  # (re-merged: a PEFT-batch mode unmerges it)
-        return generate_mixture(theta_now if pair == "copy" else lm.merged(), base if pair == "copy" else None,
-                                {"input_ids": ids}, settings, mixture, eos_token_id=tok.eos_token_id,
-                                pad_token_id=tok.pad_token_id, draft_head=head, draft_gguf=gguf)
+        return generate_mixture(theta_now if pair == "copy" else lm.merged(), base if pair == "copy" else None, {"input_ids": ids}, dataclasses.replace(settings, mixture = mixture), controls=Controls(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, draft_head=head, draft_gguf=gguf))
 
     for mode in modes:  # warm-up
         run(mode, prompts[0], 0, 4)

@@ -38,7 +38,7 @@ def perplexity(lm, text: str, window: int = 256) -> float:
     """Token perplexity of `text` (plain text, non-overlapping windows)."""
     import torch
 
-    from decoding.forward import forward_for
+    from decoding.backend import backend_for
 
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     total, count = 0.0, 0
@@ -48,7 +48,7 @@ def perplexity(lm, text: str, window: int = 256) -> float:
             if lm.backend == "transformers":
                 logits = lm.model(input_ids=chunk[:, :-1]).logits.float()
             else:  # llama.cpp gives a step's last logits: the window a token at a time
-                fwd = forward_for(lm.model)
+                fwd = backend_for(lm.model)
                 cache = fwd.cache_for(None, chunk.shape[1], True)
                 logits = torch.cat([fwd.step(fwd.embed(chunk[:, i:i + 1]), None, cache, None)[1]
                                     for i in range(chunk.shape[1] - 1)])[None]
@@ -110,11 +110,11 @@ def recall_cost(lm, bank, slots: int = 16, repeats: int = 20) -> float:
     import torch
 
     from decoding.compiled import crop
-    from decoding.forward import forward_for
+    from decoding.backend import backend_for
     from decoding.memory import MemorySelector, Recall
     from decoding.settings import RecallSettings
 
-    fwd = forward_for(lm.merged())
+    fwd = backend_for(lm.merged())
     query = torch.from_numpy(lm.encoder.keys.encode(["a question"])[0])  # once a turn, before decoding (chat.session)
     selector = MemorySelector.of(Recall(lm.tokens.recall, lm.tokens.memory_pad, bank, RecallSettings(),
                                         query=lambda h: query))

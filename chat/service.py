@@ -40,7 +40,6 @@ from memory import BankError
 from memory.files import atomic_write
 from memory.milvus import MilvusBank
 from models import EMBEDDED_NAME, LoadedModel, load_model
-from models.modeling import max_positions
 
 log = logging.getLogger("chat.service")
 
@@ -258,7 +257,7 @@ class Service:
              recall_first: bool) -> int:
         """Make the conversation fit the limits with this message (drop the oldest turns when configured);
         returns how many turns were dropped, or raises naming the limit and the size."""
-        context = max_positions(self._model().model) or 2 ** 31
+        context = self._model().spec.context or 2 ** 31
         budget = min(self.limits.max_input_tokens, context - settings.max_new_tokens)
         dropped = 0
         while (need := conv.length_with(text, images, recall_first)) > budget:

@@ -24,18 +24,11 @@ from pydantic import ValidationError
 
 from chat.inputs import FORMAT, ConversationFile, check_conversation, decode_image, describe, encode_image, encode_vector
 from chat.worker import Request
-from decoding.compiled import crop, seq_length
+from decoding.engine import Engine, Prompt, Recall, cache_length, cut_cache, memory_now
 from decoding.events import DoneEvent, Event, GenerationResult, RecallEvent
-from decoding.batch import Batch
-from decoding.draft_head import draft_head_for
-from decoding.loop import stream_generate
-from decoding.memory import MemorySelector, Recall, recall_step
-from decoding.request import generators
-from decoding.mixture import stream_mixture
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
 from models import LoadedModel
-from models.gguf import gguf_draft_for
 from models.vision import IMAGE_PAD, encode_with_images
 
 _SENTINEL = "\u2063RECALL-CHAT-ANSWER\u2063"
@@ -71,7 +64,7 @@ class Conversation:
     """State of one chat with one model. Not thread-safe: one request at a time."""
 
     def __init__(self, lm: LoadedModel, system_prompt: str | None = None, prefill_chunk: int = 512,
-                 batch: Batch | None = None):
+                 batch=None):
         self.lm = lm
         self.prefill_chunk = prefill_chunk  # tokens read per forward of a long prompt
         self.batch = batch  # where its answers decode with other sessions' (decoding/batch.py); None: alone
@@ -114,7 +107,7 @@ class Conversation:
                      place: Callable[[int], tuple[list[int], dict, RecallEvent]] | None = None) -> dict:
         """Append a user turn; return the model inputs for the whole conversation. `recall_first` starts the
         answer with `<recall>`; `place` instead reads a memory at the end of the user's message: called with
-        the position after `<recall>`, it gives the memory's tokens, vectors and event (`decoding.recall_step`)."""
+        the position after `<recall>`, it gives the memory's tokens, vectors and event (`decoding.engine.memory_now`)."""
         if images and not self.lm.is_vision:
             raise TextOnlyModelError(text_only_message(self.lm, len(images)))
         user = Message("user", text, [str(p) for p in images], start=len(self.ids))
@@ -229,8 +222,7 @@ class Conversation:
         context = self.recall(memory_db, recall, text)
         place = None
         if recall_first and self.lm.encoder.placement == "user" and context.active and memory_db.has_values:
-            selector = MemorySelector.of(context, generators(settings.seed, "cpu")[1])
-            place = lambda position: recall_step(selector, context, None, 0, position)  # noqa: E731
+            place = memory_now(context, settings)
         self.placed = []
         inputs = self.build_inputs(text, images, recall_first, place)
         yield from self.placed
@@ -251,7 +243,7 @@ class Conversation:
         self.ids = self.ids[:length]
         self.memory = {p: v for p, v in self.memory.items() if p < length}
         if self.cache is not None:
-            crop(self.cache, seq_length(self.cache) - (length - 1))  # keep the cache short of the last token
+            cut_cache(self.cache, length - 1)  # keep the cache short of the last token
 
     def recall(self, memory_db, settings: RecallSettings, text: str = "") -> Recall:
         """The loop's recall context: this model's tokens, the bank, its memory embedding and, for a bank keyed
@@ -273,26 +265,12 @@ class Conversation:
                       without_memory="answer").with_tokens(self.lm.model.get_input_embeddings())
 
     def _run(self, inputs, prompt_len, settings, recall: Recall, interrupt_event) -> Iterator[Event]:
-        past = self.cache if self.cache is not None and seq_length(self.cache) < prompt_len else None
+        past = self.cache if self.cache is not None and cache_length(self.cache) < prompt_len else None
         answer = Message("assistant", "", start=prompt_len)
         result: GenerationResult | None = None
         try:
-            common = dict(recall=recall, tokenizer=self.lm.tokenizer, interrupt=interrupt_event,
-                          memory_vectors=self.memory)
-            if settings.mixture.enabled and self.lm.backend != "transformers":
-                raise ValueError("generation.mixture runs two transformers models (its draft may be llama.cpp): "
-                                 "set model.backend: transformers")
-            if settings.mixture.enabled:  # q* of this model and its target (its own base by default)
-                target = self.lm.mixture_target(settings.mixture.target)  # (made once)
-                mix = settings.mixture
-                head = draft_head_for(self.lm, mix.head) if mix.speculative and mix.draft == "head" else None
-                gguf = gguf_draft_for(self.lm, mix.gguf) if mix.speculative and mix.draft == "gguf" else None
-                events = stream_mixture(self.lm.merged(), target, inputs, settings, mix,
-                                        prefill_chunk=self.prefill_chunk, draft_head=head, draft_gguf=gguf, **common)
-            else:
-                events = stream_generate(self.lm.merged(), inputs, settings, cache=past,
-                                         prefill_chunk=self.prefill_chunk, batch=self.batch, **common)
-            for event in events:
+            engine = Engine(self.lm, self.batch, self.prefill_chunk)
+            for event in engine.stream(Prompt(inputs, past, self.memory), settings, recall, interrupt_event):
                 if isinstance(event, DoneEvent):
                     result = event.result
                 yield event
@@ -330,9 +308,8 @@ class Conversation:
         except ValidationError as e:
             raise ValueError(describe(e)) from None
         tok = self.lm.tokenizer
-        config = self.lm.model.config
-        context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
-        memory = check_conversation(data, vocab=len(tok), context=context, memory_pad=self.lm.tokens.memory_pad,
+        memory = check_conversation(data, vocab=len(tok), context=self.lm.spec.context,
+                                    memory_pad=self.lm.tokens.memory_pad,
                                     hidden=self.lm.hidden_size)
         images = [[decode_image(b, f"messages.{i}.images.{k}") for k, b in enumerate(m.images)]
                   for i, m in enumerate(data.messages)]

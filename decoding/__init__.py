@@ -2,6 +2,7 @@
 
 from decoding.events import DoneEvent, FinishEvent, GenerationResult, RecallEvent, TokenEvent
 from decoding.loop import generate, stream_generate
+from decoding.request import Controls, Prompt
 from decoding.memory import MemorySelector, Recall, inject_memories
 from decoding.sampling import sample
 from decoding.mixture import generate_mixture, stream_mixture
@@ -10,7 +11,7 @@ from decoding.processors import build_logits_processor, build_stopping_criteria,
 from decoding.settings import GenerationSettings, MixtureSettings, RecallSettings
 
 __all__ = [
-    "DoneEvent", "FinishEvent", "GenerationResult", "GenerationSettings", "MemorySelector", "MixtureSettings",
+    "Controls", "Prompt", "DoneEvent", "FinishEvent", "GenerationResult", "GenerationSettings", "MemorySelector", "MixtureSettings",
     "OptimalSpeculativeDecoder", "Recall", "RecallEvent",
     "RecallSettings", "TokenEvent", "build_logits_processor", "build_stopping_criteria", "custom_generate",
     "generate", "generate_mixture", "inject_memories", "make_memory_warper", "memory_embedding", "memory_head", "sample",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Generator
 
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import StaticCache
 
 from decoding.compiled import fit, static_cache
 
@@ -75,13 +75,13 @@ class Batch:
 
     @torch.no_grad()
     def run(self) -> None:
-        """Run every pending step: alone on its own cache, or as rows of one forward."""
+        """Run every pending step, as the requests' backend runs a round (`Backend.run_round`)."""
         steps, self.pending = self.pending, []
-        if not steps:
-            return
-        fwd = steps[0].req.fwd
-        if fwd.runs_steps:  # llama.cpp: the requests are sequences of one batch of its own (decoding/llamacpp.py)
-            return fwd.run_steps(steps)
+        if steps:
+            steps[0].req.fwd.run_round(steps, self)
+
+    def run_rows(self, steps: list[Step], fwd) -> None:
+        """A transformers round: a lone step on its request's own cache, or the steps as rows of one forward."""
         if len(steps) == 1 and not self.seats:
             s = steps[0]
             hidden, _ = fwd.step(s.embeds, s.position, s.req.cache, None)
@@ -147,7 +147,7 @@ class Batch:
 
     def _own_cache(self, req, rows):
         """A request's keys and values as a cache of its own, of the kind it came with."""
-        cache = DynamicCache(config=req.fwd.base.config.get_text_config(decoder=True))
+        cache = req.fwd.new_cache()
         for layer, (k, v) in enumerate(rows):
             cache.update(k, v, layer)
         return fit(cache, req.fwd.model, cache.get_seq_length() + 1) if self._static[id(req)] else cache

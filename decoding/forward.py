@@ -1,4 +1,4 @@
-"""The model's forward passes as the loop uses them: prefill, then one position a step (gpt-fast style).
+"""The transformers backend (`decoding.backend.Backend`): prefill, then one position a step (gpt-fast style).
 
 Every pass feeds `inputs_embeds`, so a memory vector and a token's own embedding are the same kind
 of input. Positions are explicit: plain `[B, S]`, or Qwen3-VL's mRoPE `[4, B, S]` (text positions
@@ -16,33 +16,28 @@ from transformers import DynamicCache, StaticCache
 
 from decoding.compiled import compiled_step, fit, static_cache
 from models.modeling import backbone_and_head, head_logits, unwrap_model
-
-
-def forward_for(model, want_state: bool = False):
-    """The loop's view of a model, the seam between the loop and a backend: `Forward` for a transformers
-    model, `decoding.llamacpp.LlamaForward` for a GGUF on llama.cpp. Both give `embed(ids)`, `prefill`
-    and `step` (-> the last position's final state and its logits, or None when `logits(state)` computes
-    them), `cache_for`, `device`, `dtype`. `want_state`: the caller reads the final state (the memory head's
-    query of a bank keyed by hidden states); transformers always has it, llama.cpp reads it only then."""
-    from decoding.llamacpp import LlamaForward
-    from models.llamacpp import LlamaCppModel
-
-    return LlamaForward(model, want_state) if isinstance(model, LlamaCppModel) else Forward(model)
+from models.spec import transformers_spec
 
 
 class Forward:
-    """A model's backbone, head and input embeddings, resolved once per request."""
-
-    runs_steps = False  # a batch of requests runs as rows of one transformers forward (decoding/batch.py)
+    """A transformers model's backbone, head and input embeddings, resolved once per request."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.base = unwrap_model(model)
+        self.spec = transformers_spec(model)
         self.backbone, self.head = backbone_and_head(model)
         self.embed = self.base.get_input_embeddings()
         param = next(self.base.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.compiled = compiled_step(model)  # the compiled decode step, once it is warm (decoding/compiled.py)
+
+    def positions(self, inputs: Mapping[str, torch.Tensor], input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None) -> torch.Tensor:
+        return prefill_positions(self.backbone, inputs, input_ids, attention_mask)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.base.config.get_text_config(decoder=True))
 
     def cache_for(self, cache, needed: int, plain: bool):
         """The KV cache a request of `needed` positions runs on: `cache` (an earlier turn's; a static one grown
@@ -50,9 +45,28 @@ class Forward:
         text decoding from the final layer), else dynamic."""
         if cache is None:
             fast = plain and self.compiled is not None and not hasattr(self.backbone, "get_rope_index")
-            return (static_cache(self.model, needed) if fast
-                    else DynamicCache(config=self.base.config.get_text_config(decoder=True)))
+            return static_cache(self.model, needed) if fast else self.new_cache()
         return fit(cache, self.model, needed) if isinstance(cache, StaticCache) else cache
+
+    def joins_batch(self, cache) -> bool:
+        """A sliding-window cache keeps only its window: such a request decodes alone."""
+        return not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+
+    def run_round(self, steps, batch) -> None:
+        """The round's steps as rows of one forward on the batch's `StaticCache` (a lone step on its own cache)."""
+        batch.run_rows(steps, self)
+
+    def forward_block(self, embeds: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Every new position's final state [B, S, H] of embeds [B, S, H] on `cache` (the mixture's verify)."""
+        return self.backbone(inputs_embeds=embeds, position_ids=positions, past_key_values=cache,
+                             use_cache=True).last_hidden_state
+
+    def text_positions(self, start: int, length: int, rows: int) -> torch.Tensor:
+        """Position ids [R, S] of positions start..start+S-1 of text (stacked [4, R, S] for mRoPE models)."""
+        text = torch.arange(start, start + length, device=self.device).expand(rows, -1)
+        if hasattr(self.backbone, "get_rope_index"):
+            return torch.cat([text[None], text[None].expand(3, -1, -1)])
+        return text
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [B, V] of final hidden states [B, H], as the model's own forward gives them."""

@@ -1,5 +1,5 @@
-"""The loop's view of a GGUF model on llama.cpp (`models.llamacpp.LlamaCppModel`), as `decoding.forward.Forward`
-is of a transformers model: prefill, a step, logits, the KV cache, and a batch's steps at once."""
+"""The llama.cpp backend (`decoding.backend.Backend`) on a `models.llamacpp.LlamaCppModel`: prefill, a step,
+logits, the KV cache, and a round of requests' steps as sequences of one llama.cpp batch."""
 
 from __future__ import annotations
 
@@ -9,21 +9,24 @@ from models.llamacpp import LlamaCppModel
 
 
 class LlamaForward:
-    """The loop's view of a `LlamaCppModel` (as `decoding.forward.Forward` is of a transformers model): one
-    unpadded row a request; text only; the final layer only."""
-
-    backbone = None  # (no transformers backbone: text positions, no mRoPE)
-    compiled = None
-    runs_steps = True  # `decoding.batch.Batch` hands it every request's step at once
+    """A `LlamaCppModel` as the loop runs it: one unpadded row a request, text only, the final layer only (what its
+    spec's empty capabilities say: requests that need more are refused by `decoding.backend.require`)."""
 
     def __init__(self, model: LlamaCppModel, want_state: bool = False):
-        self.model = self.base = model
+        self.model = model
+        self.spec = model.spec
         self.embed = model.get_input_embeddings()
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.want_state = want_state  # the memory head's query is the <recall> state (a bank keyed by states)
 
+    def positions(self, inputs, input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
+        return torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1)  # [B, L]: text positions
+
     def cache_for(self, cache, needed: int, plain: bool):
         return cache if cache is not None else self.model.new_cache()
+
+    def joins_batch(self, cache) -> bool:
+        return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("llama.cpp gives logits with each step; the loop asked for them from a hidden state")
@@ -39,8 +42,9 @@ class LlamaForward:
         self._plain(embeds, attention_mask, layers)
         return self._run([(cache, embeds[0])])
 
-    def run_steps(self, steps) -> None:
-        """Run the round's `decoding.batch.Step`s as sequences of one llama.cpp batch."""
+    def run_round(self, steps, batch) -> None:
+        """Run the round's `decoding.batch.Step`s as sequences of one llama.cpp batch (llama.cpp's own
+        continuous batching: the `Batch`'s cache is not used)."""
         want = any(s.req.fwd.want_state for s in steps)
         states, logits = self.model.run([(s.req.cache, s.embeds[0]) for s in steps], want)
         for i, s in enumerate(steps):

@@ -21,31 +21,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from decoding.batch import Batch
 from decoding.compiled import crop
-from decoding.events import DoneEvent, Event, GenerationResult, PrefillEvent, RecallEvent, TokenEvent
-from decoding.forward import Forward, prefill_positions, vision_suffix
-from decoding.memory import MemorySelector, Recall, recall_step
-from decoding.request import Request, Rows, prepare
+from decoding.events import DoneEvent, Event, GenerationResult, PrefillEvent
+from decoding.backend import Backend
+from decoding.forward import vision_suffix
+from decoding.memory import Recall
+from decoding.request import Controls, Prompt, Request, Rows, prepare
 from decoding.sampling import sample
 from decoding.settings import GenerationSettings
 
-TOOL_CALL_END = "</tool_call>"
 log = logging.getLogger("decoding.loop")
 
 
-def _prefill_embeds(fwd: Forward, input_ids: torch.Tensor, past_len: int, rows: Rows,
+def _prefill_embeds(fwd: Backend, input_ids: torch.Tensor, past_len: int, rows: Rows,
                     recall: Recall | None) -> torch.Tensor:
     """Token embeddings of the uncached prompt [B, S, H], memory vectors at their <|memory_pad|> positions."""
     emb = fwd.embed(input_ids[:, past_len:])
-    if recall is None and any(rows.memory):
-        raise ValueError("memory_vectors were given without recall=Recall(...): placing them needs the "
-                         "<|memory_pad|> id and the model's memory embedding")
     for row, vectors in enumerate(rows.memory):
         for pos, vec in vectors.items():
             if int(input_ids[row, pos]) != recall.memory_pad_id:
@@ -59,23 +55,15 @@ def _prefill_embeds(fwd: Forward, input_ids: torch.Tensor, past_len: int, rows: 
 Span = tuple[list[int], dict[int, torch.Tensor]]  # a recalling row's forced tokens, and its slots' value vectors
 
 
-def _recall(rows: Rows, recall_rows: list[int], hidden: torch.Tensor, selector: MemorySelector,
-            recall: Recall) -> tuple[dict[int, Span], list[Event]]:
-    """The recall step for each row whose newest input is <recall>: the tokens it is forced to next (its
-    memory's slots and the suffix, from position `rows.cur` on) and the slots' value vectors."""
+def _recall(req: Request, recall_rows: list[int], hidden: torch.Tensor) -> tuple[dict[int, Span], list[Event]]:
+    """The recall step (`Request.recall_row`) of each row whose newest input is <recall>: the tokens it is forced to
+    next (its memory's slots and the suffix) and the slots' value vectors."""
     spans: dict[int, Span] = {}
     events: list[Event] = []
     for row in recall_rows:
-        if row in rows.held:  # the <recall> token is streamed together with its recall
-            token = rows.held.pop(row)
-            events.append(TokenEvent(row, token.token_id, token.position, rows.text(row, token.token_id)))
-        if recall.settings.debug:
-            log.info("[recall] row %d: newest input is <recall> (id %d) at position %d; its hidden state %s is "
-                     "the query", row, recall.recall_id, rows.cur - 1, tuple(hidden[row].shape))
-        tokens, vectors, event = recall_step(selector, recall, hidden[row], row, rows.cur)
+        tokens, vectors, happened = req.recall_row(row, hidden[row])
         spans[row] = tokens, vectors
-        rows.injections.append(event)
-        events.append(event)
+        events += happened
     return spans, events
 
 
@@ -100,7 +88,7 @@ def _columns(rows: Rows, next_tokens: torch.Tensor, spans: dict[int, Span], fill
     return block
 
 
-def _step_inputs(fwd: Forward, rows: Rows, recall: Recall | None, block: torch.Tensor, position: torch.Tensor,
+def _step_inputs(fwd: Backend, rows: Rows, recall: Recall | None, block: torch.Tensor, position: torch.Tensor,
                  spans: dict[int, Span]) -> tuple[torch.Tensor, torch.Tensor]:
     """(input embeddings [B, W, H], position ids [B, W] or [4, B, W]) of the step's columns: memory
     slots carry their value vectors, every row's positions continue its own, right-aligned."""
@@ -116,34 +104,19 @@ def _step_inputs(fwd: Forward, rows: Rows, recall: Recall | None, block: torch.T
     return emb, position + steps.clamp(min=1).to(position.dtype)  # fillers (masked) repeat the first position
 
 
-def stream_generate(
-    model: torch.nn.Module,
-    inputs: Mapping[str, torch.Tensor],
-    settings: GenerationSettings = GenerationSettings(),
-    *,
-    recall: Recall | None = None,
-    tokenizer=None,
-    interrupt: threading.Event | None = None,
-    cache=None,
-    memory_vectors: Mapping[int, torch.Tensor] | Sequence[Mapping[int, torch.Tensor]] | None = None,
-    logits_processor: LogitsProcessorList | None = None,
-    stopping_criteria: StoppingCriteriaList | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
-    pad_token_id: int | None = None,
-    output_logits: bool = False,
-    prefill_chunk: int = 512,
-    batch: Batch | None = None,
-) -> Iterator[Event]:
-    """Generate from `inputs` (`input_ids` [B, L], optional `attention_mask`, Qwen3-VL image kwargs),
-    yielding token, recall and finish events, and a `DoneEvent` with the result last.
+def stream_generate(model: torch.nn.Module, prompt: Prompt | Mapping[str, torch.Tensor],
+                    settings: GenerationSettings = GenerationSettings(), *, recall: Recall | None = None,
+                    tokenizer=None, interrupt: threading.Event | None = None, controls: Controls = Controls(),
+                    batch: Batch | None = None) -> Iterator[Event]:
+    """Generate from a prompt (`Prompt`, or its inputs alone: `input_ids` [B, L], optional `attention_mask`,
+    Qwen3-VL image kwargs), yielding token, recall and finish events, and a `DoneEvent` with the result last.
 
-    `cache` covers a prefix of `input_ids` (an earlier turn): only the rest is prefilled.
-    `memory_vectors` maps `<|memory_pad|>` positions of the prompt to the vectors injected there in
-    earlier turns; they are placed again at prefill. `logits_processor` replaces the list built
-    from `settings`; `stopping_criteria` is added to the built one. `output_logits` keeps each
-    step's raw logits in the result (`logits`, [B, steps, V]). A long unpadded text prompt is
-    prefilled `prefill_chunk` tokens at a time, with a `PrefillEvent` and an interrupt check between
-    chunks, so a stop ends even a long prompt within one chunk.
+    `prompt.cache` covers a prefix of `input_ids` (an earlier turn): only the rest is prefilled; its
+    `memory_vectors` are placed again at their `<|memory_pad|>` positions. `controls` (`Controls`) brings
+    the caller's processors and criteria, EOS / padding, `output_logits` (each step's raw logits in the
+    result's `logits`, [B, steps, V]) and `prefill_chunk`: a long unpadded text prompt is prefilled that many
+    tokens at a time, with a `PrefillEvent` and an interrupt check between chunks, so a stop ends even a long
+    prompt within one chunk.
 
     With `settings.entropy_decoding` (seed 002, `decoding/entropy.py`) each step decodes from the
     layer its entropy rule picks: a `LayerEvent` follows every `TokenEvent`, the result's `entropy`
@@ -154,16 +127,18 @@ def stream_generate(
     forward is a `Step` yielded to the caller, who runs the batch with the other requests' steps
     before resuming this one.
     """
-    req = prepare(model, inputs, settings, recall, tokenizer, cache, memory_vectors, logits_processor,
-                  stopping_criteria, eos_token_id, pad_token_id)
-    req.t0 = time.perf_counter()
+    if settings.mixture.enabled:
+        raise ValueError("settings.mixture.enabled: the two-model mixture runs in decoding.stream_mixture, "
+                         "not in this loop")
+    prompt = Prompt.of(prompt)
+    req = prepare(model, prompt, settings, recall, tokenizer, controls)
     if interrupt is not None and interrupt.is_set():  # stopped while waiting in a queue: the model is not touched
         yield from req.stop_all()
         yield DoneEvent(req.result())
         return
     req.fwd.reset_request_state()
     try:
-        yield from _generate(req, inputs, interrupt, prefill_chunk, output_logits, batch)
+        yield from _generate(req, prompt.inputs, interrupt, controls, batch)
     finally:
         req.fwd.reset_request_state()
     yield DoneEvent(req.result())
@@ -171,10 +146,10 @@ def stream_generate(
 
 @torch.no_grad()  # as a decorator: grad mode is off only while the loop runs, never left off between its yields
 def _generate(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: threading.Event | None,
-              prefill_chunk: int, output_logits: bool, batch: Batch | None) -> Iterator[Event]:
-    start = yield from _prefill(req, inputs, interrupt, prefill_chunk)  # None: stopped between chunks
+              controls: Controls, batch: Batch | None) -> Iterator[Event]:
+    start = yield from _prefill(req, inputs, interrupt, controls.prefill_chunk)  # None: stopped between chunks
     if start is not None:
-        yield from _decode(req, *start, interrupt, output_logits, batch)
+        yield from _decode(req, *start, interrupt, controls.output_logits, batch)
 
 
 def _prefill(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: threading.Event | None,
@@ -182,7 +157,7 @@ def _prefill(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: thread
     """1. Prefill the uncached part of the prompt, memory vectors at their positions; returns (the last
     position's state, its logits when the backend gives them, its position ids), or None when a stop came between chunks (the cache keeps the prefix)."""
     fwd, rows = req.fwd, req.rows
-    positions = prefill_positions(fwd.backbone, inputs, req.input_ids, req.attention_mask)[..., req.past_len:]
+    positions = fwd.positions(inputs, req.input_ids, req.attention_mask)[..., req.past_len:]
     embeds = _prefill_embeds(fwd, req.input_ids, req.past_len, rows, req.recall)
     vision = vision_suffix(inputs, req.past_len, fwd.device)
     todo = embeds.shape[1]
@@ -224,9 +199,8 @@ def _decode(req: Request, hidden: torch.Tensor, logits: torch.Tensor | None, pos
     last = req.input_ids[:, -1].tolist()
     recall_rows = [r for r in range(req.batch) if req.recall_on and last[r] == recall.recall_id]
     unfinished = torch.ones(req.batch, dtype=torch.bool, device=fwd.device)
-    if (req.batch > 1 or req.attention_mask is not None or entropy is not None
-            or any(getattr(layer, "is_sliding", False) for layer in req.cache.layers)):
-        batch = None  # a batch takes requests of one unpadded row decoding from the final layer, full-attention caches
+    if req.batch > 1 or req.attention_mask is not None or entropy is not None or not fwd.joins_batch(req.cache):
+        batch = None  # a batch takes requests of one unpadded row decoding from the final layer, on caches it can seat
     stopped = False
     try:
         while True:
@@ -237,7 +211,7 @@ def _decode(req: Request, hidden: torch.Tensor, logits: torch.Tensor | None, pos
             next_tokens = sample(scores, req.settings.do_sample, req.rng)  # [B]
 
             # 3. the recall step: rows whose newest input was <recall> get their memory's slots (and suffix)
-            spans, events = _recall(rows, recall_rows, hidden, req.selector, recall) if recall_rows else ({}, [])
+            spans, events = _recall(req, recall_rows, hidden) if recall_rows else ({}, [])
             if req.eos:
                 next_tokens = torch.where(unfinished, next_tokens, req.pad)
             block = _columns(rows, next_tokens, spans, req.pad)  # [B, W], written into the rows
@@ -246,10 +220,13 @@ def _decode(req: Request, hidden: torch.Tensor, logits: torch.Tensor | None, pos
             still = [row.pop() for row in tokens]
             req.steps += 1
 
-            # 4. events and finish reasons; a <recall> token is streamed with its recall, next step
+            # 4. events and finish reasons (`Request.events`); a <recall> is streamed with its recall, next step
             alive = list(rows.alive)
-            events += _step_events(rows, tokens, _widths(spans, req.batch), still, unfinished,
-                                   recall if req.recall_on else None, req.eos, req.limit, req.settings, req.t0)
+            for row, width in enumerate(_widths(spans, req.batch)):
+                if alive[row]:
+                    events += req.events(row, tokens[row][len(tokens[row]) - width:], bool(still[row]))
+                    if not rows.alive[row]:  # (a tool call ended it: no more tokens)
+                        unfinished[row] = False
             if layer_step is not None:  # a LayerEvent after each token (one more host copy, after the sync)
                 events = entropy.annotate(events, layer_step, alive, [rows.cur - w for w in _widths(spans, req.batch)])
             yield from events
@@ -285,30 +262,6 @@ def _decode(req: Request, hidden: torch.Tensor, logits: torch.Tensor | None, pos
     req.decode_s = time.perf_counter() - t1
 
 
-def _step_events(rows: Rows, tokens: list[list[int]], widths: list[int], still: list[int],
-                 unfinished: torch.Tensor, recall: Recall | None, eos: list[int], max_len: int,
-                 settings: GenerationSettings, t0: float) -> list[Event]:
-    """Token and finish events of one step (a recalling row's whole span), for the rows still running."""
-    events: list[Event] = []
-    for row, columns in enumerate(tokens):
-        if not rows.alive[row]:
-            continue
-        new = columns[len(columns) - widths[row]:]
-        token = new[-1]
-        start = rows.cur - len(new)
-        events += [TokenEvent(row, t, start + i, rows.text(row, t)) for i, t in enumerate(new[:-1])]
-        if recall is not None and still[row] and token == recall.recall_id:
-            rows.held[row] = TokenEvent(row, token, rows.cur - 1, "")
-            continue
-        events.append(TokenEvent(row, token, rows.cur - 1, rows.text(row, token)))
-        if settings.early_stop_on_tool_call and rows.detok is not None and TOOL_CALL_END in rows.detok[row].tail:
-            unfinished[row] = False
-            events.append(rows.finish(row, "tool_call"))
-        elif not still[row]:
-            events.append(rows.finish(row, _stop_reason(token, eos, rows.cur, max_len, settings, t0)))
-    return events
-
-
 def _drop_held(rows: Rows, cache, pad: int) -> None:
     """Stopped right after <recall>: the recall never started, so its token is dropped."""
     if not rows.held:
@@ -319,14 +272,6 @@ def _drop_held(rows: Rows, cache, pad: int) -> None:
     else:
         rows.seq[list(rows.held), rows.cur - 1] = pad
     rows.held.clear()
-
-
-def _stop_reason(token: int, eos: list[int], cur: int, max_len: int, settings: GenerationSettings, t0: float) -> str:
-    if token in eos:
-        return "stop"
-    if cur >= max_len or settings.max_time is not None and time.perf_counter() - t0 > settings.max_time:
-        return "length"
-    return "stop"  # a stop string or a caller's criterion
 
 
 def generate(*args, **kwargs) -> GenerationResult:

@@ -21,6 +21,7 @@ is not used anywhere; Leviathan et al.'s rule is.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -28,17 +29,14 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from decoding.events import DoneEvent, FinishEvent, GenerationResult, PrefillEvent, TokenEvent
-from decoding.loop import TOOL_CALL_END
-from decoding.memory import MemorySelector, NoMemory, Recall, recall_step
-from decoding.processors import build_logits_processor, build_stopping_criteria
+from decoding.backend import require
+from decoding.events import DoneEvent, GenerationResult, PrefillEvent
+from decoding.memory import Recall
+from decoding.request import Controls, Prompt, Request, prepare
 from decoding.settings import GenerationSettings, MixtureSettings
 from decoding.speculative import HeadDraft, ModelDraft, ModelPair, PairDraft, make_draft, process_block, speculative_round
-
-from decoding.request import Detokenizer, generators
-from models.modeling import check_bank_dim, max_positions, unwrap_model
+from models.spec import MIXTURE
 
 MASKED = -1e30  # scores at or below this count as masked (transformers masks with -inf or finfo.min)
 ATOL = 1e-12  # |δ| below this is a root (float64)
@@ -155,92 +153,93 @@ class MixtureResult(GenerationResult):
 
 
 class _Run:
-    """One request: the sequence, the pair's caches (all but the last token), memories, events."""
+    """The mixture's decoder on a shared `decoding.request.Request` (one row): the pair's caches (all but the last
+    token), the speculative rounds and α* per token. Tokens, finishes, recalls and the result are the request's."""
 
-    def __init__(self, pair, seq, settings, mixture, recall, tokenizer, processors, criteria, eos, limit, memory,
-                 rngs):
-        self.pair, self.seq, self.settings, self.mixture = pair, seq, settings, mixture
-        self.recall, self.processors, self.criteria, self.eos, self.limit = recall, processors, criteria, eos, limit
-        self.memory = memory  # position -> memory vector (raw, as the bank stores it)
-        self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
-        self.active = recall is not None and recall.active  # recall on; else recall only places memories
-        self.generator, memory_generator = rngs  # a seeded request's own random states (tokens, memories)
-        self.selector = MemorySelector.of(recall, memory_generator) if self.active else None
-        self.alphas, self.injections, self.reason = [], [], None
+    def __init__(self, req: Request, pair: ModelPair, mixture: MixtureSettings):
+        self.req, self.pair, self.mixture = req, pair, mixture
+        self.alphas: list[float] = []
         self.drafted = self.accepted = self.rounds = 0
-        self.t0 = time.perf_counter()
+
+    @property
+    def seq(self) -> list[int]:
+        rows = self.req.rows
+        return rows.seq[0, :rows.cur].tolist()
+
+    @property
+    def done(self) -> bool:
+        return not self.req.rows.alive[0]
 
     def embedded(self, position: int) -> torch.Tensor:
-        return self.recall.embed(self.memory[position][None], self.pair.device, self.pair.dtype)[0]
+        req = self.req
+        return req.recall.embed(req.rows.memory[0][position][None], self.pair.device, self.pair.dtype)[0]
 
     def prefill(self, chunk: int) -> Iterator[PrefillEvent]:
         """All but the last prompt token into both caches, `chunk` tokens at a time."""
-        todo = len(self.seq) - 1
+        seq, todo = self.seq, self.req.rows.cur - 1
         for start in range(0, todo, chunk):
             end = min(todo, start + chunk)
-            inject = {p - start: self.embedded(p) for p in self.memory if start <= p < end}
-            self.pair.run(self.seq[start:end], inject, logits=False)
+            inject = {p - start: self.embedded(p) for p in self.req.rows.memory[0] if start <= p < end}
+            self.pair.run(seq[start:end], inject, logits=False)
             yield PrefillEvent(end, todo)
 
-    def emit(self, token: int, alpha: float, events: list) -> bool:
-        """Append a token; True when the row finished with it."""
-        self.seq.append(token)
-        self.alphas.append(alpha)
-        text = self.detok.push(token) if self.detok is not None else ""
-        events.append(TokenEvent(0, token, len(self.seq) - 1, text))
-        if self.settings.early_stop_on_tool_call and self.detok is not None and TOOL_CALL_END in self.detok.tail:
-            self.reason = "tool_call"
-        elif len(self.seq) >= self.limit or bool(self.criteria(torch.tensor([self.seq]), None)[0]):
-            late = self.settings.max_time is not None and time.perf_counter() - self.t0 > self.settings.max_time
-            self.reason = "stop" if token in self.eos else "length" if len(self.seq) >= self.limit or late else "stop"
-        if self.reason is not None:
-            events.append(FinishEvent(0, self.reason))
-        return self.reason is not None
+    def emit(self, tokens: list[int], alphas: list[float], events: list) -> None:
+        """Append tokens one at a time, each checked by the request's criteria (a stop in the middle of a round
+        ends the row there): their events, through `Request.events`."""
+        req, rows = self.req, self.req.rows
+        for token, alpha in zip(tokens, alphas):
+            rows.write(torch.tensor([[token]], device=rows.seq.device), [0])
+            self.alphas.append(alpha)
+            still = rows.cur < req.limit and not bool(req.criteria(rows.seq[:, :rows.cur], None)[0])
+            events += req.events(0, [token], still)
+            if self.done or req.recall_on and token == req.recall.recall_id:  # (a <recall> is answered next)
+                return
 
     def recall_step(self, events: list) -> None:
         """The newest token is <recall>: its θ hidden state queries the bank; the memory's slots (and the suffix)
         follow whole, their value vectors in both models' caches but for the last token, as always."""
-        self.pair.crop(len(self.seq) - 1)
+        req, rows = self.req, self.req.rows
+        self.pair.crop(rows.cur - 1)
         _, hidden = self.pair.run([self.seq[-1]], logits=False)  # [1, H]
-        start = len(self.seq)
-        span, vectors, event = recall_step(self.selector, self.recall, hidden[-1], 0, start)
-        self.memory.update(vectors)
-        self.injections.append(event)
-        events.append(event)
-        for token in span[:-1]:  # a memory is never cut: the finish checks wait for its last token
-            self.seq.append(token)
-            self.alphas.append(math.nan)
-            events.append(TokenEvent(0, token, len(self.seq) - 1, self.detok.push(token) if self.detok else ""))
-        self.emit(span[-1], math.nan, events)
+        start = rows.cur
+        span, vectors, happened = req.recall_row(0, hidden[-1])
+        rows.memory[0].update(vectors)
+        events += happened
+        if len(span) > 1:  # a memory is never cut: the finish checks wait for its last token
+            rows.write(torch.tensor([span[:-1]], device=rows.seq.device), [0])
+            self.alphas += [math.nan] * (len(span) - 1)
+            events += req.events(0, span[:-1], True)
+        self.emit([span[-1]], [math.nan], events)
         if len(span) > 1:
             self.pair.run(span[:-1], {p - start: self.embedded(p) for p in vectors if p < start + len(span) - 1},
                           logits=False)
 
     def target(self, seq, drafts, logits):
-        theta, t = process_block(self.processors, seq, drafts, logits)
+        theta, t = process_block(self.req.processors, seq, drafts, logits)
         return mixture_log_probs(theta, t, self.mixture.alpha, self.mixture.tol)
 
     def round(self, draft, events: list) -> None:
-        seq, last = self.seq, len(self.seq) - 1
-        gamma = min(self.mixture.gamma, self.limit - len(seq) - 1)
-        memory = {p: self.embedded(p) for p in self.memory} if isinstance(draft, (ModelDraft, PairDraft, HeadDraft)) else {}
-        inject = {0: self.embedded(last)} if last in self.memory else {}
-        rnd = speculative_round(list(seq), self.pair, draft, gamma, self.target, self.settings.do_sample,
-                                processors=self.processors, memory=memory, inject=inject, generator=self.generator)
+        req, seq = self.req, self.seq
+        last = len(seq) - 1
+        gamma = min(self.mixture.gamma, req.limit - len(seq) - 1)
+        memory = ({p: self.embedded(p) for p in req.rows.memory[0]}
+                  if isinstance(draft, (ModelDraft, PairDraft, HeadDraft)) else {})
+        inject = {0: self.embedded(last)} if last in req.rows.memory[0] else {}
+        rnd = speculative_round(list(seq), self.pair, draft, gamma, self.target, req.settings.do_sample,
+                                processors=req.processors, memory=memory, inject=inject, generator=req.rng)
         start = len(seq)
-        for token, alpha in zip(rnd.tokens, rnd.alphas):
-            if self.emit(token, alpha, events) or self.active and token == self.recall.recall_id:
-                break
-        self.pair.crop(len(self.seq) - 1)  # a stop or a <recall> cut the round short
+        self.emit(rnd.tokens, rnd.alphas, events)
+        self.pair.crop(req.rows.cur - 1)  # a stop or a <recall> cut the round short
         self.drafted, self.accepted, self.rounds = self.drafted + rnd.drafted, self.accepted + rnd.accepted, self.rounds + 1
-        emitted = len(self.seq) - start
+        emitted = req.rows.cur - start
         events.append(MixtureEvent(start, tuple(self.alphas[-emitted:]), rnd.drafted, rnd.accepted))
 
     def recall_due(self) -> bool:
-        return self.reason is None and self.active and self.seq[-1] == self.recall.recall_id
+        req = self.req
+        return not self.done and req.recall_on and int(req.rows.seq[0, req.rows.cur - 1]) == req.recall.recall_id
 
 
-def _check_request(inputs, settings: GenerationSettings) -> torch.LongTensor:
+def _check_request(inputs, settings: GenerationSettings) -> None:
     input_ids = inputs["input_ids"]
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: the mixture streams one row ([1, L])")
@@ -252,98 +251,66 @@ def _check_request(inputs, settings: GenerationSettings) -> torch.LongTensor:
     if settings.guidance_scale != 1:
         raise ValueError(f"guidance_scale is {settings.guidance_scale}: classifier-free guidance runs its own model "
                          "and is not supported with the mixture (set guidance_scale=1.0)")
-    return input_ids
 
 
-def stream_mixture(model_theta, model_t, inputs: Mapping[str, torch.Tensor],
-                   settings: GenerationSettings = GenerationSettings(),
-                   mixture: MixtureSettings = MixtureSettings(enabled=True), *, recall: Recall | None = None,
-                   tokenizer=None, interrupt: threading.Event | None = None, eos_token_id=None, pad_token_id=None,
-                   memory_vectors: Mapping[int, torch.Tensor] | None = None,
-                   logits_processor: LogitsProcessorList | None = None,
-                   stopping_criteria: StoppingCriteriaList | None = None, batched: bool = True,
-                   prefill_chunk: int = 512, draft_head: torch.nn.Module | None = None,
-                   draft_gguf=None) -> Iterator:
-    """Generate one row from q*(π_θ = model_theta, π_t = model_t, or its PEFT base when None), yielding
-    the main loop's PrefillEvent / TokenEvent / RecallEvent / FinishEvent, a `MixtureEvent` per verify
-    round, and a `DoneEvent` whose result is a `MixtureResult` (α* per token, acceptance counts) last.
+def stream_mixture(model_theta, model_t, prompt: Prompt | Mapping[str, torch.Tensor],
+                   settings: GenerationSettings = GenerationSettings(mixture=MixtureSettings(enabled=True)), *,
+                   recall: Recall | None = None, tokenizer=None, interrupt: threading.Event | None = None,
+                   controls: Controls = Controls()) -> Iterator:
+    """Generate one row from q*(π_θ = model_theta, π_t = model_t, or its PEFT base when None) with
+    `settings.mixture`, yielding the main loop's PrefillEvent / TokenEvent / RecallEvent / FinishEvent, a
+    `MixtureEvent` per verify round, and a `DoneEvent` whose result is a `MixtureResult` (α* per token,
+    acceptance counts) last.
 
     A `<recall>` drawn from q* makes θ's hidden state at it query the bank; the memory is injected at
-    the next position (`<|memory_pad|>`) of both models. `memory_vectors` places earlier turns'
-    memories; the whole prompt is prefilled, `prefill_chunk` tokens at a time (no cache reuse;
-    `result.cache` is None). `batched`: one forward for a PEFT pair, whose adapter is unmerged for
-    it (a merged adapter cannot be switched off per row). `draft_head`: the trained DraftHead that
-    `mixture.draft="head"` drafts with; `draft_gguf`: the llama_cpp.Llama of `mixture.draft="gguf"`
-    (models.gguf.load_gguf_draft). A seed gives the request its own random
-    state (the global one is not touched). `pad_token_id` is unused (one row).
+    the next position (`<|memory_pad|>`) of both models. `prompt.memory_vectors` places earlier turns'
+    memories; the whole prompt is prefilled, `controls.prefill_chunk` tokens at a time (no cache reuse;
+    `result.cache` is None). `controls.batched_pair`: one forward for a PEFT pair, whose adapter is unmerged
+    for it (a merged adapter cannot be switched off per row). `controls.draft_head`: the trained DraftHead
+    that `mixture.draft="head"` drafts with; `controls.draft_gguf`: the llama.cpp model of
+    `mixture.draft="gguf"` (models.gguf.load_gguf_draft). A seed gives the request its own random state (the
+    global one is not touched).
     """
-    input_ids = _check_request(inputs, settings)
-    pair = ModelPair(model_theta, model_t, batched=batched)
-    seq, prompt_len = input_ids[0].tolist(), input_ids.shape[1]
-    context = max_positions(model_theta)
-    if context is not None and prompt_len >= context:
-        raise ValueError(f"the prompt has {prompt_len} tokens but the model's context holds {context}")
-    config = unwrap_model(model_theta).generation_config
-    eos = eos_token_id if eos_token_id is not None else config.eos_token_id
-    eos = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])]
-    recall_on = recall is not None and recall.active
-    if recall is not None:
-        recall = recall.with_tokens(unwrap_model(model_theta).get_input_embeddings())
-    if memory_vectors and recall is None:
-        raise ValueError("memory_vectors were given without recall=Recall(...): placing them needs the "
-                         "<|memory_pad|> id and the model's memory embedding")
-    if recall_on:
-        check_bank_dim(model_theta, recall.bank, recall.query)
-    if logits_processor is None:
-        logits_processor = build_logits_processor(settings, eos_token_id=eos or None, prompt_ids=input_ids.to(pair.device),
-                                                  device=pair.device, vocab_size=pair.vocab)
-    no_memory = NoMemory.of(recall, recall_on)
-    if no_memory is not None:
-        logits_processor = LogitsProcessorList([*logits_processor, no_memory])
-    criteria = build_stopping_criteria(settings, prompt_length=prompt_len, eos_token_id=eos or None,
-                                       tokenizer=tokenizer, max_position_embeddings=context)
-    criteria.extend(stopping_criteria or [])
-    limit = min(prompt_len + settings.max_new_tokens, context or math.inf)
-    run = _Run(pair, seq, settings, mixture, recall, tokenizer, logits_processor, criteria, eos, limit,
-               dict(memory_vectors or {}), generators(settings.seed, pair.device))
-    draft = (make_draft(mixture.draft, pair, model_theta, mixture.ngram, draft_head, draft_gguf)
+    prompt, mixture = Prompt.of(prompt), settings.mixture
+    _check_request(prompt.inputs, settings)
+    req = prepare(model_theta, prompt, settings, recall, tokenizer, controls, cached=False)
+    require(req.fwd.spec, MIXTURE)
+    pair = ModelPair(model_theta, model_t, batched=controls.batched_pair)
+    run = _Run(req, pair, mixture)
+    draft = (make_draft(mixture.draft, pair, model_theta, mixture.ngram, controls.draft_head, controls.draft_gguf)
              if mixture.speculative else None)
-    yield from _drive(run, draft, interrupt, prompt_len, prefill_chunk, no_memory)
+    yield from _drive(run, draft, interrupt, controls.prefill_chunk)
 
 
 @torch.no_grad()  # as a decorator: grad mode is off only while this generator runs, not between its yields
-def _drive(run: _Run, draft, interrupt, prompt_len: int, prefill_chunk: int, no_memory: NoMemory | None) -> Iterator:
-    prefill_s, t1 = 0.0, run.t0
+def _drive(run: _Run, draft, interrupt, prefill_chunk: int) -> Iterator:
+    req = run.req
+    req.fwd.reset_request_state()
+    t1 = req.t0
     if interrupt is not None and interrupt.is_set():  # stopped while queued: the models are not touched
-        run.reason = "interrupted"
-        yield FinishEvent(0, "interrupted")
-    if run.reason is None:
+        yield from req.stop_all()
+    if not run.done:
         for event in run.prefill(prefill_chunk):  # other requests, and a stop, wait one chunk at most
             yield event
             if interrupt is not None and interrupt.is_set():
-                run.reason = "interrupted"
-                yield FinishEvent(0, "interrupted")
+                yield from req.stop_all()
                 break
-        prefill_s, t1 = time.perf_counter() - run.t0, time.perf_counter()
-    while run.reason is None:
+        req.prefill_s, t1 = time.perf_counter() - req.t0, time.perf_counter()
+    while not run.done:
         events: list = []
         if run.recall_due():  # the prompt ends with <recall>
             run.recall_step(events)
-        if run.reason is None:
+        if not run.done:
             run.round(draft, events)
         if run.recall_due():  # right away, so an interrupt never separates <recall> from its memory
             run.recall_step(events)
         yield from events
-        if run.reason is None and interrupt is not None and interrupt.is_set():
-            run.reason = "interrupted"
-            yield FinishEvent(0, "interrupted")
+        if not run.done and interrupt is not None and interrupt.is_set():
+            yield from req.stop_all()
     run.pair.reset()
-    yield DoneEvent(MixtureResult(
-        sequences=torch.tensor([run.seq], device=run.pair.device), prompt_length=prompt_len,
-        finish_reasons=[run.reason], injections=run.injections, memory_vectors=[run.memory], cache=None,
-        prefill_seconds=prefill_s, decode_seconds=time.perf_counter() - t1, steps=run.rounds, alphas=run.alphas,
-        drafted=run.drafted, accepted=run.accepted, rounds=run.rounds,
-        missed_recall=no_memory.rows(1) if no_memory is not None else None))
+    req.decode_s, req.steps = time.perf_counter() - t1, run.rounds
+    yield DoneEvent(req.result(MixtureResult, alphas=run.alphas, drafted=run.drafted, accepted=run.accepted,
+                               rounds=run.rounds))
 
 
 def generate_mixture(*args, **kwargs) -> MixtureResult:
@@ -366,7 +333,7 @@ class OptimalSpeculativeDecoder:
     def __init__(self, model_theta, model_t=None, k: int = 5, tol: float = 1e-6, draft: str = "theta", gguf=None):
         if draft == "head":
             raise ValueError("OptimalSpeculativeDecoder drafts with theta, target, ngram or gguf; an EAGLE head goes "
-                             "through stream_mixture(..., draft_head=...)")
+                             "through stream_mixture(..., controls=Controls(draft_head=...))")
         self.model_theta, self.model_t, self.k, self.tol, self.gguf = model_theta, model_t, k, tol, gguf
         self.mixture = MixtureSettings(enabled=True, speculative=True, gamma=k, tol=tol, draft=draft)
 
@@ -382,7 +349,8 @@ class OptimalSpeculativeDecoder:
         settings = GenerationSettings(do_sample=do_sample, temperature=temperature if do_sample else 1.0, top_k=0,
                                       max_new_tokens=max_length, seed=seed)
         for row in range(input_ids.shape[0]):
-            result = generate_mixture(self.model_theta, self.model_t, {"input_ids": input_ids[row:row + 1]}, settings,
-                                      self.mixture, eos_token_id=[], draft_gguf=self.gguf)
+            result = generate_mixture(self.model_theta, self.model_t, {"input_ids": input_ids[row:row + 1]},
+                                      dataclasses.replace(settings, mixture=self.mixture),
+                                      controls=Controls(eos_token_id=[], draft_gguf=self.gguf))
             out[row, :result.sequences.shape[1]] = result.sequences[0]
         return out

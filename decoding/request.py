@@ -1,24 +1,72 @@
-"""The state of one generation request, resolved once before the model is touched: the prompt on the
-device, the KV cache, EOS / padding, the logits processors and stopping criteria, the memory head,
-entropy decoding's layer chooser, and every row's sequence, detokenizer and finish state.
+"""One generation request, for every decoder (the plain loop, entropy decoding, the two-model mixture).
+
+`prepare` resolves it once before the model is touched: the backend, the prompt on the device, the KV
+cache, EOS / padding, the logits processors and stopping criteria, the memory head, entropy decoding's
+layer chooser, and every row's sequence, detokenizer and finish state. The lifecycle the decoders
+share lives here too: a row's new tokens become events and its finish (`Request.events`), a
+`<recall>` gets its memory (`Request.recall_row`), a stop ends every row (`Request.stop_all`), and the
+result is made (`Request.result`). A decoder only makes each step's tokens.
+
+`Prompt` (what a request continues) and `Controls` (what a caller brings beyond the settings) are the
+public engine's arguments.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from decoding.compiled import seq_length
 from decoding.entropy import EntropyDecoder, repeat_rows
-from decoding.events import FinishEvent, GenerationResult, RecallEvent, TokenEvent
-from decoding.forward import Forward, forward_for
-from decoding.memory import MemorySelector, NoMemory, Recall
+from decoding.events import Event, FinishEvent, GenerationResult, RecallEvent, TokenEvent
+from decoding.backend import Backend, backend_for, require
+from decoding.memory import MemorySelector, NoMemory, Recall, recall_step
 from decoding.processors import build_logits_processor, build_stopping_criteria
 from decoding.settings import GenerationSettings
-from models.modeling import check_bank_dim, max_positions
+from models.spec import GUIDANCE, LAYERS, ROWS
+
+
+TOOL_CALL_END = "</tool_call>"
+log = logging.getLogger("decoding.loop")
+
+
+@dataclass
+class Prompt:
+    """What a request continues: its inputs (`input_ids` [B, L], optional `attention_mask`, Qwen3-VL's image
+    kwargs), the KV cache of a prefix of them (an earlier turn's: only the rest is prefilled), and the memory
+    vectors of earlier turns, by `<|memory_pad|>` position (a mapping, or one a row), placed again at prefill."""
+
+    inputs: Mapping[str, torch.Tensor]
+    cache: Any = None
+    memory_vectors: Mapping[int, torch.Tensor] | Sequence[Mapping[int, torch.Tensor]] | None = None
+
+    @classmethod
+    def of(cls, prompt: "Prompt | Mapping[str, torch.Tensor]") -> "Prompt":
+        return prompt if isinstance(prompt, Prompt) else cls(prompt)
+
+
+@dataclass(frozen=True)
+class Controls:
+    """What a caller brings to a generation beyond its settings. `logits_processor` replaces the processors built
+    from the settings; `stopping_criteria` is added to the built ones; `eos_token_id` / `pad_token_id` replace
+    the model's; `output_logits` keeps each step's raw logits in the result; a long prompt is read
+    `prefill_chunk` tokens a forward. The mixture's: `draft_head` (a trained `DraftHead`, for draft `head`),
+    `draft_gguf` (a llama.cpp model, for draft `gguf`), `batched_pair` (a PEFT pair in one forward)."""
+
+    logits_processor: LogitsProcessorList | None = None
+    stopping_criteria: StoppingCriteriaList | None = None
+    eos_token_id: int | Sequence[int] | None = None
+    pad_token_id: int | None = None
+    output_logits: bool = False
+    prefill_chunk: int = 512
+    draft_head: Any = None
+    draft_gguf: Any = None
+    batched_pair: bool = True
 
 
 class Detokenizer:
@@ -103,7 +151,7 @@ class Rows:
 class Request:
     """What one request runs on, resolved once before the model is touched, and what it measures."""
 
-    fwd: Forward
+    fwd: Backend
     settings: GenerationSettings
     input_ids: torch.Tensor  # [B, L] on the device
     attention_mask: torch.Tensor | None  # [B, L], only for a padded batch
@@ -141,16 +189,57 @@ class Request:
     def stop_all(self) -> Iterator[FinishEvent]:
         return (self.rows.finish(row, "interrupted") for row in range(self.batch) if self.rows.alive[row])
 
-    def result(self) -> GenerationResult:
+    def events(self, row: int, new: Sequence[int], still: bool) -> list[Event]:
+        """The events of a row's new tokens, already written into `rows`: a `TokenEvent` each with the text it
+        completes, then the row's finish when `still` is False (the criteria, EOS or the length stopped it) or
+        a tool call closed. A `<recall>` that does not end the row is held: it is streamed with its recall
+        (`recall_row`), so a stop never separates the two."""
+        rows, out = self.rows, []
+        start = rows.cur - len(new)
+        out += [TokenEvent(row, t, start + i, rows.text(row, t)) for i, t in enumerate(new[:-1])]
+        token = new[-1]
+        if self.recall_on and still and token == self.recall.recall_id:
+            rows.held[row] = TokenEvent(row, token, rows.cur - 1, "")
+            return out
+        out.append(TokenEvent(row, token, rows.cur - 1, rows.text(row, token)))
+        if self.settings.early_stop_on_tool_call and rows.detok is not None and TOOL_CALL_END in rows.detok[row].tail:
+            out.append(rows.finish(row, "tool_call"))
+        elif not still:
+            out.append(rows.finish(row, self._reason(token)))
+        return out
+
+    def _reason(self, token: int) -> str:
+        if token in self.eos:
+            return "stop"
+        late = self.settings.max_time is not None and time.perf_counter() - self.t0 > self.settings.max_time
+        return "length" if self.rows.cur >= self.limit or late else "stop"  # else a stop string or a criterion
+
+    def recall_row(self, row: int, hidden: torch.Tensor) -> tuple[list[int], dict[int, torch.Tensor], list[Event]]:
+        """The recall step of a row whose newest input is `<recall>`, with final state `hidden` [H] there: the
+        tokens forced from the row's next position on (its memory's slots and the suffix), their value vectors
+        (the caller places them in `rows.memory`, where its columns put them), and the events (the held
+        `<recall>`, then the recall)."""
+        rows, events = self.rows, []
+        if row in rows.held:
+            token = rows.held.pop(row)
+            events.append(TokenEvent(row, token.token_id, token.position, rows.text(row, token.token_id)))
+        if self.recall.settings.debug:
+            log.info("[recall] row %d: newest input is <recall> (id %d) at position %d; its hidden state %s is "
+                     "the query", row, self.recall.recall_id, rows.cur - 1, tuple(hidden.shape))
+        tokens, vectors, event = recall_step(self.selector, self.recall, hidden, row, rows.cur)
+        rows.injections.append(event)
+        return tokens, vectors, [*events, event]
+
+    def result(self, kind: type[GenerationResult] = GenerationResult, **extra) -> GenerationResult:
         rows = self.rows
         sequences = rows.seq[:, :rows.cur]
-        return GenerationResult(
+        return kind(
             sequences=sequences, prompt_length=self.prompt_len, finish_reasons=rows.reasons,
             injections=rows.injections, memory_vectors=rows.memory, cache=self.cache, prefill_seconds=self.prefill_s,
             decode_seconds=self.decode_s, steps=self.steps,
             logits=torch.stack(self.kept_logits, dim=1) if self.kept_logits else None,
             entropy=self.entropy.trace(sequences) if self.entropy is not None else None,
-            missed_recall=self.no_memory.rows(self.batch) if self.no_memory is not None else None,
+            missed_recall=self.no_memory.rows(self.batch) if self.no_memory is not None else None, **extra,
             attention_mask=None if rows.mask is None else rows.mask[:, :rows.cur])
 
 
@@ -167,20 +256,20 @@ def generators(seed: int | None, device) -> tuple[torch.Generator | None, torch.
     return torch.Generator(device).manual_seed(seed), cpu
 
 
-def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, tokenizer, cache, memory_vectors,
-            logits_processor, stopping_criteria, eos_token_id, pad_token_id) -> Request:
-    """Check the request and build what it runs on: the cache, processors, criteria and every row's state."""
-    if settings.mixture.enabled:
-        raise ValueError("settings.mixture.enabled: the two-model mixture runs in decoding.stream_mixture, "
-                         "not in this loop")
+def prepare(model, prompt: Prompt, settings: GenerationSettings, recall: Recall | None, tokenizer,
+            controls: Controls, cached: bool = True) -> Request:
+    """Check the request and build what it runs on: the backend, processors, criteria and every row's state, and
+    (`cached`: the plain loop) the KV cache; a decoder that keeps caches of its own (the mixture) passes False."""
+    inputs = prompt.inputs
     recall_on = recall is not None and recall.active
-    fwd = forward_for(model, want_state=recall_on and recall.query is None)
+    fwd = backend_for(model, want_state=recall_on and recall.query is None)
+    spec = fwd.spec
     if recall is not None:
         recall = recall.with_tokens(fwd.embed)
     device = fwd.device
     input_ids = inputs["input_ids"].to(device)  # [B, L]
     batch, prompt_len = input_ids.shape
-    context = max_positions(model)
+    context = spec.context
     if context is not None and prompt_len >= context:
         raise ValueError(f"the prompt has {prompt_len} tokens but the model's context holds {context}: "
                          "shorten the conversation (or clear it)")
@@ -189,41 +278,42 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
         attention_mask = attention_mask.to(device)
         if bool(attention_mask.all()):
             attention_mask = None  # no padding: let attention take the causal fast path
-    if fwd.runs_steps and (batch > 1 or settings.entropy_decoding is not None or settings.guidance_scale != 1):
-        what = ("entropy_decoding (every layer's state)" if settings.entropy_decoding is not None else
-                "guidance_scale (a second forward of the model)" if settings.guidance_scale != 1 else
-                f"a batch of {batch} rows in one request (send them as requests: they decode together)")
-        raise ValueError(f"the llama.cpp backend does not run {what}: set model.backend: transformers")
-    # a static cache for the compiled step starts just long enough for the prompt; the loop grows it
-    cache = fwd.cache_for(cache, prompt_len + 1, plain=attention_mask is None and settings.entropy_decoding is None)
-    past_len = seq_length(cache)
-    if past_len >= prompt_len:
-        raise ValueError(f"the cache covers {past_len} tokens but the prompt has only {prompt_len}")
-    if past_len and attention_mask is not None:
-        raise ValueError("reusing a cache needs an unpadded prompt (batch of one)")
+    for capability, asked in ((LAYERS, settings.entropy_decoding is not None), (GUIDANCE, settings.guidance_scale != 1),
+                              (ROWS, batch > 1)):
+        if asked:
+            require(spec, capability)
+    cache, past_len = None, 0
+    if cached:  # a static cache for the compiled step starts just long enough for the prompt; the loop grows it
+        cache = fwd.cache_for(prompt.cache, prompt_len + 1,
+                              plain=attention_mask is None and settings.entropy_decoding is None)
+        past_len = seq_length(cache)
+        if past_len >= prompt_len:
+            raise ValueError(f"the cache covers {past_len} tokens but the prompt has only {prompt_len}")
+        if past_len and attention_mask is not None:
+            raise ValueError("reusing a cache needs an unpadded prompt (batch of one)")
 
-    gen_config = fwd.base.generation_config
-    eos = as_list(eos_token_id if eos_token_id is not None else gen_config.eos_token_id)
-    pad = pad_token_id if pad_token_id is not None else gen_config.pad_token_id
+    eos = as_list(controls.eos_token_id if controls.eos_token_id is not None else spec.eos_token_ids)
+    pad = controls.pad_token_id if controls.pad_token_id is not None else spec.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
     if recall_on:
-        check_bank_dim(model, recall.bank, recall.query)
+        spec.check_bank(recall.bank, recall.query)
     rng, memory_rng = generators(settings.seed, device)
     entropy = None
     if settings.entropy_decoding is not None:
         entropy = EntropyDecoder(model, settings.entropy_decoding, settings.entropy_record_tokens, rng)
-    if logits_processor is None:
-        logits_processor = _processors(fwd, settings, input_ids, prompt_mask, eos, tokenizer,
-                                       entropy.num_layers if entropy is not None else 1)
+    processors = controls.logits_processor
+    if processors is None:
+        processors = _processors(fwd, settings, input_ids, prompt_mask, eos, tokenizer,
+                                 entropy.num_layers if entropy is not None else 1)
     if entropy is not None:
-        entropy.check(logits_processor)
+        entropy.check(processors)
     no_memory = NoMemory.of(recall, recall_on)
     if no_memory is not None:
-        logits_processor = LogitsProcessorList([*logits_processor, no_memory])
+        processors = LogitsProcessorList([*processors, no_memory])
     criteria = build_stopping_criteria(settings, prompt_length=prompt_len, eos_token_id=eos or None,
                                        tokenizer=tokenizer, max_position_embeddings=context)
-    if stopping_criteria:
-        criteria.extend(stopping_criteria)
+    if controls.stopping_criteria:
+        criteria.extend(controls.stopping_criteria)
 
     max_len = prompt_len + settings.max_new_tokens
     seq = torch.full((batch, max_len), pad, dtype=torch.long, device=device)
@@ -232,16 +322,19 @@ def prepare(model, inputs, settings: GenerationSettings, recall: Recall | None, 
     if attention_mask is not None:
         mask = torch.ones((batch, max_len), dtype=attention_mask.dtype, device=device)
         mask[:, :prompt_len] = attention_mask
-    rows = Rows(seq, prompt_len, mask, per_row(memory_vectors, batch),
-                 [Detokenizer(tokenizer) for _ in range(batch)] if tokenizer is not None else None,
-                 [None] * batch, [True] * batch)
+    rows = Rows(seq, prompt_len, mask, per_row(prompt.memory_vectors, batch),
+                [Detokenizer(tokenizer) for _ in range(batch)] if tokenizer is not None else None,
+                [None] * batch, [True] * batch)
+    if recall is None and any(rows.memory):
+        raise ValueError("memory_vectors were given without recall=Recall(...): placing them needs the "
+                         "<|memory_pad|> id and the model's memory embedding")
     return Request(fwd, settings, input_ids, attention_mask, cache, past_len, eos, pad, recall,
-                    MemorySelector.of(recall, memory_rng) if recall_on else None, logits_processor,
-                    criteria, min(max_len, context) if context is not None else max_len, rows, entropy, rng,
-                    no_memory=no_memory)
+                   MemorySelector.of(recall, memory_rng) if recall_on else None, processors,
+                   criteria, min(max_len, context) if context is not None else max_len, rows, entropy, rng,
+                   no_memory=no_memory, t0=time.perf_counter())
 
 
-def _processors(fwd: Forward, settings: GenerationSettings, input_ids: torch.Tensor, prompt_mask, eos: list[int],
+def _processors(fwd: Backend, settings: GenerationSettings, input_ids: torch.Tensor, prompt_mask, eos: list[int],
                 tokenizer, layers: int) -> LogitsProcessorList:
     """The processors `settings` switch on, for this prompt; with `layers` > 1 (entropy decoding) for every row
     repeated once per layer, since the processors then score [B*L] rows at once."""
@@ -255,5 +348,5 @@ def _processors(fwd: Forward, settings: GenerationSettings, input_ids: torch.Ten
         input_ids, mask = repeat_rows(input_ids, layers), repeat_rows(mask, layers)
     return build_logits_processor(
         settings, eos_token_id=eos or None, prompt_ids=input_ids, device=fwd.device,
-        vocab_size=fwd.base.config.get_text_config(decoder=True).vocab_size, model=fwd.model,
+        vocab_size=fwd.spec.vocab_size, model=fwd.model,
         negative_prompt_ids=negative, attention_mask=mask)

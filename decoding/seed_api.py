@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from decoding.loop import generate
+from decoding.request import Controls
 from decoding.memory import Recall
 from decoding.mixture import OptimalSpeculativeDecoder  # noqa: F401  (seed 003's class, public here)
 from decoding.processors import build_logits_processor
@@ -98,9 +99,9 @@ def custom_generate(
                                      device=input_ids.device, vocab_size=vocab)
     processors = type(warpers)([*(logits_processor or []), *warpers])
     tokenizer = getattr(processor, "tokenizer", processor)
-    result = generate(model, inputs, settings, recall=recall, tokenizer=tokenizer, eos_token_id=eos_token_id,
-                      pad_token_id=pad_token_id, logits_processor=processors, stopping_criteria=stopping_criteria,
-                      interrupt=interrupt_event)
+    result = generate(model, inputs, settings, recall=recall, tokenizer=tokenizer, interrupt=interrupt_event,
+                      controls=Controls(logits_processor=processors, stopping_criteria=stopping_criteria,
+                                        eos_token_id=eos_token_id, pad_token_id=pad_token_id))
     positions = None
     if result.injections:
         single = result.sequences.shape[0] == 1

@@ -28,7 +28,7 @@ from transformers import DynamicCache, LogitsProcessorList
 
 from decoding.compiled import crop
 from decoding.forward import Forward
-from models.modeling import is_peft, set_adapter_merged, unwrap_model
+from models.modeling import is_peft, set_adapter_merged
 
 # ---- the acceptance rule (pure, batched) -------------------------------------------------------
 
@@ -102,7 +102,7 @@ class ModelDraft:
 
     def __init__(self, model: torch.nn.Module, *, base: bool = False):
         self.model, self.fwd, self.base = model, Forward(model), base
-        self.cache = DynamicCache(config=self.fwd.base.config.get_text_config(decoder=True))
+        self.cache = self.fwd.new_cache()
         self.fed: list[int] = []  # the tokens in self.cache
 
     def _context(self):
@@ -221,20 +221,13 @@ class HeadDraft:
 # ---- the two models and their caches -----------------------------------------------------------
 
 
-def text_positions(backbone, start: int, length: int, rows: int, device) -> torch.Tensor:
-    """Position ids [R, S] of positions start..start+S-1 (stacked [4, R, S] for mRoPE models)."""
-    text = torch.arange(start, start + length, device=device).expand(rows, -1)
-    return torch.cat([text[None], text[None].expand(3, -1, -1)]) if hasattr(backbone, "get_rope_index") else text
-
-
 def run_model(fwd: Forward, cache, ids: torch.LongTensor, inject: Mapping[int, torch.Tensor]) -> torch.Tensor:
     """Feed ids [R, S] on `cache`, memory embeddings [H] at the block offsets in `inject`: hidden [R, S, H]."""
     embeds = fwd.embed(ids)  # [R, S, H]
     for offset, vector in inject.items():
         embeds[:, offset] = vector.to(device=embeds.device, dtype=embeds.dtype)
-    positions = text_positions(fwd.backbone, cache.get_seq_length(), ids.shape[1], ids.shape[0], ids.device)
-    out = fwd.backbone(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
-    return out.last_hidden_state
+    positions = fwd.text_positions(cache.get_seq_length(), ids.shape[1], ids.shape[0])
+    return fwd.forward_block(embeds, positions, cache)
 
 
 class ModelPair:
@@ -253,20 +246,20 @@ class ModelPair:
             raise ValueError(f"model_t is None, which pairs a PEFT model with its own base, but model_theta is a "
                              f"{type(model_theta).__name__}: give a PeftModel or a second model with the same tokenizer")
         models = [model_theta] if self.self_pair else [model_theta, model_t]
-        vocab = [unwrap_model(m).config.get_text_config(decoder=True).vocab_size for m in models]
+        fwds = [Forward(m) for m in models]
+        vocab = [f.spec.vocab_size for f in fwds]
         if len(set(vocab)) > 1:
             raise ValueError(f"the two models have vocabularies of {vocab[0]} and {vocab[1]} tokens: the mixture needs "
                              "two models with the same tokenizer")
         self.vocab = vocab[0]
         self.batched = batched and self.self_pair
-        self.fwds = [Forward(m) for m in models] * (2 if self.self_pair and not self.batched else 1)
+        self.fwds = fwds * (2 if self.self_pair and not self.batched else 1)
         self.device, self.dtype = self.fwds[0].device, self.fwds[0].dtype
         self.keep_features = False  # keep θ's final hidden state at every cached position (a HeadDraft reads them)
         self.reset()
 
     def reset(self) -> None:
-        config = self.fwds[0].base.config.get_text_config(decoder=True)
-        self.caches = [DynamicCache(config=config) for _ in range(1 if self.batched else 2)]
+        self.caches = [self.fwds[0].new_cache() for _ in range(1 if self.batched else 2)]
         self._features, self.kept = None, 0
         for fwd in self.fwds:
             fwd.reset_request_state()

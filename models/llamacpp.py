@@ -45,7 +45,8 @@ from transformers import AutoTokenizer
 from models.embedded import EMBEDDED_NAME, RECALL_ADAPTER, embedded_gguf, resolve_adapter, resolve_device
 from models.encoder import HiddenStateSpec, ValueKind
 from models.gguf_export import recall_gguf
-from models.loading import LoadedModel, ensure_special_tokens, memory_encoder
+from models.loading import LoadedModel, add_recall_tokens, memory_encoder
+from models.spec import ModelSpec
 
 log = logging.getLogger("models.llamacpp")
 
@@ -86,18 +87,13 @@ class LlamaCache:
 
 
 class LlamaCppModel(nn.Module):
-    """A GGUF model on llama.cpp, with what the session and the loop read of a model: a transformers-style
-    `config` (hidden size, vocabulary, context), `generation_config`, and the input embedding table.
-
-    `extra_tokens`: rows appended to the table for tokens the GGUF's vocabulary lacks (the recall tokens
-    added to a model never trained to recall); their logits are -inf (llama.cpp has no head row for them).
-    """
+    """A GGUF model on llama.cpp: its `spec`, its input embedding table (tokens are fed as their rows), and its
+    sequences. Rows appended to the table (`add_token_rows`: the recall tokens of a model never trained to
+    recall, which the GGUF's vocabulary lacks) get logits of -inf (llama.cpp has no head row for them)."""
 
     def __init__(self, path: str | Path, *, context: int = 2048, sequences: int = 8, threads: int | None = None,
                  batch_tokens: int = 512):
         super().__init__()
-        from transformers import GenerationConfig, PretrainedConfig
-
         lib = _lib()
         self.path = Path(path)
         lib.llama_backend_init()
@@ -135,14 +131,9 @@ class LlamaCppModel(nn.Module):
         self.embed_tokens = nn.Embedding.from_pretrained(
             _token_table(str(self.path.resolve()), self.path.stat().st_mtime_ns, self.n_vocab, self.n_embd), freeze=True)
         self.recurrent = bool(lib.llama_model_is_recurrent(self._model))
-        self.config = PretrainedConfig(hidden_size=self.n_embd, vocab_size=self.n_vocab,
-                                       max_position_embeddings=self.context,
-                                       architecture=self.meta("general.architecture"))
-        eos = lib.llama_vocab_eos(vocab)
-        eot = lib.llama_vocab_eot(vocab)
-        self.generation_config = GenerationConfig(
-            eos_token_id=sorted({t for t in (eos, eot) if t >= 0}) or None,
-            pad_token_id=next((t for t in (lib.llama_vocab_pad(vocab), eos) if t >= 0), None))
+        eos, eot = lib.llama_vocab_eos(vocab), lib.llama_vocab_eot(vocab)
+        self.eos_token_ids = tuple(sorted({t for t in (eos, eot) if t >= 0}))
+        self.pad_token_id = next((t for t in (lib.llama_vocab_pad(vocab), eos) if t >= 0), None)
         weakref.finalize(self, _free, lib, self._ctx, self._model, self._batch)
 
     # ------------------------------------------------------------------ what a model looks like to the app
@@ -154,17 +145,28 @@ class LlamaCppModel(nn.Module):
         n = lib.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace") if n >= 0 else None
 
+    @property
+    def spec(self) -> ModelSpec:
+        """What the engine reads of this model: plain decoding of one row a request, memories of token values."""
+        return ModelSpec("llamacpp", self.n_embd, self.vocab_size, self.context, self.eos_token_ids, self.pad_token_id,
+                         frozenset())
+
+    @property
+    def vocab_size(self) -> int:
+        """The logits' width: the GGUF's tokens and the rows added for the recall tokens."""
+        return self.embed_tokens.weight.shape[0]
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
-    def resize_token_embeddings(self, size: int, mean_resizing: bool = True) -> None:
-        """Rows for tokens added to the tokenizer (the recall tokens of a model never trained to recall): the
-        mean of the GGUF's rows, as transformers' mean resizing starts them (without its noise)."""
+    def add_token_rows(self, size: int) -> None:
+        """Grow the table to `size` rows for tokens added to the tokenizer (the recall tokens of a model never
+        trained to recall): the mean of the GGUF's rows, as transformers' mean resizing starts them (without its
+        noise)."""
         table = self.embed_tokens.weight
         if size > table.shape[0]:
             extra = table.mean(0, keepdim=True).expand(size - table.shape[0], -1)
             self.embed_tokens = nn.Embedding.from_pretrained(torch.cat([table, extra]), freeze=True)
-            self.config.vocab_size = size
 
     # ------------------------------------------------------------------ sequences
 
@@ -257,8 +259,8 @@ class LlamaCppModel(nn.Module):
         self.most_sequences = max(self.most_sequences, len(items))
         logits = torch.from_numpy(np.stack([np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, i),
                                                                   shape=(self.n_vocab,)) for i in last]))
-        if self.config.vocab_size > self.n_vocab:  # tokens the GGUF lacks: never sampled
-            logits = torch.cat([logits, logits.new_full((len(last), self.config.vocab_size - self.n_vocab),
+        if self.vocab_size > self.n_vocab:  # tokens the GGUF lacks: never sampled
+            logits = torch.cat([logits, logits.new_full((len(last), self.vocab_size - self.n_vocab),
                                                         -float("inf"))], dim=1)
         states = None
         if want_state:
@@ -345,11 +347,12 @@ def load_gguf_model(path: str | Path | None, *, adapter="auto", values: str = "a
                          "chat (instruct) model's GGUF")
     model = LlamaCppModel(file, context=gguf_context)
     if model.recurrent:
-        raise ValueError(f"{file.name} is a recurrent model ({model.config.architecture}): the recall loop needs a "
+        raise ValueError(f"{file.name} is a recurrent model ({model.meta('general.architecture')}): the recall loop needs a "
                          "decoder whose KV cache can be cut back to any position (llama.cpp's transformer decoders)")
     if len(tokenizer) < model.n_vocab:
         raise ValueError(f"{file.name}: the tokenizer has {len(tokenizer)} tokens but the model {model.n_vocab}")
-    tokens = ensure_special_tokens(model, tokenizer)
-    encoder = memory_encoder(adapter_dir, model.config.hidden_size, values, keys, hidden_state,
+    tokens = add_recall_tokens(tokenizer)
+    model.add_token_rows(len(tokenizer))
+    encoder = memory_encoder(adapter_dir, model.n_embd, values, keys, hidden_state,
                              EMBEDDED_NAME if path is None else file.stem)
-    return LoadedModel(model=model, tokenizer=tokenizer, tokens=tokens, name=name, encoder=encoder)
+    return LoadedModel(model=model, tokenizer=tokenizer, tokens=tokens, name=name, encoder=encoder, spec=model.spec)

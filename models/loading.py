@@ -23,6 +23,7 @@ from models.embedded import EMBEDDED_NAME, digest, embedded_model_dir, resolve_a
 from models.encoder import ENCODER_CONFIG, HiddenStateSpec, MemoryEncoder
 from models.text_keys import TextEncoder
 from models.modeling import hidden_size, is_peft, set_adapter_merged, unwrap_model
+from models.spec import ModelSpec, transformers_spec
 from models.quantize import QUANTIZE, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,12 @@ class LoadedModel:
     merge_adapter: bool = False  # decode with the PEFT adapter merged (fp32 only: merging back and forth
                                  # would round a half-precision base); see `merged`
     quantized: str | None = None  # "int8" once models/quantize.py has quantized it
+    spec: ModelSpec | None = None  # what the model is (its loader's); None: a transformers model's, read here
     _targets: dict = field(default_factory=dict, repr=False)  # mixture targets (by folder) and drafts, made once
+
+    def __post_init__(self) -> None:
+        if self.spec is None:
+            self.spec = transformers_spec(self.model)
 
     def mixture_target(self, path: str | None) -> PreTrainedModel:
         """π_t of the two-model mixture: this PEFT model's own base (None), as a copy with the adapter
@@ -100,7 +106,7 @@ class LoadedModel:
     @property
     def backend(self) -> str:
         """`transformers`, or `llamacpp` for a GGUF on llama.cpp (models/llamacpp.py)."""
-        return "llamacpp" if hasattr(self.model, "n_vocab") and hasattr(self.model, "run") else "transformers"
+        return self.spec.backend
 
     @property
     def is_vision(self) -> bool:
@@ -113,7 +119,7 @@ class LoadedModel:
 
     @property
     def hidden_size(self) -> int:
-        return hidden_size(self.model)
+        return self.spec.hidden_size
 
     @property
     def device(self) -> torch.device:
@@ -147,21 +153,28 @@ def base_copy(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def ensure_special_tokens(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> SpecialTokens:
-    """Look up `<recall>`, `</recall>`, `<|memory_pad|>`; add the missing ones.
+    """Look up `<recall>`, `</recall>`, `<|memory_pad|>` in a transformers model's tokenizer; add the missing ones.
 
     New rows of the (input and output) embeddings are initialised by transformers' mean
     resizing: the mean of the old rows plus noise from their covariance, so a new token starts
     as an "average" token rather than at a random point far from the learned ones.
     """
+    tokens = add_recall_tokens(tokenizer)
+    base = unwrap_model(model)
+    vocab = base.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > vocab:
+        base.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        log.info("the embeddings grew with the recall tokens: vocab %d -> %d", vocab, len(tokenizer))
+    return tokens
+
+
+def add_recall_tokens(tokenizer: PreTrainedTokenizerBase) -> SpecialTokens:
+    """The recall tokens' ids in `tokenizer`, the missing ones added to it (the model's rows are the caller's)."""
     names = (RECALL, RECALL_END, MEMORY_PAD)
     missing = [t for t in names if _token_id(tokenizer, t) is None]
     if missing:
         tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
-        base = unwrap_model(model)
-        vocab = base.get_input_embeddings().weight.shape[0]
-        if len(tokenizer) > vocab:
-            base.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-        log.info("added special tokens %s (vocab %d -> %d)", missing, vocab, len(tokenizer))
+        log.info("added special tokens %s to the tokenizer (%d tokens)", missing, len(tokenizer))
     return SpecialTokens(*(_token_id(tokenizer, t) for t in names))
 
 

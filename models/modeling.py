@@ -84,20 +84,6 @@ def max_positions(model: nn.Module) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def check_bank_dim(model: nn.Module, bank, query=None) -> None:
-    """Refuse a memory bank whose values do not fit the model's hidden size, or whose keys the `<recall>`
-    state cannot query when no `query` maps it (a bank keyed by text embeddings)."""
-    expected = hidden_size(model)
-    if not bank.token_values and bank.value_dim != expected:  # (token ids are embedded by the model itself)
-        raise ValueError(
-            f"memory bank has value vectors of dimension {bank.value_dim}, but the model's hidden size is {expected}: "
-            "build the bank with this model (or load the model the bank was built with)"
-        )
-    if query is None and bank.dim != expected:
-        raise ValueError(f"memory bank has keys of dimension {bank.dim} (text embeddings) but no query maps the "
-                         f"<recall> state (dimension {expected}) to them: give Recall(query=...)")
-
-
 def is_peft(model: nn.Module) -> bool:
     """A PEFT model (its adapter can be switched off)."""
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")

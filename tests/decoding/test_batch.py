@@ -15,13 +15,14 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache, StaticCache
 
 from conftest import make_tiny_llama
+from decoding.request import Controls, Prompt
 from decoding import compiled
 from decoding.batch import Batch, Step
 from decoding.events import DoneEvent, TokenEvent
 from decoding.loop import generate, stream_generate
 from decoding.settings import GenerationSettings, RecallSettings
 from test_families import tiny, tokenizer  # noqa: F401 - tokenizer is a fixture
-from test_loop import CHAT, bank_for, ids_of, kv_bank_for, recall_of, vl_inputs
+from test_loop import CHAT, bank_for, kv_bank_for, recall_of, vl_inputs
 from tests_helpers import assert_decodes_alike
 
 def settings_for(lm) -> list[GenerationSettings]:
@@ -77,7 +78,7 @@ QUESTIONS = ["Tell me a story", "What do you remember about the ferry?", "Hi", "
 
 def alone_and_batched(lm, recall_for, starts_at, stops=None, **kwargs):
     """Each request alone (no batch), then all of them in one batch, joining at rounds `starts_at`."""
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm), output_logits=True, **kwargs)
+    kw = dict(tokenizer=lm.tokenizer, controls=Controls(output_logits=True), **kwargs)
     settings = settings_for(lm)
     alone = [list(stream_generate(lm.model, prompt(lm, q), settings[i], recall=recall_for(i), **kw))
              for i, q in enumerate(QUESTIONS)]
@@ -132,7 +133,7 @@ def test_a_stop_next_to_a_recall_in_a_batch_leaves_nothing_half_done(tiny_llama,
     no <recall> is left without its memory, the memories kept are those of its <|memory_pad|> positions,
     its cache covers all but its last token, and the other request gets what it gets alone."""
     lm = tiny_llama
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm), output_logits=True)
+    kw = dict(tokenizer=lm.tokenizer, controls=Controls(output_logits=True))
     recall_id, pad_id = lm.tokens.recall, lm.tokens.memory_pad
     always = GenerationSettings(max_new_tokens=40, sequence_bias=(((recall_id,), 100.0),))
     plain = GenerationSettings(max_new_tokens=30)
@@ -156,12 +157,11 @@ def test_the_cache_a_request_takes_back_continues_its_conversation(tiny_llama):
     """After leaving, a request's cache holds exactly its own keys and values: a next turn on it equals
     a next turn on the cache of the same answer decoded alone."""
     lm = tiny_llama
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm), output_logits=True)
+    kw = dict(tokenizer=lm.tokenizer, controls=Controls(output_logits=True))
     s = GenerationSettings(max_new_tokens=12)
-    alone = generate(lm.model, prompt(lm, QUESTIONS[0]), s, cache=DynamicCache(config=lm.model.config), **kw)
+    alone = generate(lm.model, Prompt(prompt(lm, QUESTIONS[0]), cache=DynamicCache(config=lm.model.config)), s, **kw)
     batch = Batch()
-    gens = [(stream_generate(lm.model, prompt(lm, q), s, batch=batch, cache=DynamicCache(config=lm.model.config),
-                             **kw), threading.Event()) for q in QUESTIONS]
+    gens = [(stream_generate(lm.model, Prompt(prompt(lm, q), cache=DynamicCache(config=lm.model.config)), s, batch=batch, **kw), threading.Event()) for q in QUESTIONS]
     together, _ = drive({0: gens}, batch)
     mine = result_of(together[0])
     assert_decodes_alike(mine, alone)
@@ -173,15 +173,15 @@ def test_the_cache_a_request_takes_back_continues_its_conversation(tiny_llama):
         torch.testing.assert_close(b.values, a.values, atol=1e-5, rtol=1e-5)
     follow = lm.tokenizer("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
     nxt = lambda r: {"input_ids": torch.cat([r.sequences, torch.tensor([follow])], 1)}  # noqa: E731
-    again_alone = generate(lm.model, nxt(alone), s, cache=alone.cache, **kw)
-    again_batched = generate(lm.model, nxt(mine), s, cache=mine.cache, **kw)
+    again_alone = generate(lm.model, Prompt(nxt(alone), cache=alone.cache), s, **kw)
+    again_batched = generate(lm.model, Prompt(nxt(mine), cache=mine.cache), s, **kw)
     assert_decodes_alike(again_batched, again_alone)
 
 
 def test_mrope_rows_batch_too(tiny_qwen3vl, small_image):
     """Qwen3-VL's [4, B, 1] positions: a request with an image and a text one decode together exactly."""
     lm = tiny_qwen3vl
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm), output_logits=True)
+    kw = dict(tokenizer=lm.tokenizer, controls=Controls(output_logits=True))
     s = GenerationSettings(max_new_tokens=10)
     inputs = [vl_inputs(lm, small_image), prompt(lm, "Hello there")]
     alone = [generate(lm.model, x, s, **kw) for x in inputs]
@@ -195,7 +195,7 @@ def test_mrope_rows_batch_too(tiny_qwen3vl, small_image):
 
 def test_a_long_answer_grows_the_batch_cache_into_the_next_bucket(tiny_llama):
     lm = tiny_llama
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm), output_logits=True)
+    kw = dict(tokenizer=lm.tokenizer, controls=Controls(output_logits=True))
     s = GenerationSettings(max_new_tokens=150, min_new_tokens=150)
     alone = [generate(lm.model, prompt(lm, q), s, **kw) for q in QUESTIONS[:2]]
     batch = Batch()
@@ -210,7 +210,7 @@ def test_seeded_sampling_draws_are_each_requests_own(tiny_llama):
     """Sampled answers with seeds (and one without, drawing from the global state in between) get in a batch
     the tokens and recalls their seed gives them alone: each seeded request draws from its own generator."""
     lm = tiny_llama
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    kw = dict(tokenizer=lm.tokenizer)
     db = bank_for(lm)
     recall = ((lm.tokens.recall,), 2.5)
     plan = [GenerationSettings(do_sample=True, top_k=50, seed=1, max_new_tokens=16, sequence_bias=(recall,)),
@@ -236,7 +236,7 @@ def test_sliding_window_models_decode_alone_in_a_batch(tokenizer):  # noqa: F811
     """Gemma-2's sliding-window cache keeps only its window: its requests never take a seat, and still
     get what they get alone."""
     model, tok, _ = tiny("gemma2", tokenizer)
-    kw = dict(tokenizer=tok, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    kw = dict(tokenizer=tok)
     s = GenerationSettings(max_new_tokens=12)
     inputs = [{"input_ids": torch.tensor([tok(CHAT.format(q))["input_ids"]])} for q in QUESTIONS[:2]]
     alone = [generate(model, x, s, **kw) for x in inputs]
@@ -259,7 +259,7 @@ def test_a_lone_request_keeps_the_compiled_step(fast_llama):
     """Alone in the batch, a request decodes on its own static cache, compiled; with others, in the
     batch's rows, and it takes back a static cache: its next turn is compiled again."""
     lm = fast_llama
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    kw = dict(tokenizer=lm.tokenizer)
     s = GenerationSettings(max_new_tokens=12)
     alone = generate(lm.model, prompt(lm, QUESTIONS[0]), s, **kw)
     graphs = counters["stats"]["unique_graphs"]
@@ -275,7 +275,7 @@ def test_a_lone_request_keeps_the_compiled_step(fast_llama):
     assert batch.forwards > 0 and isinstance(first.cache, StaticCache)
     assert first.sequences.tolist() == alone.sequences.tolist()
     follow = {"input_ids": torch.cat([first.sequences, torch.tensor([[5, 6, 7]])], 1)}
-    nxt = generate(lm.model, follow, s, cache=first.cache, **kw)
-    ref = generate(lm.model, follow, s, cache=DynamicCache(config=lm.model.config), **kw)
+    nxt = generate(lm.model, Prompt(follow, cache=first.cache), s, **kw)
+    ref = generate(lm.model, Prompt(follow, cache=DynamicCache(config=lm.model.config)), s, **kw)
     assert nxt.sequences.tolist() == ref.sequences.tolist()
     assert counters["stats"]["unique_graphs"] == graphs  # the batch's lone steps recompiled nothing

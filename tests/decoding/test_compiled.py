@@ -11,6 +11,7 @@ from transformers import DynamicCache, StaticCache
 
 from chat.session import Conversation
 from conftest import make_tiny_llama
+from decoding.request import Controls, Prompt
 from decoding import compiled
 from decoding.batch import Batch
 from decoding.events import TokenEvent
@@ -54,12 +55,11 @@ def test_compiled_loop_matches_generate_and_the_eager_loop(fast_llama, settings)
     torch.manual_seed(7)
     expected = lm.model.generate(**inputs, generation_config=to_generation_config(settings, **ids_of(lm)))
     torch.manual_seed(7)
-    fast = generate(lm.model, inputs, settings, output_logits=True, **ids_of(lm))
+    fast = generate(lm.model, inputs, settings, controls=Controls(output_logits=True))
     assert isinstance(fast.cache, StaticCache)  # it took the compiled path
     assert fast.sequences.tolist() == expected.tolist()
     torch.manual_seed(7)
-    eager = generate(lm.model, inputs, settings, output_logits=True, cache=DynamicCache(config=lm.model.config),
-                     **ids_of(lm))
+    eager = generate(lm.model, Prompt(inputs, cache=DynamicCache(config=lm.model.config)), settings, controls=Controls(output_logits=True))
     torch.testing.assert_close(fast.logits, eager.logits, atol=1e-4, rtol=1e-4)
 
 
@@ -110,7 +110,7 @@ def test_a_conversation_with_recalls_compiles_nothing_new(fast_llama):
 def test_a_static_cache_grows_with_its_contents(fast_llama):
     lm = fast_llama
     inputs = lm.tokenizer([CHAT.format("Count")], return_tensors="pt")
-    first = generate(lm.model, inputs, GenerationSettings(max_new_tokens=8), **ids_of(lm))
+    first = generate(lm.model, inputs, GenerationSettings(max_new_tokens=8))
     small = first.cache
     held = compiled.seq_length(small)
     assert small.layers[0].max_cache_len == compiled.BUCKETS[0]  # the shortest bucket holds a short chat
@@ -132,7 +132,7 @@ def test_an_answer_that_outgrows_its_bucket_stays_exact(fast_llama):
     settings = GenerationSettings(max_new_tokens=300, min_new_tokens=300)
     expected = lm.model.generate(**inputs, generation_config=to_generation_config(settings, **ids_of(lm)))
     before = graphs()
-    got = generate(lm.model, inputs, settings, **ids_of(lm))
+    got = generate(lm.model, inputs, settings)
     assert got.cache.layers[0].max_cache_len == 512 and compiled.seq_length(got.cache) == got.sequences.shape[1] - 1
     assert got.sequences.tolist() == expected.tolist() and graphs() == before  # 128 -> 256 -> 512, all compiled
 
@@ -143,7 +143,7 @@ def test_stop_right_after_recall_crops_the_static_cache(fast_llama):
     s = GenerationSettings(max_new_tokens=30, sequence_bias=(((lm.tokens.recall,), 50.0),))
     stop = threading.Event()
     events = []
-    for e in stream_generate(lm.model, inputs, s, recall=recall_of(lm, bank_for(lm)), interrupt=stop, **ids_of(lm)):
+    for e in stream_generate(lm.model, inputs, s, recall=recall_of(lm, bank_for(lm)), interrupt=stop):
         events.append(e)
         if isinstance(e, TokenEvent) and e.token_id == lm.tokens.memory_pad:
             stop.set()
@@ -166,7 +166,7 @@ def test_no_path_to_the_step_recompiles_it_after_the_first_bucket(smollm2_dir):
             step.warm_up(up_to=64)
             assert step.error is None and step.lengths == {compiled.BUCKETS[0]}
     assert limit_hits() == hits
-    kw = dict(tokenizer=lm.tokenizer, **ids_of(lm))
+    kw = dict(tokenizer=lm.tokenizer)
     before = graphs()
     with torch.compiler.set_stance("fail_on_recompile"):
         caches = [generate(m.model, prompt(m, "Tell me a story"), GenerationSettings(max_new_tokens=8), **kw).cache

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, St
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 from chat.config import load_config
+from decoding.request import Controls
 from decoding import DoneEvent, GenerationSettings, Recall, TokenEvent, generate, stream_generate
 from decoding.entropy import (
     layer_logits, masked_entropy, random_after_layers, select_layers, trough_layers,
@@ -236,7 +237,7 @@ def test_random_after_is_uniform_from_the_trough_to_the_last_layer():
 
 def test_random_after_in_the_loop_is_seeded_and_never_above_the_last_layer(llama):
     inputs = llama.tokenizer([CHAT.format("Tell me about the sea.")], return_tensors="pt")
-    runs = [generate(llama.model, inputs, entropy_settings("random_after", max_new_tokens=16, seed=s), **ids_of(llama))
+    runs = [generate(llama.model, inputs, entropy_settings("random_after", max_new_tokens=16, seed=s))
             for s in (3, 3, 4)]
     a, b, c = (r.entropy.selected_layer_indices for r in runs)
     assert torch.equal(a, b) and runs[0].sequences.tolist() == runs[1].sequences.tolist()
@@ -251,19 +252,18 @@ def test_random_after_in_the_loop_is_seeded_and_never_above_the_last_layer(llama
 
 def test_oracle_tiny_llama(llama):
     inputs = llama.tokenizer([CHAT.format("Tell me about the sea and the sky.")], return_tensors="pt")
-    result = generate(llama.model, inputs, entropy_settings(max_new_tokens=14), **ids_of(llama))
+    result = generate(llama.model, inputs, entropy_settings(max_new_tokens=14))
     check_oracle(result, oracle_logits(llama.model, input_ids=result.sequences))
     layers = result.entropy.selected_layer_indices[0]
     assert len(set(layers.tolist())) > 1  # the choice moves between layers
-    plain = generate(llama.model, inputs, dataclasses.replace(entropy_settings(), entropy_decoding=None),
-                     **ids_of(llama))
+    plain = generate(llama.model, inputs, dataclasses.replace(entropy_settings(), entropy_decoding=None))
     assert plain.new_tokens[0, :10].tolist() != result.new_tokens[0, :10].tolist()
 
 
 def test_oracle_tiny_qwen3vl_with_image(qwen3vl, small_image):
     lm = qwen3vl
     inputs = vl_inputs(lm, small_image)
-    result = generate(lm.model, inputs, entropy_settings(max_new_tokens=12), **ids_of(lm))
+    result = generate(lm.model, inputs, entropy_settings(max_new_tokens=12))
     seq = result.sequences
     types = (seq == lm.tokenizer.convert_tokens_to_ids(IMAGE_PAD)).int()
     rope, _ = lm.model.model.get_rope_index(seq, mm_token_type_ids=types, image_grid_thw=inputs["image_grid_thw"])
@@ -281,14 +281,14 @@ def test_oracle_left_padded_batch_rows_choose_independently(llama):
     inputs = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
     assert inputs["attention_mask"][0, 0] == 0  # really padded
     s = entropy_settings(max_new_tokens=10)
-    batch = generate(llama.model, inputs, s, **ids_of(llama))
+    batch = generate(llama.model, inputs, s)
     new = batch.new_tokens.shape[1]
     mask = torch.cat([inputs["attention_mask"], torch.ones(2, new, dtype=torch.long)], dim=1)
     logits = oracle_logits(llama.model, input_ids=batch.sequences, attention_mask=mask,
                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
     for row in range(2):
         check_oracle(batch, logits, row=row, first=int((inputs["attention_mask"][row] == 0).sum()))
-        single = generate(llama.model, tok([prompts[row]], return_tensors="pt"), s, **ids_of(llama))
+        single = generate(llama.model, tok([prompts[row]], return_tensors="pt"), s)
         assert batch.entropy.selected_layer_indices[row].tolist() == single.entropy.selected_layer_indices[0].tolist()
         assert batch.new_tokens[row].tolist() == single.new_tokens[0].tolist()
     layers = batch.entropy.selected_layer_indices
@@ -314,8 +314,7 @@ def test_oracle_gemma2_softcapped_and_gpt2(family, smollm2_dir):
     model = model_cls(config).eval()
     randomise_norms(model)
     inputs = tok([CHAT.format("Tell me about the sea and the sky.")], return_tensors="pt")
-    result = generate(model, inputs, entropy_settings(max_new_tokens=10), eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    result = generate(model, inputs, entropy_settings(max_new_tokens=10), controls=Controls(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
     logits = oracle_logits(model, input_ids=result.sequences)
     if family == "gemma2":
         assert float(logits.abs().max()) <= 5.0  # every layer soft-capped
@@ -338,8 +337,7 @@ def test_processors_see_each_step_once_on_rows_repeated_per_layer(llama):
     inputs = llama.tokenizer(["Hello there, how", "The quick brown fox jumps over the"], return_tensors="pt",
                              padding=True, padding_side="left")
     spy = Spy()
-    result = generate(llama.model, inputs, GenerationSettings(max_new_tokens=5, entropy_decoding="trough"),
-                      logits_processor=LogitsProcessorList([spy]), **ids_of(llama))
+    result = generate(llama.model, inputs, GenerationSettings(max_new_tokens=5, entropy_decoding="trough"), controls=Controls(logits_processor=LogitsProcessorList([spy])))
     assert len(spy.calls) == result.steps == 5
     vocab = llama.model.config.vocab_size
     for t, (ids, shape) in enumerate(spy.calls):
@@ -356,8 +354,7 @@ def test_classifier_free_guidance_and_unknown_modes_are_refused(llama):
     cfg = LogitsProcessorList([UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, llama.model)])
     inputs = llama.tokenizer(["Hello"], return_tensors="pt")
     with pytest.raises(ValueError, match="classifier-free guidance"):
-        generate(llama.model, inputs, GenerationSettings(max_new_tokens=2, entropy_decoding="trough"),
-                 logits_processor=cfg)
+        generate(llama.model, inputs, GenerationSettings(max_new_tokens=2, entropy_decoding="trough"), controls=Controls(logits_processor=cfg))
 
 
 def test_config_keys_reach_the_settings(tmp_path):
@@ -382,7 +379,7 @@ def test_mode_off_is_plain_decoding(which, tiny_llama, llama):
     inputs = lm.tokenizer([CHAT.format("Tell me about the sea.")], return_tensors="pt")
     s = GenerationSettings(max_new_tokens=12, repetition_penalty=1.2, entropy_record_tokens=True)  # record alone: off
     expected = lm.model.generate(**inputs, generation_config=to_generation_config(s, **ids_of(lm)))
-    events = list(stream_generate(lm.model, inputs, s, tokenizer=lm.tokenizer, **ids_of(lm)))
+    events = list(stream_generate(lm.model, inputs, s, tokenizer=lm.tokenizer))
     result = events[-1].result
     assert result.sequences.tolist() == expected.tolist()
     assert result.entropy is None and not any(isinstance(e, LayerEvent) for e in events)
@@ -422,7 +419,7 @@ def test_recall_uses_the_final_layer_query_and_forces_memory_pad(llama, bank):
     s = entropy_settings(max_new_tokens=24, sequence_bias=(((lm.tokens.recall,), bias),))
     inputs = lm.tokenizer([CHAT.format("What do you remember?")], return_tensors="pt")
     recall = recall_of(lm, db)
-    events = list(stream_generate(lm.model, inputs, s, recall=recall, tokenizer=lm.tokenizer, **ids_of(lm)))
+    events = list(stream_generate(lm.model, inputs, s, recall=recall, tokenizer=lm.tokenizer))
     result = events[-1].result
     seq, p = result.sequences, result.prompt_length
     assert len(result.injections) >= 2 and (seq[0, p:] != lm.tokens.recall).sum() > len(result.injections)
@@ -446,8 +443,7 @@ def test_stop_within_one_step_with_image(qwen3vl, small_image):
     inputs = vl_inputs(lm, small_image)
     stop = threading.Event()
     events, after_stop = [], 0
-    for event in stream_generate(lm.model, inputs, entropy_settings(max_new_tokens=30), tokenizer=lm.tokenizer,
-                                 interrupt=stop, **ids_of(lm)):
+    for event in stream_generate(lm.model, inputs, entropy_settings(max_new_tokens=30), tokenizer=lm.tokenizer, interrupt=stop):
         events.append(event)
         if isinstance(event, TokenEvent):
             after_stop += stop.is_set()
@@ -479,9 +475,7 @@ def test_stop_right_after_recall_keeps_the_trace_aligned(llama):
     inputs = lm.tokenizer([CHAT.format("Go")], return_tensors="pt")
     p, stop = inputs["input_ids"].shape[1], threading.Event()
     events = list(stream_generate(lm.model, inputs, s, recall=Recall(lm.tokens.recall, lm.tokens.memory_pad,
-                                                                     bank_for(lm)),
-                                  interrupt=stop, stopping_criteria=StoppingCriteriaList([StopAfter(p + 3, stop)]),
-                                  **ids_of(lm)))
+                                                                     bank_for(lm)), interrupt=stop, controls=Controls(stopping_criteria=StoppingCriteriaList([StopAfter(p + 3, stop)]))))
     result = events[-1].result  # <recall> <|memory_pad|> <recall>: the stop lands on the second, unanswered one
     assert result.finish_reasons == ["interrupted"] and result.steps == 3
     assert result.new_tokens[0].tolist() == [lm.tokens.recall, lm.tokens.memory_pad]
@@ -495,8 +489,7 @@ def test_stop_during_prefill_gives_an_empty_trace(llama):
     stop = threading.Event()
     inputs = llama.tokenizer([CHAT.format("A long prompt " * 10)], return_tensors="pt")
     events = []
-    for e in stream_generate(llama.model, inputs, entropy_settings(), interrupt=stop, prefill_chunk=8,
-                             **ids_of(llama)):
+    for e in stream_generate(llama.model, inputs, entropy_settings(), interrupt=stop, controls=Controls(prefill_chunk=8)):
         events.append(e)
         stop.set()
     trace = events[-1].result.entropy

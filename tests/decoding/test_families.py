@@ -8,6 +8,7 @@ import torch
 import transformers as tf
 from transformers import AutoTokenizer
 
+from decoding.request import Controls
 from decoding import GenerationSettings, Recall, RecallSettings, generate
 from decoding.processors import to_generation_config
 from memory import MemoryVectorDB
@@ -69,7 +70,7 @@ def test_parity_with_generate(family, settings, tokenizer):
     torch.manual_seed(7)
     expected = model.generate(**inputs, generation_config=to_generation_config(settings, **ids))
     torch.manual_seed(7)
-    got = generate(model, inputs, settings, tokenizer=tok, output_logits=True, **ids)
+    got = generate(model, inputs, settings, tokenizer=tok, controls=Controls(output_logits=True))
     assert got.sequences.tolist() == expected.tolist()
     with torch.no_grad():  # the loop's logits are the model's own, final processing included
         full = model(input_ids=got.sequences).logits.float()
@@ -84,8 +85,7 @@ def test_replay_of_injected_memories(family, tokenizer):
     db = bank(model)
     s = GenerationSettings(do_sample=True, max_new_tokens=20, seed=3, sequence_bias=(((tokens.recall,), 8.0),))
     result = generate(model, inputs, s, recall=Recall(tokens.recall, tokens.memory_pad, db,
-                                                      RecallSettings(top_k=3, use_sampling=True)),
-                      output_logits=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                                                      RecallSettings(top_k=3, use_sampling=True)), controls=Controls(output_logits=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
     assert len(result.injections) >= 2
     emb = model.get_input_embeddings()(result.sequences).clone()
     for pos, vec in result.memory_vectors[0].items():
@@ -103,7 +103,7 @@ def test_soft_capping_is_applied_like_the_model_does(tokenizer):
     with torch.no_grad():
         model.lm_head.weight.mul_(200)  # (tied to the input embedding: both runs below read the same model)
     inputs = tok([CHAT.format("Hi")], return_tensors="pt")
-    result = generate(model, inputs, GenerationSettings(max_new_tokens=2), output_logits=True)
+    result = generate(model, inputs, GenerationSettings(max_new_tokens=2), controls=Controls(output_logits=True))
     with torch.no_grad():
         raw = model.lm_head(model.model(**inputs).last_hidden_state[:, -1]).float()[0]
     assert float(raw.abs().max()) > 20  # the uncapped logits go far past the cap

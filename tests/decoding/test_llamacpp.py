@@ -15,9 +15,10 @@ from chat.config import load_config
 from chat.service import Service
 from chat.session import Conversation
 from chat.textsearch import TextSearch
+from decoding.request import Controls, Prompt
 from decoding import GenerationSettings, generate, stream_generate
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
-from decoding.forward import forward_for
+from decoding.backend import backend_for
 from models.llamacpp import LlamaCppModel
 from decoding.memory import Recall
 from decoding.settings import RecallSettings
@@ -62,7 +63,7 @@ def test_the_memory_heads_query_is_transformers_final_state(recall_lm, smollm2):
     hidden states) is transformers' `hidden_states[-1]` there, and so are the logits."""
     ids = prompt(recall_lm)
     assert ids.tolist() == prompt(smollm2).tolist()
-    fwd = forward_for(recall_lm.model, want_state=True)
+    fwd = backend_for(recall_lm.model, want_state=True)
     cache = fwd.cache_for(None, ids.shape[1], True)
     state, logits = fwd.prefill(fwd.embed(ids), None, cache, None, {})
     with torch.no_grad():
@@ -129,14 +130,12 @@ def test_an_injected_k_slot_memory_is_read_back_exactly(recall_lm):
     recall = conv.recall(bank, RecallSettings(), QUESTION)
     inputs = {"input_ids": torch.cat([prompt(recall_lm), torch.tensor([[recall_lm.tokens.recall]])], dim=1)}
     out = generate(recall_lm.model, inputs, GenerationSettings(max_new_tokens=24, min_new_tokens=24,
-                                                               repetition_penalty=1.0),
-                   recall=recall, tokenizer=recall_lm.tokenizer, output_logits=True)
+                                                               repetition_penalty=1.0), recall=recall, tokenizer=recall_lm.tokenizer, controls=Controls(output_logits=True))
     (event,) = out.injections
     assert event.length > 4 and event.text.startswith("Mira Castellan")  # k slots: one a token of the memory
     seq = out.sequences
     assert seq.shape[1] > event.position + event.length + 4  # the last step is well after the memory
-    again = generate(recall_lm.model, {"input_ids": seq[:, :-1]}, GenerationSettings(max_new_tokens=1),
-                     recall=recall, memory_vectors=out.memory_vectors, output_logits=True)
+    again = generate(recall_lm.model, Prompt({"input_ids": seq[:, :-1]}, memory_vectors=out.memory_vectors), GenerationSettings(max_new_tokens=1), recall=recall, controls=Controls(output_logits=True))
     step, fresh = out.logits[0, -1], again.logits[0, 0]
     assert int(step.argmax()) == int(fresh.argmax()) == int(seq[0, -1])
     # the same numbers on AVX2 (corr 1.0, max diff 0); AVX-only kernels give the k positions and the prefill
@@ -201,10 +200,10 @@ def test_a_full_kv_cache_frees_the_least_recently_used_conversation(recall_lm):
     """Three conversations on a context with room for two: the oldest is freed, and its next turn reads its
     whole conversation again and answers exactly as it would have."""
     small = LlamaCppModel(recall_lm.model.path, context=256, sequences=2)
-    small.resize_token_embeddings(recall_lm.model.config.vocab_size)
+    small.add_token_rows(recall_lm.spec.vocab_size)
     from dataclasses import replace
 
-    lm = replace(recall_lm, model=small)
+    lm = replace(recall_lm, model=small, spec=small.spec)
     greedy = GenerationSettings(max_new_tokens=6, repetition_penalty=1.0)
     off = RecallSettings(enabled=False)
     convs = [Conversation(lm) for _ in range(3)]
@@ -254,7 +253,7 @@ def test_a_users_own_gguf_chats_with_its_template_and_reads_memories_in_the_mess
     lm = load_model(str(own_gguf))  # backend auto: a .gguf file runs on llama.cpp
     assert lm.backend == "llamacpp" and not lm.recall_trained and lm.encoder.placement == "user"
     assert lm.tokenizer.chat_template and "<|im_start|>" in lm.tokenizer.chat_template
-    assert lm.model.config.vocab_size == lm.model.n_vocab + 3  # the recall tokens, as rows of the mean
+    assert lm.spec.vocab_size == lm.model.n_vocab + 3  # the recall tokens, as rows of the mean
     svc = Service(config(), lm, text_search=text_search)
     try:
         s = svc.new_session()

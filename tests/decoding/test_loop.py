@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from models.vision import IMAGE_PAD, encode_with_images
+from decoding.request import Controls, Prompt
 from decoding import (
     DoneEvent, FinishEvent, GenerationSettings, MemorySelector, Recall, RecallEvent, RecallSettings, TokenEvent,
     custom_generate, generate, memory_embedding, memory_head, stream_generate,
@@ -77,7 +78,7 @@ def assert_parity(lm, inputs, settings):
     torch.manual_seed(1234)
     expected = lm.model.generate(**inputs, generation_config=to_generation_config(settings, **ids_of(lm)))
     torch.manual_seed(1234)
-    got = generate(lm.model, inputs, settings, tokenizer=lm.tokenizer, **ids_of(lm)).sequences
+    got = generate(lm.model, inputs, settings, tokenizer=lm.tokenizer).sequences
     assert got.tolist() == expected.tolist()
 
 
@@ -126,8 +127,7 @@ def test_empty_bank_or_disabled_recall_leaves_generation_untouched(tiny_llama):
     expected = lm.model.generate(**inputs, generation_config=to_generation_config(s, **ids_of(lm)))
     for db, recall in [(MemoryVectorDB(lm.hidden_size), RecallSettings()),
                        (bank_for(lm), RecallSettings(enabled=False))]:
-        res = generate(lm.model, inputs, s, recall=recall_of(lm, db, recall),
-                       **ids_of(lm))
+        res = generate(lm.model, inputs, s, recall=recall_of(lm, db, recall))
         assert res.sequences.tolist() == expected.tolist() and res.injections == []
 
 
@@ -138,8 +138,7 @@ def run_with_recalls(lm, inputs, db, seed=0, steps=24):
     """Sample with a bias towards <recall> so the model recalls several times by itself."""
     s = GenerationSettings(do_sample=True, max_new_tokens=steps, seed=seed,
                            sequence_bias=(((lm.tokens.recall,), 6.0),))
-    return generate(lm.model, inputs, s, recall=recall_of(lm, db, RecallSettings(top_k=4, use_sampling=True)),
-                    output_logits=True, **ids_of(lm))
+    return generate(lm.model, inputs, s, recall=recall_of(lm, db, RecallSettings(top_k=4, use_sampling=True)), controls=Controls(output_logits=True))
 
 
 def replay_embeds(lm, result):
@@ -240,8 +239,7 @@ def test_prompt_ending_with_recall_fires_once_at_prefill(tiny_llama):
     db = bank_for(lm)
     prompt = lm.tokenizer([CHAT.format("Recall something.")], return_tensors="pt")["input_ids"]
     ids = torch.cat([prompt, torch.tensor([[lm.tokens.recall]])], dim=1)
-    res = generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=6),
-                   recall=recall_of(lm, db), **ids_of(lm))
+    res = generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=6), recall=recall_of(lm, db))
     assert res.sequences[0, ids.shape[1]] == lm.tokens.memory_pad
     assert [r.position for r in res.injections] == [ids.shape[1]]
     # greedy memory head: the most similar memory to the <recall> hidden state
@@ -338,7 +336,7 @@ def test_batch_rows_recall_on_their_own_step_and_match_single_runs(tiny_llama, b
     a = tok(CHAT.format("First question, a long one about many things?"))["input_ids"] + [lm.tokens.recall]
     b = tok(CHAT.format("Second?"))["input_ids"]
     s = GenerationSettings(max_new_tokens=10, sequence_bias=(((lm.tokens.recall,), 2.0),))
-    kwargs = dict(recall=recall_of(lm, db), **ids_of(lm))
+    kwargs = dict(recall=recall_of(lm, db))
     singles = [generate(lm.model, {"input_ids": torch.tensor([x])}, s, **kwargs) for x in (a, b)]
     width = max(len(a), len(b))
     ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in (a, b)])
@@ -369,7 +367,7 @@ def test_interrupt_stops_within_one_step_and_model_stays_usable(tiny_qwen3vl, sm
     stop = threading.Event()
     tokens_after_stop = 0
     result = None
-    for event in stream_generate(lm.model, inputs, s, tokenizer=lm.tokenizer, interrupt=stop, **ids_of(lm)):
+    for event in stream_generate(lm.model, inputs, s, tokenizer=lm.tokenizer, interrupt=stop):
         if isinstance(event, TokenEvent):
             if stop.is_set():
                 tokens_after_stop += 1
@@ -381,14 +379,13 @@ def test_interrupt_stops_within_one_step_and_model_stays_usable(tiny_qwen3vl, sm
     assert result.finish_reasons == ["interrupted"] and result.steps == 5
     assert lm.model.model.rope_deltas is None  # no stale per-request state left behind
     expected = lm.model.generate(**inputs, generation_config=to_generation_config(s, **ids_of(lm)))
-    assert generate(lm.model, inputs, s, **ids_of(lm)).sequences.tolist() == expected.tolist()
+    assert generate(lm.model, inputs, s).sequences.tolist() == expected.tolist()
 
 
 def test_stream_events_text_and_finish(smollm2):
     lm = smollm2
     inputs = lm.tokenizer([CHAT.format("What is the capital of France?")], return_tensors="pt")
-    events = list(stream_generate(lm.model, inputs, GenerationSettings(max_new_tokens=30), tokenizer=lm.tokenizer,
-                                  **ids_of(lm)))
+    events = list(stream_generate(lm.model, inputs, GenerationSettings(max_new_tokens=30), tokenizer=lm.tokenizer))
     text = "".join(e.text for e in events if isinstance(e, TokenEvent))
     finish = [e for e in events if isinstance(e, FinishEvent)]
     assert isinstance(events[-1], DoneEvent)
@@ -400,11 +397,10 @@ def test_stream_events_text_and_finish(smollm2):
 
 def test_max_new_tokens_gives_length_and_stop_strings_stop(tiny_llama):
     inputs = tiny_llama.tokenizer([CHAT.format("Count.")], return_tensors="pt")
-    res = generate(tiny_llama.model, inputs, GenerationSettings(max_new_tokens=5), **ids_of(tiny_llama))
+    res = generate(tiny_llama.model, inputs, GenerationSettings(max_new_tokens=5))
     assert res.finish_reasons == ["length"] and res.new_tokens.shape[1] == 5
     first = tiny_llama.tokenizer.decode(res.new_tokens[0, 2:4])
-    res2 = generate(tiny_llama.model, inputs, GenerationSettings(max_new_tokens=5, stop_strings=(first,)),
-                    tokenizer=tiny_llama.tokenizer, **ids_of(tiny_llama))
+    res2 = generate(tiny_llama.model, inputs, GenerationSettings(max_new_tokens=5, stop_strings=(first,)), tokenizer=tiny_llama.tokenizer)
     assert res2.finish_reasons == ["stop"] and res2.new_tokens.shape[1] == 4
 
 
@@ -415,7 +411,7 @@ def test_early_stop_on_tool_call(smollm2):
     end = lm.tokenizer("</tool_call>", add_special_tokens=False)["input_ids"]  # "</", "tool", "_", "call", ">"
     bias = (((end[0],), 20.0),) + tuple((tuple(end[:i + 1]), 40.0) for i in range(1, len(end)))  # then the rest
     s = GenerationSettings(max_new_tokens=20, early_stop_on_tool_call=True, sequence_bias=bias)
-    events = list(stream_generate(lm.model, inputs, s, tokenizer=lm.tokenizer, **ids_of(lm)))
+    events = list(stream_generate(lm.model, inputs, s, tokenizer=lm.tokenizer))
     result = events[-1].result
     text = lm.tokenizer.decode(result.new_tokens[0])
     if "</tool_call>" in text:
@@ -435,7 +431,7 @@ def test_cache_reuse_across_turns_equals_full_prefill(tiny_qwen3vl, small_image)
     first = vl_inputs(lm, small_image)
     first["input_ids"] = torch.cat([first["input_ids"], torch.tensor([[lm.tokens.recall]])], dim=1)
     first["mm_token_type_ids"] = torch.cat([first["mm_token_type_ids"], torch.zeros(1, 1, dtype=torch.int32)], 1)
-    kw = dict(recall=recall_of(lm, db), **ids_of(lm))
+    kw = dict(recall=recall_of(lm, db))
     turn1 = generate(lm.model, first, GenerationSettings(max_new_tokens=6), **kw)
     assert len(turn1.injections) == 1
 
@@ -446,13 +442,12 @@ def test_cache_reuse_across_turns_equals_full_prefill(tiny_qwen3vl, small_image)
               "pixel_values": torch.cat([first["pixel_values"], second["pixel_values"]]),
               "image_grid_thw": torch.cat([first["image_grid_thw"], second["image_grid_thw"]])}
     s = GenerationSettings(max_new_tokens=8)
-    cached = generate(lm.model, inputs, s, cache=turn1.cache, memory_vectors=turn1.memory_vectors[0],
-                      output_logits=True, **kw)
-    fresh = generate(lm.model, inputs, s, memory_vectors=turn1.memory_vectors[0], output_logits=True, **kw)
+    cached = generate(lm.model, Prompt(inputs, cache=turn1.cache, memory_vectors=turn1.memory_vectors[0]), s, **kw, controls=Controls(output_logits=True))
+    fresh = generate(lm.model, Prompt(inputs, memory_vectors=turn1.memory_vectors[0]), s, **kw, controls=Controls(output_logits=True))
     torch.testing.assert_close(cached.logits, fresh.logits, atol=1e-4, rtol=1e-4)
     assert cached.sequences.tolist() == fresh.sequences.tolist()
     # and the memory really matters: without it the logits differ
-    without = generate(lm.model, inputs, s, output_logits=True, **{**kw, "recall": recall_of(lm, None)})
+    without = generate(lm.model, inputs, s, **{**kw, "recall": recall_of(lm, None)}, controls=Controls(output_logits=True))
     assert not torch.allclose(without.logits, fresh.logits, atol=1e-3)
 
 
@@ -487,17 +482,14 @@ def test_debug_logs_each_recall_step(tiny_llama, caplog):
     prompt = lm.tokenizer([CHAT.format("Hi")], return_tensors="pt")["input_ids"]
     ids = torch.cat([prompt, torch.tensor([[lm.tokens.recall]])], dim=1)
     with caplog.at_level("INFO"):
-        res = generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3),
-                       recall=recall_of(lm, bank_for(lm), RecallSettings(debug=True, use_sampling=True, top_k=3)),
-                       **ids_of(lm))
+        res = generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=recall_of(lm, bank_for(lm), RecallSettings(debug=True, use_sampling=True, top_k=3)))
     text = caplog.text
     r = res.injections[0]
     assert f"at position {ids.shape[1] - 1}" in text and "3 candidates" in text
     assert f"memory {r.memory_index} fills the 1 <|memory_pad|> slots from position {r.position}" in text
     caplog.clear()
     with caplog.at_level("INFO"):
-        generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=recall_of(lm, bank_for(lm)),
-                 **ids_of(lm))
+        generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=recall_of(lm, bank_for(lm)))
     assert "[recall]" not in caplog.text
 
 
@@ -507,7 +499,7 @@ def test_stop_right_after_recall_drops_the_unanswered_recall_token(tiny_llama):
     s = GenerationSettings(max_new_tokens=30, sequence_bias=(((lm.tokens.recall,), 50.0),))  # recalls at once
     stop = threading.Event()
     events = []
-    for e in stream_generate(lm.model, inputs, s, recall=recall_of(lm, bank_for(lm)), interrupt=stop, **ids_of(lm)):
+    for e in stream_generate(lm.model, inputs, s, recall=recall_of(lm, bank_for(lm)), interrupt=stop):
         events.append(e)
         if isinstance(e, TokenEvent) and e.token_id == lm.tokens.memory_pad:
             stop.set()  # the next step writes <recall> again; the stop lands right after it
@@ -530,8 +522,7 @@ def test_a_stop_in_the_middle_of_a_k_slot_recall_leaves_no_partial_memory(tiny_l
     inputs = lm.tokenizer([CHAT.format("Go")], return_tensors="pt")
     s = GenerationSettings(max_new_tokens=30, sequence_bias=(((lm.tokens.recall,), 50.0),))
     stop, events = threading.Event(), []
-    for e in stream_generate(lm.model, inputs, s, recall=recall_of(lm, db), interrupt=stop, tokenizer=lm.tokenizer,
-                             **ids_of(lm)):
+    for e in stream_generate(lm.model, inputs, s, recall=recall_of(lm, db), interrupt=stop, tokenizer=lm.tokenizer):
         events.append(e)
         if stop_on == "recall" and isinstance(e, RecallEvent) or \
                 stop_on == "slot" and isinstance(e, TokenEvent) and e.token_id == lm.tokens.memory_pad:
@@ -545,10 +536,7 @@ def test_a_stop_in_the_middle_of_a_k_slot_recall_leaves_no_partial_memory(tiny_l
     assert streamed == seq[result.prompt_length:]
     # the next turn continues from the cache (which has not read the span yet) and places the vectors
     more = torch.tensor([seq + lm.tokenizer(CHAT.format("More"))["input_ids"]])
-    nxt = generate(lm.model, {"input_ids": more}, GenerationSettings(max_new_tokens=4), cache=result.cache,
-                   memory_vectors=result.memory_vectors[0], recall=recall_of(lm, db), output_logits=True, **ids_of(lm))
-    fresh = generate(lm.model, {"input_ids": more}, GenerationSettings(max_new_tokens=4),
-                     memory_vectors=result.memory_vectors[0], recall=recall_of(lm, db), output_logits=True,
-                     **ids_of(lm))
+    nxt = generate(lm.model, Prompt({"input_ids": more}, cache=result.cache, memory_vectors=result.memory_vectors[0]), GenerationSettings(max_new_tokens=4), recall=recall_of(lm, db), controls=Controls(output_logits=True))
+    fresh = generate(lm.model, Prompt({"input_ids": more}, memory_vectors=result.memory_vectors[0]), GenerationSettings(max_new_tokens=4), recall=recall_of(lm, db), controls=Controls(output_logits=True))
     assert nxt.sequences.tolist() == fresh.sequences.tolist()
     torch.testing.assert_close(nxt.logits, fresh.logits, atol=1e-4, rtol=1e-4)

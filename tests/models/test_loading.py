@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from models import EMBEDDED_NAME, embedded_model_dir, ensure_special_tokens, load_model
+from decoding.request import Controls
 from decoding import GenerationSettings, generate
 from memory import MemoryVectorDB
-from models.modeling import backbone_and_head, check_bank_dim, unwrap_model
+from models.modeling import backbone_and_head, unwrap_model
 
 
 def test_model_path_that_does_not_exist():
@@ -98,8 +99,8 @@ def test_peft_adapter_on_top_and_unwrapping(tiny_llama, tmp_path):
     assert backbone is inner.model and head is inner.lm_head
     inputs = tok(["Hello, world"], return_tensors="pt")
     s = GenerationSettings(max_new_tokens=8)
-    a = generate(adapted.model, inputs, s, output_logits=True)
-    b = generate(base.model, inputs, s, output_logits=True)
+    a = generate(adapted.model, inputs, s, controls=Controls(output_logits=True))
+    b = generate(base.model, inputs, s, controls=Controls(output_logits=True))
     assert not torch.allclose(a.logits, b.logits)  # the adapter is active in our loop
     expected = adapted.model.generate(**inputs, max_new_tokens=8, do_sample=False)
     assert a.sequences.tolist() == expected.tolist()
@@ -108,14 +109,14 @@ def test_peft_adapter_on_top_and_unwrapping(tiny_llama, tmp_path):
 
 
 def test_bank_dimension_mismatch_names_both_numbers(tiny_llama):
-    check_bank_dim(tiny_llama.model, MemoryVectorDB(64))
-    check_bank_dim(tiny_llama.model, MemoryVectorDB(384, value_dim=64), query=lambda h: h)
+    tiny_llama.spec.check_bank(MemoryVectorDB(64))
+    tiny_llama.spec.check_bank(MemoryVectorDB(384, value_dim=64), query=lambda h: h)
     with pytest.raises(ValueError, match="dimension 576.*hidden size is 64"):
-        check_bank_dim(tiny_llama.model, MemoryVectorDB(576))
+        tiny_llama.spec.check_bank(MemoryVectorDB(576))
     with pytest.raises(ValueError, match="dimension 576.*hidden size is 64"):
-        check_bank_dim(tiny_llama.model, MemoryVectorDB(384, value_dim=576), query=lambda h: h)
+        tiny_llama.spec.check_bank(MemoryVectorDB(384, value_dim=576), query=lambda h: h)
     with pytest.raises(ValueError, match="keys of dimension 384 .* no query maps the <recall> state"):
-        check_bank_dim(tiny_llama.model, MemoryVectorDB(384, value_dim=64))
+        tiny_llama.spec.check_bank(MemoryVectorDB(384, value_dim=64))
 
 
 def test_the_backend_auto_runs_the_embedded_model_on_llamacpp_on_a_cpu_and_folders_on_transformers(tmp_path):

@@ -11,6 +11,7 @@ from transformers import DynamicCache, StaticCache
 
 from chat.config import ConfigError, load_config
 from conftest import make_tiny_llama
+from decoding.request import Controls, Prompt
 from decoding import GenerationSettings, compiled, generate
 from models import load_model
 from models.quantize import Int8Linear, int8 as quantize
@@ -30,10 +31,9 @@ def test_every_linear_layer_is_int8_and_the_answer_stays_close_to_fp32(int8, smo
     tok = smollm2.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                      add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    answer = generate(int8.model, prompt, GenerationSettings(max_new_tokens=12), tokenizer=tok, **ids)
+    answer = generate(int8.model, prompt, GenerationSettings(max_new_tokens=12), tokenizer=tok)
     assert "Paris" in tok.decode(answer.new_tokens[0])
-    seq = generate(smollm2.merged(), prompt, GenerationSettings(max_new_tokens=48, min_new_tokens=48), **ids).sequences
+    seq = generate(smollm2.merged(), prompt, GenerationSettings(max_new_tokens=48, min_new_tokens=48)).sequences
     with torch.no_grad():
         ref = smollm2.merged()(seq).logits.log_softmax(-1)[0, prompt["input_ids"].shape[1] - 1:-1]
         got = int8.model(seq).logits.float().log_softmax(-1)[0, prompt["input_ids"].shape[1] - 1:-1]
@@ -60,9 +60,9 @@ def test_the_compiled_int8_step_equals_eager_int8(smollm2_dir):
     compiled.enable(lm.model).warm_up(up_to=64)
     inputs = lm.tokenizer(["the lighthouse keeper counted the ships"], return_tensors="pt")
     settings = GenerationSettings(max_new_tokens=12)
-    ids = dict(eos_token_id=[], pad_token_id=lm.tokenizer.pad_token_id)
-    fast = generate(lm.model, inputs, settings, output_logits=True, **ids)
-    eager = generate(lm.model, inputs, settings, output_logits=True, cache=DynamicCache(config=lm.model.config), **ids)
+    controls=Controls(output_logits=True, eos_token_id=[])  # all 12 tokens
+    fast = generate(lm.model, inputs, settings, controls=controls)
+    eager = generate(lm.model, Prompt(inputs, cache=DynamicCache(config=lm.model.config)), settings, controls=controls)
     assert isinstance(fast.cache, StaticCache)  # it took the compiled path
     assert fast.sequences.tolist() == eager.sequences.tolist()
     torch.testing.assert_close(fast.logits, eager.logits, atol=2e-2, rtol=0)  # int8 rounding; measured 5e-3

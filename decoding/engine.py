@@ -1,0 +1,84 @@
+"""The engine as the chat uses it: one face, `Engine.stream(prompt, settings, recall, interrupt)` -> events.
+
+The engine chooses the decoder a request's settings ask for (the plain loop, which also decodes from
+layers by entropy, or the two-model mixture with its target and draft), makes once what a decoder needs
+(the mixture's target and drafts are kept with the model), and refuses by name what the model's
+backend cannot run (`decoding.backend.require`). The chat keeps the conversation (its exact ids, its
+memory vectors, its cache, which the engine treats as opaque: `cache_length`, `cut_cache`) and reads the
+events. What else the chat needs of the engine is here too: `Prompt`, `Recall`, and `memory_now` (a
+memory chosen before the answer, read in the user's message).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Iterator
+
+from typing import Any, Callable
+
+import torch
+
+from decoding.backend import require
+from decoding.batch import Batch
+from decoding.compiled import crop, seq_length
+from decoding.draft_head import draft_head_for
+from decoding.events import Event, RecallEvent
+from decoding.loop import stream_generate
+from decoding.memory import MemorySelector, Recall, recall_step
+from decoding.mixture import stream_mixture
+from decoding.request import Controls, Prompt, generators
+from decoding.settings import GenerationSettings
+
+__all__ = ["Engine", "Prompt", "Recall", "cache_length", "cut_cache", "memory_now"]
+from models import LoadedModel
+from models.gguf import gguf_draft_for
+from models.spec import MIXTURE
+
+
+@dataclasses.dataclass
+class Engine:
+    """A loaded model ready to answer: `batch` (`decoding.batch.Batch`) is where its answers decode together
+    (None: each alone), `prefill_chunk` how many prompt tokens one forward reads."""
+
+    lm: LoadedModel
+    batch: Batch | None = None
+    prefill_chunk: int = 512
+
+    def stream(self, prompt: Prompt, settings: GenerationSettings, recall: Recall | None,
+               interrupt: threading.Event | None = None) -> Iterator[Event]:
+        """The events of one answer to `prompt` (`decoding.request.Prompt`: the conversation's ids, the cache of
+        its prefix, its memory vectors), ending with a `DoneEvent` whose result holds the new state."""
+        lm, controls = self.lm, Controls(prefill_chunk=self.prefill_chunk)
+        mix = settings.mixture
+        if not mix.enabled:
+            return stream_generate(lm.merged(), prompt, settings, recall=recall, tokenizer=lm.tokenizer,
+                                   interrupt=interrupt, controls=controls, batch=self.batch)
+        require(lm.spec, MIXTURE)
+        target = lm.mixture_target(mix.target)  # q* of this model and its target (its own base by default), made once
+        drafts = dict(draft_head=draft_head_for(lm, mix.head) if mix.speculative and mix.draft == "head" else None,
+                      draft_gguf=gguf_draft_for(lm, mix.gguf) if mix.speculative and mix.draft == "gguf" else None)
+        # (the whole prompt is read again: the mixture keeps no cache between turns)
+        return stream_mixture(lm.merged(), target, dataclasses.replace(prompt, cache=None), settings, recall=recall,
+                              tokenizer=lm.tokenizer, interrupt=interrupt, controls=dataclasses.replace(controls, **drafts))
+
+
+def cache_length(cache: Any) -> int:
+    """Positions a conversation's KV cache holds (either backend's)."""
+    return seq_length(cache)
+
+
+def cut_cache(cache: Any, keep: int) -> None:
+    """Keep the first `keep` positions of a conversation's KV cache."""
+    crop(cache, seq_length(cache) - keep)
+
+
+Placed = tuple[list[int], dict[int, torch.Tensor], RecallEvent]  # a memory's tokens, their vectors, its event
+
+
+def memory_now(recall: Recall, settings: GenerationSettings) -> Callable[[int], Placed]:
+    """A memory chosen now, before the answer (recall first for a model never trained to recall, which reads it
+    in the user's message): called with the position after `<recall>`, its tokens, vectors and event. The query
+    is the message's (`recall.query`); a seed draws the memory from its own random state."""
+    selector = MemorySelector.of(recall, generators(settings.seed, "cpu")[1])
+    return lambda position: recall_step(selector, recall, None, 0, position)
