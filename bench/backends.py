@@ -22,7 +22,7 @@ from chat.config import load_config
 from chat.service import Service
 from decoding.request import Controls
 from decoding import GenerationSettings, RecallSettings, generate
-from models import build_bank, load_model
+from models import build_bank, LoadOptions, load_model
 
 
 def timed(fn) -> float:
@@ -55,11 +55,32 @@ def closeness(lm_t, lm_g, prompts: list[str], bank_t, bank_g, tokens: int = 24) 
             conv = Conversation(lm)
             inputs = conv.build_inputs(prompt)
             recall = conv.recall(bank, RecallSettings(top_k=1), prompt)
-            runs.append((inputs, recall, generate(lm.merged(), inputs, greedy, recall=recall, tokenizer=lm.tokenizer, controls=Controls(output_logits=True))))
+            runs.append(
+                (
+                    inputs,
+                    recall,
+                    generate(
+                        lm.merged(),
+                        inputs,
+                        greedy,
+                        recall=recall,
+                        tokenizer=lm.tokenizer,
+                        controls=Controls(output_logits=True),
+                    ),
+                )
+            )
         (inputs, _, ref), (_, recall_g, got) = runs
         same.append(ref.sequences.tolist() == got.sequences.tolist())
         new = ref.sequences.shape[1] - inputs["input_ids"].shape[1]  # (a recall's span is new tokens of one step)
-        forced = generate(lm_g.model, inputs, GenerationSettings(max_new_tokens=new, repetition_penalty=1.0), recall=recall_g, controls=Controls(logits_processor=LogitsProcessorList([Along(ref.sequences[0].tolist())]), output_logits=True))
+        forced = generate(
+            lm_g.model,
+            inputs,
+            GenerationSettings(max_new_tokens=new, repetition_penalty=1.0),
+            recall=recall_g,
+            controls=Controls(
+                logits_processor=LogitsProcessorList([Along(ref.sequences[0].tolist())]), output_logits=True
+            ),
+        )
         assert forced.sequences.tolist() == ref.sequences.tolist(), "the GGUF path did not follow the reference"
         p, q = ref.logits[0].float().log_softmax(-1), forced.logits[0].float().log_softmax(-1)
         kls.extend((p.exp() * (p - q)).nan_to_num(0).sum(-1).tolist())
@@ -99,7 +120,7 @@ def compare(lm_t, inputs, fast_t: float, settings, ids: dict, args) -> None:
     rows["transformers fp32, compiled loop"]["sessions"] = sessions(svc, n)
     svc.close()
     for qtype in ("q8_0", "q4_1"):
-        lm = load_model(None, backend="llamacpp", gguf_type=qtype)
+        lm = load_model(None, LoadOptions(backend="llamacpp", gguf_type=qtype))
         llm = llama_cpp.Llama(str(lm.model.path), n_ctx=2048, n_batch=512, n_threads=torch.get_num_threads(),
                               n_threads_batch=torch.get_num_threads(), verbose=False)
         prompt_ids = inputs["input_ids"][0].tolist()

@@ -28,7 +28,7 @@ import transformers  # noqa: E402
 
 from decoding.request import Controls
 from decoding import GenerationSettings, generate  # noqa: E402
-from models import load_model  # noqa: E402
+from models import LoadOptions, load_model  # noqa: E402
 
 MODES = (None, "trough", "random_after")
 SPEED_PROMPT = "Write a long story about a lighthouse keeper."
@@ -81,7 +81,12 @@ def answers(lm, mode: str | None, max_tokens: int) -> list[tuple[list[int], str,
     out = []
     for question, _ in QUESTIONS:
         s = GenerationSettings(max_new_tokens=max_tokens, entropy_decoding=mode, seed=0)
-        result = generate(lm.model, chat(tok, question), s, controls=Controls(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+        result = generate(
+            lm.model,
+            chat(tok, question),
+            s,
+            controls=Controls(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
+        )
         new = result.new_tokens[0].tolist()
         layers = result.entropy.selected_layer_indices[0].tolist() if result.entropy is not None else []
         out.append((new, tok.decode(new, skip_special_tokens=True).strip(), layers))
@@ -105,7 +110,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     transformers.logging.set_verbosity_error()
-    lm = load_model(None, adapter=None, device="cpu")
+    lm = load_model(None, LoadOptions(adapter=None, device="cpu"))
     layers = lm.model.config.num_hidden_layers
 
     times = speed(lm, args.tokens, args.repeats)

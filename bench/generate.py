@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from models import load_model  # noqa: E402
+from models import LoadOptions, load_model  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from decoding import GenerationSettings, MemorySelector, Recall, RecallSettings, generate  # noqa: E402
@@ -73,7 +73,7 @@ def limit_hits() -> int:
 def measure_int8(model, inputs, settings, ids: dict, n: int, per_token, seq: torch.Tensor) -> dict:
     """int8 weights and activations (model.quantize: int8), compiled the same way: ms/token, and how far
     its distributions are from fp32's on `seq`, the fp32 model's own greedy continuation."""
-    q = load_model(None, device="cpu", quantize="int8")
+    q = load_model(None, LoadOptions(device="cpu", quantize="int8"))
     step = fast_path.enable(q.model)
     compile_s = timed(lambda: step.warm_up(up_to=inputs["input_ids"].shape[1] + n + 1))
     assert step.error is None, step.error
@@ -105,7 +105,7 @@ def main() -> None:
         ap.error("--backends llamacpp is measured beside the compiled transformers loop: give transformers,llamacpp")
     torch.set_grad_enabled(False)
     transformers.logging.set_verbosity_error()
-    lm = load_model(None, device="cpu")
+    lm = load_model(None, LoadOptions(device="cpu"))
     model, tok = lm.model, lm.tokenizer
     inputs = tok([PROMPT], return_tensors="pt")
     ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -90,9 +90,21 @@ def measure(threads: int, smollm2, recall_lm) -> dict[str, float]:  # noqa: PLR0
     texts = [ln for ln in (ROOT / "assets" / "example_memories.txt").read_text().splitlines() if ln.strip()]
     bank = build_bank(recall_lm.model, recall_lm.tokenizer, texts, recall_lm.encoder, progress=False)
     recall = Conversation(recall_lm).recall(bank, RecallSettings(), QUESTION)
-    run = generate(recall_lm.model, {"input_ids": rid}, GenerationSettings(max_new_tokens=24, min_new_tokens=24,
-                                                                          repetition_penalty=1.0), recall=recall, tokenizer=recall_lm.tokenizer, controls=Controls(output_logits=True))
-    again = generate(recall_lm.model, Prompt({"input_ids": run.sequences[:, :-1]}, memory_vectors=run.memory_vectors), GenerationSettings(max_new_tokens=1), recall=recall, controls=Controls(output_logits=True))
+    run = generate(
+        recall_lm.model,
+        {"input_ids": rid},
+        GenerationSettings(max_new_tokens=24, min_new_tokens=24, repetition_penalty=1.0),
+        recall=recall,
+        tokenizer=recall_lm.tokenizer,
+        controls=Controls(output_logits=True),
+    )
+    again = generate(
+        recall_lm.model,
+        Prompt({"input_ids": run.sequences[:, :-1]}, memory_vectors=run.memory_vectors),
+        GenerationSettings(max_new_tokens=1),
+        recall=recall,
+        controls=Controls(output_logits=True),
+    )
     step, fresh = run.logits[0, -1], again.logits[0, 0]
     out["replay corr"] = float(torch.corrcoef(torch.stack([step, fresh]))[0, 1])
     out["replay max diff / max |logit|"] = float((step - fresh).abs().max() / step.abs().max())
@@ -120,15 +132,15 @@ def main() -> None:
     args = p.parse_args()
     import llama_cpp
 
-    from models import load_model
+    from models import LoadOptions, load_model
 
     info = llama_cpp.llama_print_system_info().decode()
     print(f"llama_cpp from {Path(llama_cpp.__file__).parent} ({llama_cpp.__version__}): {info.strip()}")
-    smollm2 = load_model(None, device="cpu")
+    smollm2 = load_model(None, LoadOptions(device="cpu"))
     rows = {}
     for t in (int(x) for x in args.threads.split(",")):
         torch.set_num_threads(t)  # (llama.cpp's context takes its thread count at load)
-        rows[t] = measure(t, smollm2, load_model(None, backend="llamacpp", gguf_type="q8_0"))
+        rows[t] = measure(t, smollm2, load_model(None, LoadOptions(backend="llamacpp", gguf_type="q8_0")))
     print("| measure | " + " | ".join(f"{t} thread(s)" for t in rows) + " |")
     print("|---|" + "---|" * len(rows))
     for key in next(iter(rows.values())):

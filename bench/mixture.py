@@ -37,7 +37,7 @@ from decoding import GenerationSettings  # noqa: E402
 from decoding.mixture import generate_mixture  # noqa: E402
 from decoding.settings import MixtureSettings  # noqa: E402
 from decoding.draft_head import DraftHead  # noqa: E402
-from models import RECALL_ADAPTER, load_model  # noqa: E402
+from models import RECALL_ADAPTER, LoadOptions, load_model  # noqa: E402
 from models.gguf import gguf_draft_for  # noqa: E402
 
 PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain how photosynthesis works, step by step.",
@@ -57,11 +57,11 @@ MODES = {  # name -> (MixtureSettings changes, pair: "copy" = θ merged + a base
 def pair_model(lora_std: float):
     """The PEFT model (adapter on = θ); a note on where the adapter came from."""
     if (RECALL_ADAPTER / "adapter_config.json").is_file():
-        lm = load_model(None, device="cpu")
+        lm = load_model(None, LoadOptions(device="cpu"))
         return lm, f"trained recall adapter from {RECALL_ADAPTER}"
     from peft import LoraConfig, get_peft_model
 
-    lm = load_model(None, adapter=None, device="cpu")
+    lm = load_model(None, LoadOptions(adapter=None, device="cpu"))
     t = lm.tokens
     config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                         trainable_token_indices=[t.recall, t.recall_end, t.memory_pad])
@@ -148,7 +148,15 @@ def main() -> None:
                                       max_new_tokens=tokens, min_new_tokens=tokens, seed=seed, repetition_penalty=1.0)
         mixture = MixtureSettings(enabled=True, gamma=args.gamma, **changes)
         theta_now = lm.merged() if dtype == torch.float32 else theta  # (re-merged: a PEFT-batch mode unmerges it)
-        return generate_mixture(theta_now if pair == "copy" else lm.merged(), base if pair == "copy" else None, {"input_ids": ids}, dataclasses.replace(settings, mixture = mixture), controls=Controls(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, draft_head=head, draft_gguf=gguf))
+        return generate_mixture(
+            theta_now if pair == "copy" else lm.merged(),
+            base if pair == "copy" else None,
+            {"input_ids": ids},
+            dataclasses.replace(settings, mixture=mixture),
+            controls=Controls(
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, draft_head=head, draft_gguf=gguf
+            ),
+        )
 
     for mode in modes:  # warm-up
         run(mode, prompts[0], 0, 4)

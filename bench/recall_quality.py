@@ -214,16 +214,23 @@ def main() -> None:
 
     import torch
 
-    from models import build_bank, load_model
+    from models import build_bank, LoadOptions, load_model
     from models.text_keys import TextEncoder
     from training.facts import chat_prompts, make_facts
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
     sizes = [int(n) for n in args.distractors.split(",")]
-    lm = load_model(None, adapter=None if args.adapter == "none" else args.adapter, device="cpu",
-                    backend=args.backend, gguf_type=args.gguf_type)
-    base = load_model(None, adapter=None, device="cpu", backend=args.backend)
+    lm = load_model(
+        None,
+        LoadOptions(
+            adapter=None if args.adapter == "none" else args.adapter,
+            device="cpu",
+            backend=args.backend,
+            gguf_type=args.gguf_type,
+        ),
+    )
+    base = load_model(None, LoadOptions(adapter=None, device="cpu", backend=args.backend))
     print(f"model: {lm.name}; keys: {lm.encoder.keys.name}", file=sys.stderr)
     facts = make_facts(args.facts, "eval", seed=1)
     asked = {f.questions[0] for f in facts}

@@ -27,7 +27,7 @@ from gradio_client import Client  # noqa: E402
 
 import app  # noqa: E402
 from chat.config import load_config  # noqa: E402
-from models import load_model  # noqa: E402
+from models import LoadOptions, load_model  # noqa: E402
 from chat.service import Service  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = load_config(environ={})
-    service = Service(cfg, load_model(None, device="cpu"))
+    service = Service(cfg, load_model(None, LoadOptions(device="cpu")))
     demo = app.build_demo(service)
     port = launch(demo, service)
     try:

@@ -54,11 +54,19 @@ def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None]:
 
 
 def _load_model(args: argparse.Namespace, values: str = "auto", layer: int = -1, pooling: str = "last"):
-    from models import HiddenStateSpec, load_model  # imported after main() has set offline mode
+    from models import HiddenStateSpec, LoadOptions, load_model  # imported after main() has set offline mode
 
     adapter = None if args.adapter == "none" else args.adapter
-    return load_model(args.model, adapter=adapter, device="cpu", hidden_state=HiddenStateSpec(layer, pooling),
-                      values=values, keys=None if args.key_encoder == "none" else args.key_encoder)
+    return load_model(
+        args.model,
+        LoadOptions(
+            adapter=adapter,
+            device="cpu",
+            hidden_state=HiddenStateSpec(layer, pooling),
+            values=values,
+            keys=None if args.key_encoder == "none" else args.key_encoder,
+        ),
+    )
 
 
 def cmd_build(args: argparse.Namespace) -> None:

@@ -19,9 +19,11 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from decoding.settings import GenerationSettings, RecallSettings
+from models import LoadOptions
 from models.encoder import HiddenStateSpec, ValueKind
 from models.llamacpp import GGUF_TYPES
 from models.quantize import QUANTIZE
+from models.spec import LAYERS, MIXTURE
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "config_qwen3vl.yaml"
 ENV_PREFIX = "RECALL_CHAT__"
@@ -251,3 +253,13 @@ def request_settings(cfg: Config, values: Mapping[str, Any]) -> tuple[Generation
         changes["generation"]["mixture"] = dataclasses.replace(cfg.generation.mixture, **changes["mixture"])
     return (dataclasses.replace(cfg.generation, **changes["generation"]),
             dataclasses.replace(cfg.memory.autoregressive_recall, **changes["recall"]))
+
+
+def load_options(cfg: Config) -> LoadOptions:
+    """How the configured model loads (`models.load_model`): the `model` keys, the memory encoder's `memory` keys,
+    and the capabilities the configured decoders need (so `auto` picks a backend that runs them)."""
+    m, mem, gen = cfg.model, cfg.memory, cfg.generation
+    needs = frozenset(c for c, on in ((LAYERS, gen.entropy_decoding is not None), (MIXTURE, gen.mixture.enabled)) if on)
+    return LoadOptions(backend=m.backend, adapter=m.adapter, device=m.device, dtype=m.dtype, quantize=m.quantize,
+                       values=mem.values, keys=None if mem.key_encoder == "none" else mem.key_encoder,
+                       hidden_state=mem.hidden_state, gguf_type=m.gguf_type, gguf_context=m.gguf_context, needs=needs)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 
-from chat.config import Config
+from chat.config import Config, load_options
 from chat.session import Conversation, Session, text_only_message
 from chat.textsearch import TextSearch
 from chat.banks import Banks
@@ -78,15 +78,6 @@ class Turn:
 # --------------------------------------------------------------------------- the service
 
 
-def _backend(cfg: Config) -> str:
-    """`model.backend`, where `auto` stays on transformers for what only it runs: a research decoder switched
-    on in the configuration, int8 weights."""
-    research = cfg.generation.entropy_decoding is not None or cfg.generation.mixture.enabled
-    return "transformers" if cfg.model.backend == "auto" and (research or cfg.model.quantize != "none") \
-        else cfg.model.backend
-
-
-
 class Service:
     """Everything the UI can ask for. One per server; thread-safe."""
 
@@ -94,14 +85,7 @@ class Service:
                  loader: Callable[[], LoadedModel] | None = None, text_search: TextSearch | None = None):
         self.cfg = cfg
         self._lm = lm
-        self._loader = loader or (lambda: load_model(cfg.model.path, adapter=cfg.model.adapter,
-                                                     device=cfg.model.device, dtype=cfg.model.dtype,
-                                                     hidden_state=cfg.memory.hidden_state,
-                                                     quantize=cfg.model.quantize, values=cfg.memory.values,
-                                                     backend=_backend(cfg), gguf_type=cfg.model.gguf_type,
-                                                     gguf_context=cfg.model.gguf_context,
-                                                     keys=None if cfg.memory.key_encoder == "none"
-                                                     else cfg.memory.key_encoder))
+        self._loader = loader or (lambda: load_model(cfg.model.path, load_options(cfg)))
         if cfg.memory.store == "milvus":  # refuse to start, naming the URI, when nothing answers there
             MilvusBank.connect(cfg.memory.milvus_uri).close()
         self.files = Path(tempfile.mkdtemp(prefix="recall-chat-"))

@@ -107,7 +107,8 @@ class Conversation:
                      place: Callable[[int], tuple[list[int], dict, RecallEvent]] | None = None) -> dict:
         """Append a user turn; return the model inputs for the whole conversation. `recall_first` starts the
         answer with `<recall>`; `place` instead reads a memory at the end of the user's message: called with
-        the position after `<recall>`, it gives the memory's tokens, vectors and event (`decoding.engine.memory_now`)."""
+        the position after `<recall>`, it gives the memory's tokens, vectors and event (`decoding.engine.memory_now`).
+        """
         if images and not self.lm.is_vision:
             raise TextOnlyModelError(text_only_message(self.lm, len(images)))
         user = Message("user", text, [str(p) for p in images], start=len(self.ids))

@@ -59,8 +59,16 @@ class Engine:
         drafts = dict(draft_head=draft_head_for(lm, mix.head) if mix.speculative and mix.draft == "head" else None,
                       draft_gguf=gguf_draft_for(lm, mix.gguf) if mix.speculative and mix.draft == "gguf" else None)
         # (the whole prompt is read again: the mixture keeps no cache between turns)
-        return stream_mixture(lm.merged(), target, dataclasses.replace(prompt, cache=None), settings, recall=recall,
-                              tokenizer=lm.tokenizer, interrupt=interrupt, controls=dataclasses.replace(controls, **drafts))
+        return stream_mixture(
+            lm.merged(),
+            target,
+            dataclasses.replace(prompt, cache=None),
+            settings,
+            recall=recall,
+            tokenizer=lm.tokenizer,
+            interrupt=interrupt,
+            controls=dataclasses.replace(controls, **drafts),
+        )
 
 
 def cache_length(cache: Any) -> int:

@@ -328,7 +328,7 @@ class OptimalSpeculativeDecoder:
     """Seed 003's class, now exact: `generate` draws from q* with Leviathan et al.'s rule, k = γ drafts
     per verify from π_θ (as the seed meant, with θ's logits reused by the verify when the two models run
     as two forwards), α* per step to `tol`. `model_t=None`: a PEFT model against its own base.
-    `draft="gguf"` with `gguf=` a llama_cpp.Llama (models.gguf.load_gguf_draft) drafts with llama.cpp."""
+    `draft="gguf"` with `gguf=` a llama.cpp model (models.gguf.load_gguf_draft) drafts with llama.cpp."""
 
     def __init__(self, model_theta, model_t=None, k: int = 5, tol: float = 1e-6, draft: str = "theta", gguf=None):
         if draft == "head":

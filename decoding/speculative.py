@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 from decoding.compiled import crop
+from decoding.gguf_draft import GGUFDraft
 from decoding.forward import Forward
 from models.modeling import is_peft, set_adapter_merged
 
@@ -331,7 +332,7 @@ class ModelPair:
 def make_draft(kind: str, pair: ModelPair, model_theta, ngram: int = 3, head: torch.nn.Module | None = None,
                gguf=None):
     """The draft for `kind` ("ngram", "theta", "target", "head": `head`, a trained DraftHead; "gguf":
-    `gguf`, a llama_cpp.Llama) on `pair`."""
+    `gguf`, a `models.llamacpp.LlamaCppModel` from `models.gguf.load_gguf_draft`) on `pair`."""
     if not pair.can_roll_back:
         raise ValueError("the model has sliding-window attention layers, whose cache cannot be rolled back after a "
                          "rejected draft: set mixture speculative=False")
@@ -345,8 +346,6 @@ def make_draft(kind: str, pair: ModelPair, model_theta, ngram: int = 3, head: to
     if kind == "gguf":
         if gguf is None:
             raise ValueError("draft='gguf' needs a llama.cpp model (models.gguf.load_gguf_draft)")
-        from decoding.gguf_draft import GGUFDraft
-
         return GGUFDraft(gguf, pair.vocab, device=pair.device)
     row = 0 if kind == "theta" else 1
     if not pair.batched:  # the drafting model's own cache in the pair; the verify reuses its logits

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from models.embedded import EMBEDDED_NAME, RECALL_ADAPTER, cache_root, digest, embedded_gguf, once
-from models.loading import load_transformers_model
+from models.loading import LoadOptions, load_transformers_model
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def recall_gguf(qtype: str = "q8_0") -> Path:
 def _write_recall_gguf(folder: Path, out: Path, qtype: str) -> Path:
     log.warning("first run: writing %s with %s merged as a %s GGUF to %s; later starts reuse it",
                 EMBEDDED_NAME, RECALL_ADAPTER.name, qtype, out)
-    lm = load_transformers_model(None, device="cpu")  # a fresh copy of our own: merging below changes it
+    lm = load_transformers_model(None, LoadOptions(device="cpu"))  # a fresh copy of our own: merging changes it
     tokens = getattr(lm.model.get_input_embeddings(), "token_adapter", None)  # PEFT's trainable-token rows
     with warnings.catch_warnings():  # load_model merged the adapter already (fp32): PEFT says so, and unloads
         warnings.filterwarnings("ignore", "All adapters are already merged")

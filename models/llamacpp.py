@@ -43,9 +43,9 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from models.embedded import EMBEDDED_NAME, RECALL_ADAPTER, embedded_gguf, resolve_adapter, resolve_device
-from models.encoder import HiddenStateSpec, ValueKind
+from models.encoder import ValueKind
 from models.gguf_export import recall_gguf
-from models.loading import LoadedModel, add_recall_tokens, memory_encoder
+from models.loading import LoadedModel, LoadOptions, add_recall_tokens, memory_encoder
 from models.spec import ModelSpec
 
 log = logging.getLogger("models.llamacpp")
@@ -120,8 +120,9 @@ class LlamaCppModel(nn.Module):
                              f"{self.path.name}")
         self._mem = lib.llama_get_memory(self._ctx)
         self.context = min(lib.llama_n_ctx_seq(self._ctx), train)  # positions one conversation holds
-        self.sequences, self.batch_tokens = sequences, batch_tokens
-        self._batch = lib.llama_batch_init(batch_tokens, self.n_embd, 1)
+        # (llama.cpp keeps a batch within the context: a small one evaluates at most that many positions at once)
+        self.sequences, self.batch_tokens = sequences, min(batch_tokens, lib.llama_n_batch(self._ctx))
+        self._batch = lib.llama_batch_init(self.batch_tokens, self.n_embd, 1)
         self._embedding_mode = None
         self._seats: dict[int, weakref.ref] = {}  # seq id -> the cache holding it (weakly: dropping it frees the seq)
         self._clock = itertools.count(1)
@@ -158,6 +159,18 @@ class LlamaCppModel(nn.Module):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
+
+    def tokenize(self, text: str) -> list[int]:
+        """The GGUF's own token ids of plain `text` (no BOS, special tokens read as text)."""
+        lib = _lib()
+        data = text.encode()
+        size = len(data) + 8
+        while True:
+            buf = (lib.llama_token * size)()
+            n = lib.llama_tokenize(lib.llama_model_get_vocab(self._model), data, len(data), buf, size, False, False)
+            if n >= 0:
+                return list(buf[:n])
+            size = -n  # (too small: llama.cpp says how many it needs)
 
     def add_token_rows(self, size: int) -> None:
         """Grow the table to `size` rows for tokens added to the tokenizer (the recall tokens of a model never
@@ -297,10 +310,10 @@ GGUF_TYPES = ("q8_0", "q4_1", "f16", "f32")  # q4_1: 4-bit where the adapter lef
 TRANSFORMERS = "set model.backend: transformers"
 
 
-def load_gguf_model(path: str | Path | None, *, adapter="auto", values: str = "auto", keys="auto",
-                    hidden_state: HiddenStateSpec = HiddenStateSpec(), gguf_type: str = "q8_0",
-                    gguf_context: int = 2048, device: str = "auto", quantize: str = "none"):
-    """A `LoadedModel` whose model is a `LlamaCppModel` on a GGUF file."""
+def load_gguf_model(path: str | Path | None, options: LoadOptions = LoadOptions()) -> LoadedModel:
+    """A `LoadedModel` whose model is a `LlamaCppModel` on a GGUF file (`path`; None: the embedded model's)."""
+    adapter, values, device, quantize, gguf_type = (options.adapter, options.values, options.device, options.quantize,
+                                                    options.gguf_type)
 
     if quantize != "none":
         raise ValueError(f"model.quantize {quantize} is a transformers option; a GGUF's weights are quantized "
@@ -345,14 +358,16 @@ def load_gguf_model(path: str | Path | None, *, adapter="auto", values: str = "a
     if not tokenizer.chat_template:
         raise ValueError(f"{file.name} has no chat template (tokenizer.chat_template): the chat needs one; use a "
                          "chat (instruct) model's GGUF")
-    model = LlamaCppModel(file, context=gguf_context)
+    model = LlamaCppModel(file, context=options.gguf_context)
     if model.recurrent:
-        raise ValueError(f"{file.name} is a recurrent model ({model.meta('general.architecture')}): the recall loop needs a "
-                         "decoder whose KV cache can be cut back to any position (llama.cpp's transformer decoders)")
+        raise ValueError(
+            f"{file.name} is a recurrent model ({model.meta('general.architecture')}): the recall loop needs a "
+            "decoder whose KV cache can be cut back to any position (llama.cpp's transformer decoders)"
+        )
     if len(tokenizer) < model.n_vocab:
         raise ValueError(f"{file.name}: the tokenizer has {len(tokenizer)} tokens but the model {model.n_vocab}")
     tokens = add_recall_tokens(tokenizer)
     model.add_token_rows(len(tokenizer))
-    encoder = memory_encoder(adapter_dir, model.n_embd, values, keys, hidden_state,
+    encoder = memory_encoder(adapter_dir, model.n_embd, values, options.keys, options.hidden_state,
                              EMBEDDED_NAME if path is None else file.stem)
     return LoadedModel(model=model, tokenizer=tokenizer, tokens=tokens, name=name, encoder=encoder, spec=model.spec)

@@ -90,8 +90,8 @@ class LoadedModel:
         return self._targets[key]
 
     def _load_target(self, path: str) -> PreTrainedModel:
-        other = load_transformers_model(path, adapter=None, device=str(self.device),
-                                        dtype=str(self.dtype).split(".")[-1])
+        other = load_transformers_model(path, LoadOptions(adapter=None, device=str(self.device),
+                                                          dtype=str(self.dtype).split(".")[-1]))
         if other.tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise ValueError(f"mixture target {path!r} has another tokenizer than {self.name}: q* mixes two "
                              "distributions over the same tokens")
@@ -211,25 +211,37 @@ def memory_encoder(adapter: Path | None, hidden: int, values: str, keys, hidden_
     return encoder if values == "auto" else encoder.with_values(values)
 
 
-def load_transformers_model(
-    path: str | os.PathLike | None = None,
-    *,
-    adapter: str | os.PathLike | None = "auto",
-    device: str = "auto",
-    dtype: str = "float32",
-    hidden_state: HiddenStateSpec = HiddenStateSpec(),
-    quantize: str = "none",
-    values: str = "auto",
-    keys: str | os.PathLike | None = "auto",
-) -> LoadedModel:
-    """Load a model folder (or the embedded default when `path` is None) on transformers, ready for generation.
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load a model (the configuration's `model` keys, and the `memory` keys of its encoder).
 
+    `backend`: `transformers`, `llamacpp` or `auto` (`models.load.resolve_backend`).
     `adapter`: a PEFT folder, `auto` (the shipped recall adapter for the embedded model) or None.
+    `device`, `dtype`: where and in what the weights run (transformers).
+    `quantize`: `none`, or `int8` (models/quantize.py; the adapter is merged into the int8 weights).
     `values`: the memory value kind written (`models/encoder.py`); `auto`: the adapter's, else `tokens`.
     `keys`: the key encoder's adapter folder (`auto`: the shipped one, None: the stock encoder).
     `hidden_state`: the pooled hidden state of `state` values.
-    `quantize`: `none`, or `int8` (models/quantize.py; the adapter is merged into the int8 weights).
+    `gguf_type`, `gguf_context`: llama.cpp's: the embedded recall model's GGUF type, positions a conversation.
+    `needs`: capabilities (`models.spec`) the configured decoders switch on: `auto` picks a backend that has them.
     """
+
+    backend: str = "transformers"
+    adapter: str | os.PathLike | None = "auto"
+    device: str = "auto"
+    dtype: str = "float32"
+    quantize: str = "none"
+    values: str = "auto"
+    keys: str | os.PathLike | None = "auto"
+    hidden_state: HiddenStateSpec = HiddenStateSpec()
+    gguf_type: str = "q8_0"
+    gguf_context: int = 2048
+    needs: frozenset[str] = frozenset()
+
+
+def load_transformers_model(path: str | os.PathLike | None = None, options: LoadOptions = LoadOptions()) -> LoadedModel:
+    """Load a model folder (or the embedded default when `path` is None) on transformers, ready for generation."""
+    adapter, device, dtype, quantize = options.adapter, options.device, options.dtype, options.quantize
     if path is None:
         folder, name = embedded_model_dir(), EMBEDDED_NAME
     else:
@@ -257,7 +269,7 @@ def load_transformers_model(
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[dtype])
     tokens = ensure_special_tokens(model, tokenizer)
     adapter = resolve_adapter(adapter, path)
-    encoder = memory_encoder(adapter, hidden_size(model), values, keys, hidden_state, name)
+    encoder = memory_encoder(adapter, hidden_size(model), options.values, options.keys, options.hidden_state, name)
     if adapter is not None:
         from peft import PeftModel
 

@@ -44,9 +44,11 @@ class ModelSpec:
         """Refuse a memory bank whose values do not fit this model's hidden size, or whose keys the `<recall>`
         state cannot query when no `query` maps it (a bank keyed by text embeddings)."""
         if not bank.token_values and bank.value_dim != self.hidden_size:  # (token ids: the model embeds them)
-            raise ValueError(f"memory bank has value vectors of dimension {bank.value_dim}, but the model's hidden size "
-                             f"is {self.hidden_size}: build the bank with this model (or load the model the bank was "
-                             "built with)")
+            raise ValueError(
+                f"memory bank has value vectors of dimension {bank.value_dim}, but the model's hidden size "
+                f"is {self.hidden_size}: build the bank with this model (or load the model the bank was "
+                "built with)"
+            )
         if query is None and bank.dim != self.hidden_size:
             raise ValueError(f"memory bank has keys of dimension {bank.dim} (text embeddings) but no query maps the "
                              f"<recall> state (dimension {self.hidden_size}) to them: give Recall(query=...)")

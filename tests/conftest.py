@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3VLCo
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from models import LoadedModel, embedded_model_dir, ensure_special_tokens, load_model
+from models import LoadedModel, embedded_model_dir, ensure_special_tokens, LoadOptions, load_model
 from models.vision import CHAT_TEMPLATE, IMAGE_PAD, VISION_END, VISION_START, load_image_processor
 
 # pytest-xdist runs the suite in several processes (pyproject: -n auto): each gets its share of the cores, so
@@ -39,14 +39,14 @@ def smollm2_dir():
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir) -> LoadedModel:
     """The real embedded model (fp32, CPU)."""
-    return load_model(None, device="cpu")
+    return load_model(None, LoadOptions(device="cpu"))
 
 
 @pytest.fixture(scope="session")
 def default_lm(smollm2_dir) -> LoadedModel:
     """What the app runs by default on a CPU: the embedded model with its recall adapter, merged and written
     once as a Q8_0 GGUF, on llama.cpp (`model.backend: auto`)."""
-    return load_model(None, backend="llamacpp", gguf_type="q8_0")
+    return load_model(None, LoadOptions(backend="llamacpp", gguf_type="q8_0"))
 
 
 def _tokenizer(smollm2_dir):

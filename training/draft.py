@@ -38,7 +38,7 @@ from decoding.draft_head import DraftHead, head_config
 from decoding.forward import Forward
 from decoding.mixture import solve_alpha
 from models.modeling import backbone_and_head
-from models import load_model
+from models import LoadOptions, load_model
 from models.embedded import cache_root
 from training.data import prompt_ids
 from training.train import replies
@@ -205,7 +205,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="the head's folder (default: the cache root's draft-head/head)")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
-    lm = load_model(None, device="cpu")
+    lm = load_model(None, LoadOptions(device="cpu"))
     theta, tok = lm.merged(), lm.tokenizer
     base = lm.mixture_target(None)
     work = cache_root() / "draft-head"

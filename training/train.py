@@ -326,11 +326,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    from models import load_model
+    from models import LoadOptions, load_model
 
     recipe = parse_recipe(args.overrides)
     torch.manual_seed(recipe.seed)  # the new tokens' rows start from seeded noise
-    lm = load_model(args.model, adapter=None, device=args.device)  # train from the base model
+    lm = load_model(args.model, LoadOptions(adapter=None, device=args.device))  # train from the base model
     train(lm, recipe, Path(args.out))
 
 

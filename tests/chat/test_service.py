@@ -594,10 +594,14 @@ def test_the_decode_step_compiles_in_the_background(smollm2_dir, text_search, mo
 
 
 def test_backend_auto_stays_on_transformers_for_what_only_it_runs():
-    from chat.service import _backend
+    from chat.config import load_options
+    from models.load import resolve_backend
 
-    assert _backend(config()) == "auto"  # the embedded model: llama.cpp on a CPU (models.load.resolve_backend)
-    assert _backend(config("generation.entropy_decoding=trough")) == "transformers"
-    assert _backend(config("generation.mixture.enabled=true")) == "transformers"
-    assert _backend(config("model.quantize=int8")) == "transformers"
-    assert _backend(config("model.backend=llamacpp", "generation.mixture.enabled=true")) == "llamacpp"  # refused
+    def backend(*overrides):
+        return resolve_backend(load_options(config(*overrides)), None)
+
+    assert backend() == "llamacpp"  # the embedded model on a CPU (llama-cpp-python is installed here)
+    assert backend("generation.entropy_decoding=trough") == "transformers"
+    assert backend("generation.mixture.enabled=true") == "transformers"
+    assert backend("model.quantize=int8") == "transformers"
+    assert backend("model.backend=llamacpp", "generation.mixture.enabled=true") == "llamacpp"  # refused at the answer

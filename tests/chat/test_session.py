@@ -51,10 +51,27 @@ def test_memory_recalled_in_turn_one_is_still_seen_in_turn_three(tiny_llama, ban
     # ... equals a fresh prefill of the whole conversation with the turn-1 memory placed again
     start = conv.messages[-1].start
     prompt = {"input_ids": torch.tensor([conv.ids[:start]])}
-    fresh = generate(lm.model, Prompt(prompt, memory_vectors={p: conv.memory[p]}), GenerationSettings(max_new_tokens=6), recall=Recall(lm.tokens.recall, lm.tokens.memory_pad, bank), controls=Controls(eos_token_id=lm.tokenizer.eos_token_id))
+    fresh = generate(
+        lm.model,
+        Prompt(prompt, memory_vectors={p: conv.memory[p]}),
+        GenerationSettings(max_new_tokens=6),
+        recall=Recall(lm.tokens.recall, lm.tokens.memory_pad, bank),
+        controls=Controls(eos_token_id=lm.tokenizer.eos_token_id),
+    )
     assert fresh.new_tokens[0].tolist() == turn3
-    without = generate(lm.model, prompt, GenerationSettings(max_new_tokens=6), controls=Controls(output_logits=True, eos_token_id=lm.tokenizer.eos_token_id))
-    with_memory = generate(lm.model, Prompt(prompt, memory_vectors={p: conv.memory[p]}), GenerationSettings(max_new_tokens=6), recall=Recall(lm.tokens.recall, lm.tokens.memory_pad), controls=Controls(output_logits=True, eos_token_id=lm.tokenizer.eos_token_id))
+    without = generate(
+        lm.model,
+        prompt,
+        GenerationSettings(max_new_tokens=6),
+        controls=Controls(output_logits=True, eos_token_id=lm.tokenizer.eos_token_id),
+    )
+    with_memory = generate(
+        lm.model,
+        Prompt(prompt, memory_vectors={p: conv.memory[p]}),
+        GenerationSettings(max_new_tokens=6),
+        recall=Recall(lm.tokens.recall, lm.tokens.memory_pad),
+        controls=Controls(output_logits=True, eos_token_id=lm.tokenizer.eos_token_id),
+    )
     assert not torch.allclose(without.logits, with_memory.logits, atol=1e-3)  # the memory matters in turn 3
     del inputs_before
 

@@ -161,7 +161,15 @@ def test_the_cache_a_request_takes_back_continues_its_conversation(tiny_llama):
     s = GenerationSettings(max_new_tokens=12)
     alone = generate(lm.model, Prompt(prompt(lm, QUESTIONS[0]), cache=DynamicCache(config=lm.model.config)), s, **kw)
     batch = Batch()
-    gens = [(stream_generate(lm.model, Prompt(prompt(lm, q), cache=DynamicCache(config=lm.model.config)), s, batch=batch, **kw), threading.Event()) for q in QUESTIONS]
+    gens = [
+        (
+            stream_generate(
+                lm.model, Prompt(prompt(lm, q), cache=DynamicCache(config=lm.model.config)), s, batch=batch, **kw
+            ),
+            threading.Event(),
+        )
+        for q in QUESTIONS
+    ]
     together, _ = drive({0: gens}, batch)
     mine = result_of(together[0])
     assert_decodes_alike(mine, alone)

@@ -59,7 +59,12 @@ def test_compiled_loop_matches_generate_and_the_eager_loop(fast_llama, settings)
     assert isinstance(fast.cache, StaticCache)  # it took the compiled path
     assert fast.sequences.tolist() == expected.tolist()
     torch.manual_seed(7)
-    eager = generate(lm.model, Prompt(inputs, cache=DynamicCache(config=lm.model.config)), settings, controls=Controls(output_logits=True))
+    eager = generate(
+        lm.model,
+        Prompt(inputs, cache=DynamicCache(config=lm.model.config)),
+        settings,
+        controls=Controls(output_logits=True),
+    )
     torch.testing.assert_close(fast.logits, eager.logits, atol=1e-4, rtol=1e-4)
 
 

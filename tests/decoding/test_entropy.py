@@ -314,7 +314,12 @@ def test_oracle_gemma2_softcapped_and_gpt2(family, smollm2_dir):
     model = model_cls(config).eval()
     randomise_norms(model)
     inputs = tok([CHAT.format("Tell me about the sea and the sky.")], return_tensors="pt")
-    result = generate(model, inputs, entropy_settings(max_new_tokens=10), controls=Controls(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    result = generate(
+        model,
+        inputs,
+        entropy_settings(max_new_tokens=10),
+        controls=Controls(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
+    )
     logits = oracle_logits(model, input_ids=result.sequences)
     if family == "gemma2":
         assert float(logits.abs().max()) <= 5.0  # every layer soft-capped
@@ -337,7 +342,12 @@ def test_processors_see_each_step_once_on_rows_repeated_per_layer(llama):
     inputs = llama.tokenizer(["Hello there, how", "The quick brown fox jumps over the"], return_tensors="pt",
                              padding=True, padding_side="left")
     spy = Spy()
-    result = generate(llama.model, inputs, GenerationSettings(max_new_tokens=5, entropy_decoding="trough"), controls=Controls(logits_processor=LogitsProcessorList([spy])))
+    result = generate(
+        llama.model,
+        inputs,
+        GenerationSettings(max_new_tokens=5, entropy_decoding="trough"),
+        controls=Controls(logits_processor=LogitsProcessorList([spy])),
+    )
     assert len(spy.calls) == result.steps == 5
     vocab = llama.model.config.vocab_size
     for t, (ids, shape) in enumerate(spy.calls):
@@ -354,7 +364,12 @@ def test_classifier_free_guidance_and_unknown_modes_are_refused(llama):
     cfg = LogitsProcessorList([UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, llama.model)])
     inputs = llama.tokenizer(["Hello"], return_tensors="pt")
     with pytest.raises(ValueError, match="classifier-free guidance"):
-        generate(llama.model, inputs, GenerationSettings(max_new_tokens=2, entropy_decoding="trough"), controls=Controls(logits_processor=cfg))
+        generate(
+            llama.model,
+            inputs,
+            GenerationSettings(max_new_tokens=2, entropy_decoding="trough"),
+            controls=Controls(logits_processor=cfg),
+        )
 
 
 def test_config_keys_reach_the_settings(tmp_path):
@@ -443,7 +458,9 @@ def test_stop_within_one_step_with_image(qwen3vl, small_image):
     inputs = vl_inputs(lm, small_image)
     stop = threading.Event()
     events, after_stop = [], 0
-    for event in stream_generate(lm.model, inputs, entropy_settings(max_new_tokens=30), tokenizer=lm.tokenizer, interrupt=stop):
+    for event in stream_generate(
+        lm.model, inputs, entropy_settings(max_new_tokens=30), tokenizer=lm.tokenizer, interrupt=stop
+    ):
         events.append(event)
         if isinstance(event, TokenEvent):
             after_stop += stop.is_set()
@@ -474,8 +491,16 @@ def test_stop_right_after_recall_keeps_the_trace_aligned(llama):
     s = entropy_settings(max_new_tokens=30, sequence_bias=(((lm.tokens.recall,), 1e4),))  # recalls at once
     inputs = lm.tokenizer([CHAT.format("Go")], return_tensors="pt")
     p, stop = inputs["input_ids"].shape[1], threading.Event()
-    events = list(stream_generate(lm.model, inputs, s, recall=Recall(lm.tokens.recall, lm.tokens.memory_pad,
-                                                                     bank_for(lm)), interrupt=stop, controls=Controls(stopping_criteria=StoppingCriteriaList([StopAfter(p + 3, stop)]))))
+    events = list(
+        stream_generate(
+            lm.model,
+            inputs,
+            s,
+            recall=Recall(lm.tokens.recall, lm.tokens.memory_pad, bank_for(lm)),
+            interrupt=stop,
+            controls=Controls(stopping_criteria=StoppingCriteriaList([StopAfter(p + 3, stop)])),
+        )
+    )
     result = events[-1].result  # <recall> <|memory_pad|> <recall>: the stop lands on the second, unanswered one
     assert result.finish_reasons == ["interrupted"] and result.steps == 3
     assert result.new_tokens[0].tolist() == [lm.tokens.recall, lm.tokens.memory_pad]
@@ -489,7 +514,9 @@ def test_stop_during_prefill_gives_an_empty_trace(llama):
     stop = threading.Event()
     inputs = llama.tokenizer([CHAT.format("A long prompt " * 10)], return_tensors="pt")
     events = []
-    for e in stream_generate(llama.model, inputs, entropy_settings(), interrupt=stop, controls=Controls(prefill_chunk=8)):
+    for e in stream_generate(
+        llama.model, inputs, entropy_settings(), interrupt=stop, controls=Controls(prefill_chunk=8)
+    ):
         events.append(e)
         stop.set()
     trace = events[-1].result.entropy

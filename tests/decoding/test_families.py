@@ -84,8 +84,13 @@ def test_replay_of_injected_memories(family, tokenizer):
     inputs = tok([CHAT.format("What do you remember?")], return_tensors="pt")
     db = bank(model)
     s = GenerationSettings(do_sample=True, max_new_tokens=20, seed=3, sequence_bias=(((tokens.recall,), 8.0),))
-    result = generate(model, inputs, s, recall=Recall(tokens.recall, tokens.memory_pad, db,
-                                                      RecallSettings(top_k=3, use_sampling=True)), controls=Controls(output_logits=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    result = generate(
+        model,
+        inputs,
+        s,
+        recall=Recall(tokens.recall, tokens.memory_pad, db, RecallSettings(top_k=3, use_sampling=True)),
+        controls=Controls(output_logits=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
+    )
     assert len(result.injections) >= 2
     emb = model.get_input_embeddings()(result.sequences).clone()
     for pos, vec in result.memory_vectors[0].items():

@@ -23,7 +23,7 @@ from models.llamacpp import LlamaCppModel
 from decoding.memory import Recall
 from decoding.settings import RecallSettings
 from memory import MemoryVectorDB
-from models import load_model
+from models import LoadOptions, load_model
 from tests_helpers import result
 
 pytestmark = pytest.mark.slow
@@ -129,13 +129,25 @@ def test_an_injected_k_slot_memory_is_read_back_exactly(recall_lm):
     conv = Conversation(recall_lm)
     recall = conv.recall(bank, RecallSettings(), QUESTION)
     inputs = {"input_ids": torch.cat([prompt(recall_lm), torch.tensor([[recall_lm.tokens.recall]])], dim=1)}
-    out = generate(recall_lm.model, inputs, GenerationSettings(max_new_tokens=24, min_new_tokens=24,
-                                                               repetition_penalty=1.0), recall=recall, tokenizer=recall_lm.tokenizer, controls=Controls(output_logits=True))
+    out = generate(
+        recall_lm.model,
+        inputs,
+        GenerationSettings(max_new_tokens=24, min_new_tokens=24, repetition_penalty=1.0),
+        recall=recall,
+        tokenizer=recall_lm.tokenizer,
+        controls=Controls(output_logits=True),
+    )
     (event,) = out.injections
     assert event.length > 4 and event.text.startswith("Mira Castellan")  # k slots: one a token of the memory
     seq = out.sequences
     assert seq.shape[1] > event.position + event.length + 4  # the last step is well after the memory
-    again = generate(recall_lm.model, Prompt({"input_ids": seq[:, :-1]}, memory_vectors=out.memory_vectors), GenerationSettings(max_new_tokens=1), recall=recall, controls=Controls(output_logits=True))
+    again = generate(
+        recall_lm.model,
+        Prompt({"input_ids": seq[:, :-1]}, memory_vectors=out.memory_vectors),
+        GenerationSettings(max_new_tokens=1),
+        recall=recall,
+        controls=Controls(output_logits=True),
+    )
     step, fresh = out.logits[0, -1], again.logits[0, 0]
     assert int(step.argmax()) == int(fresh.argmax()) == int(seq[0, -1])
     # the same numbers on AVX2 (corr 1.0, max diff 0); AVX-only kernels give the k positions and the prefill
@@ -230,13 +242,13 @@ def test_loading_refusals_name_the_setting(tmp_path):
     from models.llamacpp import load_gguf_model
 
     with pytest.raises(ValueError, match="model.quantize"):
-        load_model(None, backend="llamacpp", quantize="int8")
+        load_model(None, LoadOptions(backend="llamacpp", quantize="int8"))
     with pytest.raises(ValueError, match="memory.values"):
-        load_model(None, backend="llamacpp", values="state")
+        load_model(None, LoadOptions(backend="llamacpp", values="state"))
     with pytest.raises(FileNotFoundError, match="not a .gguf file"):
-        load_model(str(tmp_path), backend="llamacpp")
+        load_model(str(tmp_path), LoadOptions(backend="llamacpp"))
     with pytest.raises(ValueError, match="model.gguf_type"):
-        load_gguf_model(None, gguf_type="q2_k")
+        load_gguf_model(None, LoadOptions(gguf_type="q2_k"))
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,13 @@ def run_with_recalls(lm, inputs, db, seed=0, steps=24):
     """Sample with a bias towards <recall> so the model recalls several times by itself."""
     s = GenerationSettings(do_sample=True, max_new_tokens=steps, seed=seed,
                            sequence_bias=(((lm.tokens.recall,), 6.0),))
-    return generate(lm.model, inputs, s, recall=recall_of(lm, db, RecallSettings(top_k=4, use_sampling=True)), controls=Controls(output_logits=True))
+    return generate(
+        lm.model,
+        inputs,
+        s,
+        recall=recall_of(lm, db, RecallSettings(top_k=4, use_sampling=True)),
+        controls=Controls(output_logits=True),
+    )
 
 
 def replay_embeds(lm, result):
@@ -400,7 +406,12 @@ def test_max_new_tokens_gives_length_and_stop_strings_stop(tiny_llama):
     res = generate(tiny_llama.model, inputs, GenerationSettings(max_new_tokens=5))
     assert res.finish_reasons == ["length"] and res.new_tokens.shape[1] == 5
     first = tiny_llama.tokenizer.decode(res.new_tokens[0, 2:4])
-    res2 = generate(tiny_llama.model, inputs, GenerationSettings(max_new_tokens=5, stop_strings=(first,)), tokenizer=tiny_llama.tokenizer)
+    res2 = generate(
+        tiny_llama.model,
+        inputs,
+        GenerationSettings(max_new_tokens=5, stop_strings=(first,)),
+        tokenizer=tiny_llama.tokenizer,
+    )
     assert res2.finish_reasons == ["stop"] and res2.new_tokens.shape[1] == 4
 
 
@@ -442,12 +453,22 @@ def test_cache_reuse_across_turns_equals_full_prefill(tiny_qwen3vl, small_image)
               "pixel_values": torch.cat([first["pixel_values"], second["pixel_values"]]),
               "image_grid_thw": torch.cat([first["image_grid_thw"], second["image_grid_thw"]])}
     s = GenerationSettings(max_new_tokens=8)
-    cached = generate(lm.model, Prompt(inputs, cache=turn1.cache, memory_vectors=turn1.memory_vectors[0]), s, **kw, controls=Controls(output_logits=True))
-    fresh = generate(lm.model, Prompt(inputs, memory_vectors=turn1.memory_vectors[0]), s, **kw, controls=Controls(output_logits=True))
+    cached = generate(
+        lm.model,
+        Prompt(inputs, cache=turn1.cache, memory_vectors=turn1.memory_vectors[0]),
+        s,
+        **kw,
+        controls=Controls(output_logits=True),
+    )
+    fresh = generate(
+        lm.model, Prompt(inputs, memory_vectors=turn1.memory_vectors[0]), s, **kw, controls=Controls(output_logits=True)
+    )
     torch.testing.assert_close(cached.logits, fresh.logits, atol=1e-4, rtol=1e-4)
     assert cached.sequences.tolist() == fresh.sequences.tolist()
     # and the memory really matters: without it the logits differ
-    without = generate(lm.model, inputs, s, **{**kw, "recall": recall_of(lm, None)}, controls=Controls(output_logits=True))
+    without = generate(
+        lm.model, inputs, s, **{**kw, "recall": recall_of(lm, None)}, controls=Controls(output_logits=True)
+    )
     assert not torch.allclose(without.logits, fresh.logits, atol=1e-3)
 
 
@@ -482,7 +503,12 @@ def test_debug_logs_each_recall_step(tiny_llama, caplog):
     prompt = lm.tokenizer([CHAT.format("Hi")], return_tensors="pt")["input_ids"]
     ids = torch.cat([prompt, torch.tensor([[lm.tokens.recall]])], dim=1)
     with caplog.at_level("INFO"):
-        res = generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=recall_of(lm, bank_for(lm), RecallSettings(debug=True, use_sampling=True, top_k=3)))
+        res = generate(
+            lm.model,
+            {"input_ids": ids},
+            GenerationSettings(max_new_tokens=3),
+            recall=recall_of(lm, bank_for(lm), RecallSettings(debug=True, use_sampling=True, top_k=3)),
+        )
     text = caplog.text
     r = res.injections[0]
     assert f"at position {ids.shape[1] - 1}" in text and "3 candidates" in text
@@ -536,7 +562,19 @@ def test_a_stop_in_the_middle_of_a_k_slot_recall_leaves_no_partial_memory(tiny_l
     assert streamed == seq[result.prompt_length:]
     # the next turn continues from the cache (which has not read the span yet) and places the vectors
     more = torch.tensor([seq + lm.tokenizer(CHAT.format("More"))["input_ids"]])
-    nxt = generate(lm.model, Prompt({"input_ids": more}, cache=result.cache, memory_vectors=result.memory_vectors[0]), GenerationSettings(max_new_tokens=4), recall=recall_of(lm, db), controls=Controls(output_logits=True))
-    fresh = generate(lm.model, Prompt({"input_ids": more}, memory_vectors=result.memory_vectors[0]), GenerationSettings(max_new_tokens=4), recall=recall_of(lm, db), controls=Controls(output_logits=True))
+    nxt = generate(
+        lm.model,
+        Prompt({"input_ids": more}, cache=result.cache, memory_vectors=result.memory_vectors[0]),
+        GenerationSettings(max_new_tokens=4),
+        recall=recall_of(lm, db),
+        controls=Controls(output_logits=True),
+    )
+    fresh = generate(
+        lm.model,
+        Prompt({"input_ids": more}, memory_vectors=result.memory_vectors[0]),
+        GenerationSettings(max_new_tokens=4),
+        recall=recall_of(lm, db),
+        controls=Controls(output_logits=True),
+    )
     assert nxt.sequences.tolist() == fresh.sequences.tolist()
     torch.testing.assert_close(nxt.logits, fresh.logits, atol=1e-4, rtol=1e-4)

@@ -434,7 +434,15 @@ def sample_the_same_two_tokens(case, modes, pair2, peft_lm, small_pair, small_pe
         draws, accepted = [], 0
         for seed in range(500):
             settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=2, seed=seed)
-            r = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, dataclasses.replace(settings, mixture = mixture), controls=Controls(logits_processor=processors, draft_head=head if mode == "head" else None, draft_gguf=gguf))
+            r = generate_mixture(
+                model_theta,
+                model_t,
+                {"input_ids": torch.tensor([prompt])},
+                dataclasses.replace(settings, mixture=mixture),
+                controls=Controls(
+                    logits_processor=processors, draft_head=head if mode == "head" else None, draft_gguf=gguf
+                ),
+            )
             a, b = r.new_tokens[0].tolist()
             draws.append(index[a] * ALLOWED_WORDS + index[b])
             accepted += r.accepted
@@ -456,7 +464,15 @@ class TestTheGGUFDraft:
         draws, kept = [], []
         for seed in range(600):
             settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=3, seed=seed)
-            r = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, dataclasses.replace(settings, mixture = MixtureSettings(enabled=True, speculative=True, draft="gguf", gamma=2)), controls=Controls(logits_processor=processors, draft_gguf=gguf))
+            r = generate_mixture(
+                model_theta,
+                model_t,
+                {"input_ids": torch.tensor([prompt])},
+                dataclasses.replace(
+                    settings, mixture=MixtureSettings(enabled=True, speculative=True, draft="gguf", gamma=2)
+                ),
+                controls=Controls(logits_processor=processors, draft_gguf=gguf),
+            )
             a, b, c = r.new_tokens[0].tolist()
             draws.append((index[a] * ALLOWED_WORDS + index[b]) * ALLOWED_WORDS + index[c])
             kept.append(r.accepted)
@@ -471,7 +487,18 @@ def test_greedy_speculative_equals_direct_equals_reference(pair2, peft_lm, head,
     prompt = peft_lm.tokenizer("the sea the sea the sea the").input_ids
     settings = GenerationSettings(max_new_tokens=10)
     batched = case != "peft-two-forwards"
-    runs = [generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, dataclasses.replace(settings, mixture = MixtureSettings(enabled=True, speculative=spec, draft=draft, gamma=3)), controls=Controls(eos_token_id=[], batched_pair=batched, draft_head=head, draft_gguf=gguf)) for spec in (False, True)]
+    runs = [
+        generate_mixture(
+            model_theta,
+            model_t,
+            {"input_ids": torch.tensor([prompt])},
+            dataclasses.replace(
+                settings, mixture=MixtureSettings(enabled=True, speculative=spec, draft=draft, gamma=3)
+            ),
+            controls=Controls(eos_token_id=[], batched_pair=batched, draft_head=head, draft_gguf=gguf),
+        )
+        for spec in (False, True)
+    ]
     expected = reference_greedy(model_theta, model_t, prompt, 10)
     assert runs[0].sequences[0].tolist() == expected == runs[1].sequences[0].tolist()
     assert runs[1].drafted > 0 and len(runs[1].alphas) == 10
@@ -488,10 +515,22 @@ def test_a_seeded_mixture_draws_from_its_own_random_state(pair2, peft_lm, case):
     mixture = MixtureSettings(enabled=True, speculative=True, draft="theta", gamma=3)
     torch.manual_seed(0)
     state = torch.random.get_rng_state()
-    first = generate_mixture(model_theta, model_t, {"input_ids": prompt}, dataclasses.replace(settings, mixture = mixture), controls=Controls(eos_token_id=[]))
+    first = generate_mixture(
+        model_theta,
+        model_t,
+        {"input_ids": prompt},
+        dataclasses.replace(settings, mixture=mixture),
+        controls=Controls(eos_token_id=[]),
+    )
     assert torch.equal(torch.random.get_rng_state(), state)
     torch.rand(100)
-    again = generate_mixture(model_theta, model_t, {"input_ids": prompt}, dataclasses.replace(settings, mixture = mixture), controls=Controls(eos_token_id=[]))
+    again = generate_mixture(
+        model_theta,
+        model_t,
+        {"input_ids": prompt},
+        dataclasses.replace(settings, mixture=mixture),
+        controls=Controls(eos_token_id=[]),
+    )
     assert first.sequences.tolist() == again.sequences.tolist() and first.drafted > 0
 
 
@@ -581,7 +620,16 @@ def test_peft_pair_is_one_batched_forward_per_round(peft_lm):
     handle = backbone.register_forward_hook(lambda m, a, kw_out: calls.append(1))
     try:
         prompt = peft_lm.tokenizer("one two one two one").input_ids
-        r = generate_mixture(peft_lm.model, None, {"input_ids": torch.tensor([prompt])}, dataclasses.replace(GenerationSettings(max_new_tokens=6), mixture = MixtureSettings(enabled=True, speculative=True, draft="ngram", gamma=2)), controls=Controls(eos_token_id=[]))
+        r = generate_mixture(
+            peft_lm.model,
+            None,
+            {"input_ids": torch.tensor([prompt])},
+            dataclasses.replace(
+                GenerationSettings(max_new_tokens=6),
+                mixture=MixtureSettings(enabled=True, speculative=True, draft="ngram", gamma=2),
+            ),
+            controls=Controls(eos_token_id=[]),
+        )
     finally:
         handle.remove()
     assert r.drafted > 0 and len(calls) == 1 + r.rounds  # the prefill, then one forward per verify round
@@ -607,8 +655,24 @@ def test_recall_injects_the_memory_into_both_models(pair2, peft_lm, head, gguf, 
     prompt = lm.tokenizer("tell me what you remember").input_ids
     L = len(prompt)
     processors = LogitsProcessorList([Sharpen(), BiasAt(L, lm.tokens.recall, 1e4)])
-    events = list(stream_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, dataclasses.replace(GenerationSettings(max_new_tokens=3), mixture = MixtureSettings(enabled=True, speculative=bool(speculative),
-                                                 draft=speculative if isinstance(speculative, str) else "theta")), recall=recall, tokenizer=lm.tokenizer, controls=Controls(eos_token_id=[], logits_processor=processors, draft_head=head, draft_gguf=gguf)))
+    events = list(
+        stream_mixture(
+            model_theta,
+            model_t,
+            {"input_ids": torch.tensor([prompt])},
+            dataclasses.replace(
+                GenerationSettings(max_new_tokens=3),
+                mixture=MixtureSettings(
+                    enabled=True,
+                    speculative=bool(speculative),
+                    draft=speculative if isinstance(speculative, str) else "theta",
+                ),
+            ),
+            recall=recall,
+            tokenizer=lm.tokenizer,
+            controls=Controls(eos_token_id=[], logits_processor=processors, draft_head=head, draft_gguf=gguf),
+        )
+    )
     result = events[-1].result
     assert isinstance(result, MixtureResult) and any(isinstance(e, MixtureEvent) for e in events)
     recalls = [e for e in events if isinstance(e, RecallEvent)]
@@ -649,8 +713,22 @@ def test_a_k_slot_memory_reaches_both_models_whole(pair2, peft_lm, gguf, case, s
     prompt = lm.tokenizer("tell me what you remember").input_ids
     L = len(prompt)
     processors = LogitsProcessorList([Sharpen(), BiasAt(L, lm.tokens.recall, 1e4)])
-    result = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, dataclasses.replace(GenerationSettings(max_new_tokens=7), mixture = MixtureSettings(enabled=True, speculative=bool(speculative),
-                                              draft=speculative if isinstance(speculative, str) else "theta")), recall=recall, tokenizer=lm.tokenizer, controls=Controls(eos_token_id=[], logits_processor=processors, draft_gguf=gguf))
+    result = generate_mixture(
+        model_theta,
+        model_t,
+        {"input_ids": torch.tensor([prompt])},
+        dataclasses.replace(
+            GenerationSettings(max_new_tokens=7),
+            mixture=MixtureSettings(
+                enabled=True,
+                speculative=bool(speculative),
+                draft=speculative if isinstance(speculative, str) else "theta",
+            ),
+        ),
+        recall=recall,
+        tokenizer=lm.tokenizer,
+        controls=Controls(eos_token_id=[], logits_processor=processors, draft_gguf=gguf),
+    )
     seq = result.sequences[0].tolist()
     pad, end = lm.tokens.memory_pad, lm.tokens.recall_end
     assert seq[L:L + 5] == [lm.tokens.recall, pad, pad, pad, end] and len(seq) == L + 7
@@ -671,7 +749,20 @@ def test_a_drafted_recall_cuts_the_round(pair2, peft_lm):
     recall = Recall(lm.tokens.recall, lm.tokens.memory_pad, _bank(64), RecallSettings())
     prompt = lm.tokenizer("remember this").input_ids
     processors = LogitsProcessorList([BiasAt(len(prompt) + 1, lm.tokens.recall)])
-    runs = [generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, dataclasses.replace(GenerationSettings(max_new_tokens=6), mixture = MixtureSettings(enabled=True, alpha=1.0, speculative=spec, draft="theta", gamma=4)), recall=recall, controls=Controls(eos_token_id=[], logits_processor=processors)) for spec in (False, True)]
+    runs = [
+        generate_mixture(
+            model_theta,
+            model_t,
+            {"input_ids": torch.tensor([prompt])},
+            dataclasses.replace(
+                GenerationSettings(max_new_tokens=6),
+                mixture=MixtureSettings(enabled=True, alpha=1.0, speculative=spec, draft="theta", gamma=4),
+            ),
+            recall=recall,
+            controls=Controls(eos_token_id=[], logits_processor=processors),
+        )
+        for spec in (False, True)
+    ]
     assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
     assert runs[1].sequences[0, len(prompt) + 1] == lm.tokens.recall and runs[1].accepted >= 2
     assert [e.memory_index for e in runs[0].injections] == [e.memory_index for e in runs[1].injections]
@@ -684,7 +775,19 @@ def test_the_real_pair_drafted_by_its_own_gguf_answers_as_direct(smollm2):
     tok = smollm2.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the sea."}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    runs = [generate_mixture(smollm2.merged(), smollm2.mixture_target(None), {"input_ids": ids}, dataclasses.replace(GenerationSettings(max_new_tokens=16, repetition_penalty=1.0), mixture = MixtureSettings(enabled=True, speculative=spec, draft="gguf", gamma=4)), controls=Controls(eos_token_id=[], draft_gguf=gguf_draft_for(smollm2, None))) for spec in (False, True)]
+    runs = [
+        generate_mixture(
+            smollm2.merged(),
+            smollm2.mixture_target(None),
+            {"input_ids": ids},
+            dataclasses.replace(
+                GenerationSettings(max_new_tokens=16, repetition_penalty=1.0),
+                mixture=MixtureSettings(enabled=True, speculative=spec, draft="gguf", gamma=4),
+            ),
+            controls=Controls(eos_token_id=[], draft_gguf=gguf_draft_for(smollm2, None)),
+        )
+        for spec in (False, True)
+    ]
     assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
     assert runs[1].accepted / runs[1].drafted > 0.5 and runs[1].rounds < 10
 
@@ -700,7 +803,17 @@ def test_a_seeded_answer_drafted_by_the_gguf_repeats(smollm2):
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
         settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=16, seed=seed, repetition_penalty=1.0)
-        return generate_mixture(smollm2.merged(), smollm2.mixture_target(None), {"input_ids": ids}, dataclasses.replace(settings, mixture = MixtureSettings(enabled=True, speculative=True, draft="gguf")), controls=Controls(eos_token_id=[], draft_gguf=gguf_draft_for(smollm2, None))).sequences[0].tolist()
+        return (
+            generate_mixture(
+                smollm2.merged(),
+                smollm2.mixture_target(None),
+                {"input_ids": ids},
+                dataclasses.replace(settings, mixture=MixtureSettings(enabled=True, speculative=True, draft="gguf")),
+                controls=Controls(eos_token_id=[], draft_gguf=gguf_draft_for(smollm2, None)),
+            )
+            .sequences[0]
+            .tolist()
+        )
 
     first = answer("Tell me about the sea.", 3)
     assert answer("Tell me about the sea.", 3) == first
@@ -731,13 +844,27 @@ def test_eos_inside_a_kept_block_stops_there_and_interrupt_stops_before_start(pa
     prompt = [504, 1813, 314, 253]
     eos = reference_greedy(model_theta, model_t, prompt, 3, alpha=1.0)[-1]  # the 3rd greedy token, made EOS
     mixture = MixtureSettings(enabled=True, speculative=speculative, alpha=1.0, gamma=4)  # θ's drafts all kept
-    r = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, dataclasses.replace(GenerationSettings(max_new_tokens=8), mixture = mixture), controls=Controls(eos_token_id=eos))
+    r = generate_mixture(
+        model_theta,
+        model_t,
+        {"input_ids": torch.tensor([prompt])},
+        dataclasses.replace(GenerationSettings(max_new_tokens=8), mixture=mixture),
+        controls=Controls(eos_token_id=eos),
+    )
     assert r.new_tokens[0].tolist()[-1] == eos and r.finish_reasons == ["stop"]
     assert r.sequences[0].tolist() == reference_greedy(model_theta, model_t, prompt, r.new_tokens.shape[1], alpha=1.0)
     assert not speculative or r.accepted >= 2
     stop = __import__("threading").Event()
     stop.set()
-    events = list(stream_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, GenerationSettings(mixture = mixture), interrupt=stop))
+    events = list(
+        stream_mixture(
+            model_theta,
+            model_t,
+            {"input_ids": torch.tensor([prompt])},
+            GenerationSettings(mixture=mixture),
+            interrupt=stop,
+        )
+    )
     assert events[-1].result.finish_reasons == ["interrupted"] and events[-1].result.new_tokens.shape[1] == 0
 
 
@@ -765,7 +892,17 @@ def test_the_head_drafts_from_true_features_each_round(pair2, peft_lm, head, cas
 
     HeadDraft.propose = spy
     try:
-        r = generate_mixture(model_theta, model_t, Prompt({"input_ids": torch.tensor([prompt])}, memory_vectors={memory_at: vector}), dataclasses.replace(GenerationSettings(do_sample=True, top_k=0, max_new_tokens=12, seed=3), mixture = MixtureSettings(enabled=True, speculative=True, draft="head", gamma=3)), recall=recall, controls=Controls(eos_token_id=[], draft_head=head))
+        r = generate_mixture(
+            model_theta,
+            model_t,
+            Prompt({"input_ids": torch.tensor([prompt])}, memory_vectors={memory_at: vector}),
+            dataclasses.replace(
+                GenerationSettings(do_sample=True, top_k=0, max_new_tokens=12, seed=3),
+                mixture=MixtureSettings(enabled=True, speculative=True, draft="head", gamma=3),
+            ),
+            recall=recall,
+            controls=Controls(eos_token_id=[], draft_head=head),
+        )
     finally:
         HeadDraft.propose = propose
     assert r.rounds >= 3 and len(seen) >= r.rounds - 1  # (a last round with room for no draft draws directly)
@@ -811,4 +948,12 @@ def test_the_head_draft_needs_a_head(pair2, head):
     with pytest.raises(ValueError, match="mixture head is '': must be a draft head folder"):
         MixtureSettings(enabled=True, speculative=True, draft="head", head="")
     with pytest.raises(ValueError, match="trained draft head"):
-        generate_mixture(pair2[0].model, pair2[1].model, {"input_ids": torch.tensor([[504, 1813]])}, dataclasses.replace(GenerationSettings(max_new_tokens=2), mixture = MixtureSettings(enabled=True, speculative=True, draft="head")))
+        generate_mixture(
+            pair2[0].model,
+            pair2[1].model,
+            {"input_ids": torch.tensor([[504, 1813]])},
+            dataclasses.replace(
+                GenerationSettings(max_new_tokens=2),
+                mixture=MixtureSettings(enabled=True, speculative=True, draft="head"),
+            ),
+        )

@@ -11,7 +11,7 @@ from models.gguf import embedded_gguf, gguf_draft_for, load_gguf_draft
 
 def test_the_embedded_gguf_loads_once_per_model(tiny_llama):
     llm = gguf_draft_for(tiny_llama, None)
-    assert llm.n_vocab() == 49152 and gguf_draft_for(tiny_llama, None) is llm
+    assert llm.n_vocab == 49152 and gguf_draft_for(tiny_llama, None) is llm
     assert embedded_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

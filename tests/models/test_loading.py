@@ -3,7 +3,7 @@ import logging
 import pytest
 import torch
 
-from models import EMBEDDED_NAME, embedded_model_dir, ensure_special_tokens, load_model
+from models import EMBEDDED_NAME, embedded_model_dir, ensure_special_tokens, LoadOptions, load_model
 from decoding.request import Controls
 from decoding import GenerationSettings, generate
 from memory import MemoryVectorDB
@@ -47,7 +47,7 @@ def test_missing_special_tokens_are_added_with_sensible_rows(tiny_llama, tmp_pat
     assert tok.convert_tokens_to_ids("<recall>") is None or tok.convert_tokens_to_ids("<recall>") == tok.unk_token_id
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    lm = load_model(tmp_path, device="cpu")
+    lm = load_model(tmp_path, LoadOptions(device="cpu"))
     ids = lm.tokens
     assert len({ids.recall, ids.recall_end, ids.memory_pad}) == 3
     assert lm.tokenizer.convert_tokens_to_ids("</recall>") == ids.recall_end
@@ -61,14 +61,14 @@ def test_missing_special_tokens_are_added_with_sensible_rows(tiny_llama, tmp_pat
     # looked up, not hard-coded: a second load finds the same ids without resizing again
     lm.model.save_pretrained(tmp_path / "again")
     lm.tokenizer.save_pretrained(tmp_path / "again")
-    again = load_model(tmp_path / "again", device="cpu")
+    again = load_model(tmp_path / "again", LoadOptions(device="cpu"))
     assert again.tokens == ids and again.model.get_input_embeddings().weight.shape == emb.shape
 
 
 def test_qwen3vl_checkpoint_from_a_path(tiny_qwen3vl, tmp_path, small_image):
     tiny_qwen3vl.model.save_pretrained(tmp_path)
     tiny_qwen3vl.tokenizer.save_pretrained(tmp_path)
-    lm = load_model(tmp_path, device="cpu")
+    lm = load_model(tmp_path, LoadOptions(device="cpu"))
     assert lm.is_vision and type(lm.model).__name__ == "Qwen3VLForConditionalGeneration"
     assert lm.tokens == tiny_qwen3vl.tokens and lm.hidden_size == 64
     assert lm.image_processor.patch_size == 16 and lm.image_processor.merge_size == 2
@@ -89,8 +89,8 @@ def test_peft_adapter_on_top_and_unwrapping(tiny_llama, tmp_path):
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     peft_model.save_pretrained(tmp_path / "adapter")
 
-    base = load_model(tmp_path / "base", device="cpu")
-    adapted = load_model(tmp_path / "base", adapter=tmp_path / "adapter", device="cpu")
+    base = load_model(tmp_path / "base", LoadOptions(device="cpu"))
+    adapted = load_model(tmp_path / "base", LoadOptions(adapter=tmp_path / "adapter", device="cpu"))
     from peft import PeftModel
     assert isinstance(adapted.model, PeftModel)
     inner = unwrap_model(torch.nn.DataParallel(adapted.model))
@@ -105,7 +105,7 @@ def test_peft_adapter_on_top_and_unwrapping(tiny_llama, tmp_path):
     expected = adapted.model.generate(**inputs, max_new_tokens=8, do_sample=False)
     assert a.sequences.tolist() == expected.tolist()
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
-        load_model(tmp_path / "base", adapter=tmp_path / "base")
+        load_model(tmp_path / "base", LoadOptions(adapter=tmp_path / "base"))
 
 
 def test_bank_dimension_mismatch_names_both_numbers(tiny_llama):
@@ -122,9 +122,11 @@ def test_bank_dimension_mismatch_names_both_numbers(tiny_llama):
 def test_the_backend_auto_runs_the_embedded_model_on_llamacpp_on_a_cpu_and_folders_on_transformers(tmp_path):
     from models.load import resolve_backend
 
-    assert resolve_backend("auto", None, "cpu") == "llamacpp"  # llama-cpp-python is installed here (extra gguf)
-    assert resolve_backend("auto", str(tmp_path), "cpu") == "transformers"  # a model folder
-    assert resolve_backend("transformers", None, "cpu") == "transformers"
-    assert resolve_backend("transformers", str(tmp_path / "own.GGUF"), "cpu") == "llamacpp"  # a GGUF file
+    cpu = lambda backend, **more: LoadOptions(backend=backend, device="cpu", **more)  # noqa: E731
+    assert resolve_backend(cpu("auto"), None) == "llamacpp"  # llama-cpp-python is installed here (extra gguf)
+    assert resolve_backend(cpu("auto"), str(tmp_path)) == "transformers"  # a model folder
+    assert resolve_backend(cpu("auto", needs=frozenset({"layers"})), None) == "transformers"  # entropy decoding
+    assert resolve_backend(cpu("transformers"), None) == "transformers"
+    assert resolve_backend(cpu("transformers"), str(tmp_path / "own.GGUF")) == "llamacpp"  # a GGUF file
     with pytest.raises(ValueError, match="model.backend is 'vllm'; expected auto, transformers or llamacpp"):
-        resolve_backend("vllm", None, "cpu")
+        resolve_backend(cpu("vllm"), None)

@@ -13,7 +13,7 @@ from chat.config import ConfigError, load_config
 from conftest import make_tiny_llama
 from decoding.request import Controls, Prompt
 from decoding import GenerationSettings, compiled, generate
-from models import load_model
+from models import LoadOptions, load_model
 from models.quantize import Int8Linear, int8 as quantize
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def int8():
-    return load_model(None, device="cpu", quantize="int8")
+    return load_model(None, LoadOptions(device="cpu", quantize="int8"))
 
 
 def test_every_linear_layer_is_int8_and_the_answer_stays_close_to_fp32(int8, smollm2):

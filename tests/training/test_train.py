@@ -9,7 +9,7 @@ import torch
 
 from memory import MemoryVectorDB
 from memory.validate import BankError
-from models import MemoryEncoder, load_model
+from models import MemoryEncoder, LoadOptions, load_model
 from models.encoder import ValueKind
 from models.text_keys import TextEncoder
 from training.train import Recipe, train
@@ -31,7 +31,7 @@ def trained(tmp_path_factory, smollm2_dir):
     LlamaForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     torch.manual_seed(0)
-    lm = load_model(folder, adapter=None, device="cpu")
+    lm = load_model(folder, LoadOptions(adapter=None, device="cpu"))
     out = tmp_path_factory.mktemp("adapter")
     model, encoder = train(lm, Recipe(**TINY), out, keys=TextEncoder(adapter=None))
     return folder, out, model, encoder, lm
@@ -61,7 +61,7 @@ def test_the_adapter_loads_back_with_its_encoder(trained, tmp_path):
     assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors",
                                                "memory_encoder.json", "memory_projector.safetensors",
                                                "training_log.csv", "recipe.json"}
-    loaded = load_model(folder, adapter=out, device="cpu", keys=None)
+    loaded = load_model(folder, LoadOptions(adapter=out, device="cpu", keys=None))
     assert loaded.recall_trained and str(loaded.encoder.values) == "tokens" and loaded.encoder.close == "</recall>"
     assert loaded.encoder.base_name.startswith(encoder.base_name + "@") and loaded.encoder.placement == "answer"
     ids = torch.tensor([[1, 2, 3, lm.tokens.recall, lm.tokens.memory_pad]])
@@ -81,13 +81,13 @@ def test_the_adapter_loads_back_with_its_encoder(trained, tmp_path):
 
 def test_a_bank_from_another_encoder_is_refused(trained, tmp_path):
     folder, out, *_ = trained
-    loaded = load_model(folder, adapter=out, device="cpu", keys=None)
+    loaded = load_model(folder, LoadOptions(adapter=out, device="cpu", keys=None))
     from models import build_bank
 
     db = build_bank(loaded.model, loaded.tokenizer, ["a fact"], loaded.encoder, progress=False)
     db.save(tmp_path / "mine.pt")
     assert len(MemoryVectorDB.load(tmp_path / "mine.pt", expected_encoder=loaded.encoder.name)) == 1
-    plain = load_model(folder, adapter=None, device="cpu", keys=None)
+    plain = load_model(folder, LoadOptions(adapter=None, device="cpu", keys=None))
     with pytest.raises(BankError, match="written by .*rebuild it from its texts"):
         MemoryVectorDB.load(tmp_path / "mine.pt", expected_encoder=plain.encoder.name)
     other = build_bank(plain.model, plain.tokenizer, ["a fact"], plain.encoder, progress=False)
