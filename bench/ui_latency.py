@@ -29,6 +29,7 @@ import app  # noqa: E402
 from chat.config import load_config  # noqa: E402
 from models import LoadOptions, load_model  # noqa: E402
 from chat.service import Service  # noqa: E402
+from page.layout import build_demo  # noqa: E402
 
 
 def launch(demo, service) -> int:
@@ -79,7 +80,7 @@ def main() -> None:
 
     cfg = load_config(environ={})
     service = Service(cfg, load_model(None, LoadOptions(device="cpu")))
-    demo = app.build_demo(service)
+    demo = build_demo(service)
     port = launch(demo, service)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)

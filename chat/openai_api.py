@@ -26,9 +26,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from chat.inputs import describe
+from chat.api import ChatService
 from chat.config import request_settings
-from chat.service import Service
+from chat.inputs import decode_image, describe
 from chat.session import Session
 from chat.worker import END, Failed, Notice, ServiceError
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
@@ -103,9 +103,9 @@ def _parts(message: ChatMessage) -> tuple[str, list[bytes]]:
 
 
 class OpenAIRoutes:
-    """The /v1 routes over a `Service`."""
+    """The /v1 routes over a `ChatService`."""
 
-    def __init__(self, service: Service):
+    def __init__(self, service: ChatService):
         self.service = service
         self.router = APIRouter(prefix="/v1")
         self.router.add_api_route("/models", self.models, methods=["GET"])
@@ -172,11 +172,12 @@ class OpenAIRoutes:
             if last.role != "user":
                 raise APIError(400, f"messages: expected the last message to be from the user, got {last.role!r}",
                                param="messages")
+            past = []
             for message in history:
                 text, images = _parts(message)
-                svc.add_history(s, message.role, text, self.files(s, images) if message.role == "user" else ())
+                past.append((message.role, text, checked(images) if message.role == "user" else []))
             text, images = _parts(last)
-            return s, svc.chat(s, text, self.files(s, images), settings, recall, body.recall_first)
+            return s, svc.chat(s, text, self.files(s, images), settings, recall, body.recall_first, past)
         except APIError:
             svc.end_session(s)
             raise
@@ -186,11 +187,9 @@ class OpenAIRoutes:
 
     @staticmethod
     def files(s: Session, images: list[bytes]) -> list[str]:
-        from chat.inputs import decode_image
-
+        """The message's images, checked, as files of the session's folder."""
         paths = []
-        for i, raw in enumerate(images):
-            decode_image(base64.b64encode(raw).decode(), f"image {i}")  # a readable image of a sane size
+        for raw in checked(images):
             path = s.files / f"api-{uuid.uuid4().hex}.png"
             path.write_bytes(raw)
             paths.append(str(path))
@@ -261,6 +260,13 @@ class OpenAIRoutes:
             "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}})
 
 
+def checked(images: list[bytes]) -> list[bytes]:
+    """Images that are readable, of a sane size; `ValueError` naming the first that is not."""
+    for i, raw in enumerate(images):
+        decode_image(base64.b64encode(raw).decode(), f"image {i}")
+    return images
+
+
 class StopText:
     """The answer's text without its stop sequence, as OpenAI returns it: text that might be the start
     of a stop sequence is held back until it is known not to be one."""
@@ -296,6 +302,6 @@ def _recall(event: RecallEvent) -> dict:
             "memory_index": event.memory_index, "text": event.text}
 
 
-def mount(app, service: Service) -> None:
+def mount(app, service: ChatService) -> None:
     """Add the /v1 routes to a running FastAPI app (Gradio's own: one server, one port)."""
     app.include_router(OpenAIRoutes(service).router)

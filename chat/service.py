@@ -1,47 +1,35 @@
-"""The chat service behind the page: sessions, their banks, and the model's lifecycle.
+"""The chat service with the model in this process: the model's lifecycle, the banks, the model worker.
 
 Sessions (`chat.session.Session`) hold one browser tab's state: its `Conversation`, the requests it
-runs, and which bank it uses: the shared bank (`memory.bank` of the config), the example bank (built
-once from `assets/example_memories.txt`, shared), or its own (uploaded, or a copy made on its first
-edit of a shared bank: a session's edits never reach other sessions). All model work goes through
-the one `Worker`. Nothing here imports Gradio; `app.py` renders what `chat.view` makes of it.
+runs, and which bank it uses (`chat/banks.py`). All model work goes through the one `Worker`. What the
+page and `/v1` ask of it is `chat.api.ChatService`; the session operations (`chat/operations.py`) run
+here, and `state` is what the page shows of a session. Nothing here imports Gradio.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
-import queue
-import itertools
-import logging
-import shutil
-import tempfile
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate
 
-
-from chat.config import Config, load_options
-from chat.session import Conversation, Session, text_only_message
-from chat.textsearch import TextSearch
+from chat.api import P, R, SessionService
 from chat.banks import Banks
-from chat.inputs import Limits, check_message, check_new_tokens, read_upload_text
-from chat.view import TurnView, bank_sample, bank_summary, chat_messages, recall_table, status_line, user_message
-from chat.worker import END, Notice, Request, ServiceError, Worker, describe
+from chat.config import Config, load_options
+from chat.janitor import Janitor
+from chat.operations import operation_of
+from chat.session import Conversation, Session, text_only_message
+from chat.state import SessionState, bank_state, message_states
+from chat.textsearch import TextSearch
+from chat.worker import Notice, Request, ServiceError, Worker
 from decoding import compiled
 from decoding.events import DoneEvent
 from decoding.mixture import MixtureResult
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import BankError
-from memory.files import atomic_write
 from memory.milvus import MilvusBank
 from models import EMBEDDED_NAME, LoadedModel, load_model
-
-log = logging.getLogger("chat.service")
+from models.spec import COMPILE
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EXAMPLE_IMAGES = (ASSETS / "example_lighthouse.png", ASSETS / "example_cat.png")
@@ -51,82 +39,31 @@ NO_MEMORY = ("the model looked for a memory, but there is none to read (no bank,
              "from what it knows; build the example bank or load one")
 
 
-# --------------------------------------------------------------------------- sessions
-
-
-def _return_freed_memory() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them in per-thread arenas otherwise, so a
-    server's RSS would never shrink after idle sessions' banks are freed)."""
-    libc = ctypes.util.find_library("c")
-    if libc:
-        try:
-            ctypes.CDLL(libc).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
-
-
-@dataclass
-class Turn:
-    """A chat request as the UI follows it: what was shown before it, and the live answer."""
-
-    request: Request
-    view: TurnView
-    history: list[dict]
-    user: dict | None
-
-
-# --------------------------------------------------------------------------- the service
-
-
-class Service:
-    """Everything the UI can ask for. One per server; thread-safe."""
+class Service(SessionService):
+    """The chat service of one server, the model in this process. Thread-safe."""
 
     def __init__(self, cfg: Config, lm: LoadedModel | None = None,
                  loader: Callable[[], LoadedModel] | None = None, text_search: TextSearch | None = None):
-        self.cfg = cfg
         self._lm = lm
         self._loader = loader or (lambda: load_model(cfg.model.path, load_options(cfg)))
         if cfg.memory.store == "milvus":  # refuse to start, naming the URI, when nothing answers there
             MilvusBank.connect(cfg.memory.milvus_uri).close()
-        self.files = Path(tempfile.mkdtemp(prefix="recall-chat-"))
-        self.limits = Limits(cfg.app.max_message_chars, cfg.app.max_input_tokens, cfg.app.max_new_tokens_cap,
-                             cfg.memory.max_memories_per_session)
-        self._sessions = itertools.count(1)
-        self.sessions: dict[int, Session] = {}  # live sessions, freed on page close or after the idle TTL
-        self._closing = threading.Event()
-        self._janitor = threading.Thread(target=self._janitor_loop, name="recall-chat-janitor", daemon=True)
+        super().__init__(cfg)
+        self.janitor = Janitor(self)
         self.worker = Worker()
-        self.banks = Banks(cfg, self.worker, self._model, self._wait_model, self.files, text_search)
+        self.banks = Banks(cfg, self.worker, self._model, self.wait_model, self.files, text_search)
         if lm is not None:
             try:
                 self.banks.load_shared(lm)
             except BaseException:
                 self.close()
                 raise
-        self._janitor.start()
+        self.janitor.start()
 
     def close(self) -> None:
-        self._closing.set()
+        self.janitor.close()
         self.worker.close()
-        shutil.rmtree(self.files, ignore_errors=True)
-
-    def _janitor_loop(self) -> None:
-        ttl = self.cfg.app.session_ttl_s
-        while not self._closing.wait(min(5.0, ttl / 2)):
-            self.free_idle_sessions(ttl)
-
-    def free_idle_sessions(self, ttl: float) -> int:
-        """Free every session idle for more than `ttl` seconds with nothing running; how many."""
-        now = time.monotonic()
-        idle = [s for s in list(self.sessions.values())
-                if now - s.last_used > ttl and not any(not r.done.is_set() for r in s.active)]
-        for s in idle:
-            log.info("session %d idle for %.0f s: freed", s.id, now - s.last_used)
-            self.end_session(s)
-        if idle:
-            gc.collect()
-            _return_freed_memory()
-        return len(idle)
+        super().close()
 
     # ----------------------------------------------------------------- the model
 
@@ -147,7 +84,7 @@ class Service:
     def _compile(self, lm: LoadedModel) -> None:
         """With `model.compile`, compile the decode step of a text model in the background: answers
         decode eagerly until it is ready, and the status line says so meanwhile."""
-        if self.cfg.model.compile and not lm.is_vision and lm.backend == "transformers":
+        if self.cfg.model.compile and not lm.is_vision and lm.spec.can(COMPILE):
             step = compiled.enable(lm.merged())
             threading.Thread(target=step.warm_up, name="recall-chat-compile", daemon=True).start()
 
@@ -169,19 +106,8 @@ class Service:
         if req.error:
             raise ServiceError(req.error)
 
-    async def wait_for(self, req: Request) -> Any:
-        """Await a request's end: its result, or `ServiceError` with its message."""
-        return await self.worker.wait_for(req)
-
-    async def next_event(self, req: Request, timeout: float | None) -> Any:
-        """A streamed request's next event, or None after `timeout` seconds without one."""
-        return await self.worker.next_event(req, timeout)
-
-    def withdraw(self, req: Request) -> None:
-        """Stop `req`: a running one ends within one decoding step, a waiting one leaves the queue now."""
-        self.worker.withdraw(req)
-
-    def _wait_model(self) -> LoadedModel:
+    def wait_model(self) -> LoadedModel:
+        """The model, loaded first when it is not yet (off the worker thread)."""
         if self._lm is None:
             req = self.ready()
             req.done.wait()
@@ -191,32 +117,18 @@ class Service:
 
     # ----------------------------------------------------------------- sessions
 
-    def new_session(self) -> Session:
-        s = Session(next(self._sessions))
-        s.files = self.files / f"session-{s.id}"
-        s.files.mkdir()
-        self.sessions[s.id] = s
-        return s
+    def run(self, op: Callable[Concatenate[Any, Session, P], R], s: Session, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run a session operation of `chat.operations` here."""
+        operation_of(op)  # (only registered operations: the same call runs on a replica)
+        self.touch(s)
+        return op(self, s, *args, **kwargs)
 
-    def touch(self, s: Session) -> None:
-        """The session is in use: it is not idle, and if it was freed it starts again, empty."""
-        s.last_used = time.monotonic()
-        if s.id not in self.sessions:
-            s.files = self.files / f"session-{s.id}"
-            s.files.mkdir(exist_ok=True)
-            self.sessions[s.id] = s
-
-    def end_session(self, session: Session | None) -> None:
-        """A page closed or a session's time to live ran out: stop its work and free all it holds."""
-        if not isinstance(session, Session):
-            return
-        self.sessions.pop(session.id, None)
-        self.settle(session)
-        with session.lock:
-            session.conv = None  # its KV cache and memory vectors
-            session.own_bank, session.bank_use = None, "shared"
-            session.active = []
-        shutil.rmtree(session.files, ignore_errors=True)
+    def _free(self, s: Session) -> None:
+        self.settle(s)
+        with s.lock:
+            s.conv = None  # its KV cache and memory vectors
+            s.own_bank, s.bank_use = None, "shared"
+            s.active = []
 
     def conversation(self, s: Session) -> Conversation:
         """The session's conversation (made on first use)."""
@@ -254,24 +166,11 @@ class Service:
             dropped += 1
         return dropped
 
-    # ----------------------------------------------------------------- chatting
+    # ----------------------------------------------------------------- answers
 
-    def checked(self, text: str, images: Sequence[str], settings: GenerationSettings) -> tuple[str, list[str]]:
-        """A new message within the limits: its text stripped and its image paths; `ServiceError` else."""
-        check_message(text, list(images or ()), self.limits)
-        check_new_tokens(settings.max_new_tokens, self.limits)
-        text, images = text.strip(), [str(p) for p in images or ()]
-        if not text and not images:
-            raise ServiceError("type a message (or attach an image)")
-        return text, images
-
-    def chat(self, s: Session, text: str, images: Sequence[str], settings: GenerationSettings,
-             recall: RecallSettings, recall_first: bool = False) -> Turn:
-        """Queue an answer to a new user message."""
-        self.touch(s)
-        text, images = self.checked(text, images, settings)
-        history = chat_messages(s.conv)
-
+    def answer(self, s: Session, text: str, images: Sequence[str], settings: GenerationSettings,
+               recall: RecallSettings, recall_first: bool = False) -> Request:
+        """Queue an answer to a new user message, checked already (`checked`)."""
         def run(interrupt: threading.Event) -> Iterator[Any]:
             nonlocal recall_first, images
             with s.lock:
@@ -287,11 +186,11 @@ class Service:
                     yield Notice("recall first needs a memory bank and recall enabled; answering without")
                 if not interrupt.is_set() and (dropped := self._fit(conv, text, images, settings, recall_first)):
                     yield Notice(f"the conversation outgrew its limit: its {dropped} oldest turn(s) were dropped")
-                yield from self._answer(s, conv.stream(text, images, settings, recall, bank, interrupt, recall_first))
+                yield from self._noted(s, conv.stream(text, images, settings, recall, bank, interrupt, recall_first))
 
         req = Request("chat", run, s.id, text[:80])
         req.on_withdraw = lambda: self._record_unanswered(s, req)
-        return self._start(s, req, history, user_message(text, images))
+        return self._start(s, req)
 
     @staticmethod
     def _record_unanswered(s: Session, req: Request) -> None:
@@ -301,22 +200,20 @@ class Service:
         for _ in req.run(req.interrupt):
             pass
 
-    def regenerate(self, s: Session, settings: GenerationSettings, recall: RecallSettings) -> Turn:
+    def answer_again(self, s: Session, settings: GenerationSettings, recall: RecallSettings) -> Request:
         """Queue a new answer to the last user message, replacing the last answer."""
         conv = s.conv
         if conv is None or not conv.messages or conv.messages[-1].role != "assistant":
             raise ServiceError("there is no answer to regenerate yet")
-        check_new_tokens(settings.max_new_tokens, self.limits)
-        history = chat_messages(conv, -1)
 
         def run(interrupt: threading.Event) -> Iterator[Any]:
             with s.lock:
-                yield from self._answer(s, conv.regenerate(settings, recall, self.banks.of(s), interrupt))
+                yield from self._noted(s, conv.regenerate(settings, recall, self.banks.of(s), interrupt))
 
-        return self._start(s, Request("regenerate", run, s.id, "regenerate"), history, None)
+        return self._start(s, Request("regenerate", run, s.id, "regenerate"))
 
     @staticmethod
-    def _answer(s: Session, events: Iterator[Any]) -> Iterator[Any]:
+    def _noted(s: Session, events: Iterator[Any]) -> Iterator[Any]:
         """Forward a turn's events; note its speed, and the picture of how it was decoded (entropy over
         layers, or the mixture's α* per token)."""
         s.last_plot, s.last_note = None, ""  # a failed turn shows nothing of the one before
@@ -337,97 +234,25 @@ class Service:
                                    "tokens per verify" if result.drafted else "q*: direct")
             yield event
 
-    def _start(self, s: Session, req: Request, history: list[dict], user: dict | None) -> Turn:
+    def _start(self, s: Session, req: Request) -> Request:
         s.active = [r for r in s.active if not r.done.is_set()] + [self.worker.submit(req)]
-        return Turn(req, TurnView(), history, user)
-
-    async def follow(self, turn: Turn) -> AsyncIterator[Turn]:
-        """The turn as its events arrive, at most `app.ui_updates_per_second` times a second, then once done.
-
-        When the consumer goes away (the page cancels the event), the request is stopped.
-        """
-        req, view = turn.request, turn.view
-        interval = 1.0 / self.cfg.app.ui_updates_per_second
-        last, dirty = 0.0, False
-        try:
-            while not view.done:
-                timeout = max(0.0, last + interval - time.monotonic()) if dirty else None
-                event = await self.worker.next_event(req, timeout)
-                while event is not None:
-                    if event is END:
-                        view.done = True
-                        break
-                    view.apply(event)
-                    dirty = True
-                    try:
-                        event = req.events.get_nowait()
-                    except queue.Empty:
-                        event = None
-                if view.done or time.monotonic() - last >= interval:
-                    last, dirty = time.monotonic(), False
-                    yield turn
-        finally:
-            if not view.done:
-                self.worker.withdraw(req)
-
-    def stop(self, s: Session) -> list[Request]:
-        """Stop this session's answers (never another session's); returns the requests stopped."""
-        stopped = [r for r in s.active if not r.done.is_set()]
-        for req in stopped:
-            self.worker.withdraw(req)
-        return stopped
-
-    def settle(self, s: Session) -> None:
-        """Stop this session's answers and wait (a minute at most each) until they have ended."""
-        for req in self.stop(s):
-            req.done.wait(60)
-
-    def clear(self, s: Session) -> None:
-        self.stop(s)
-        with s.lock:
-            if s.conv is not None:
-                s.conv.clear()
-            s.last_plot, s.last_note = None, ""
-
-    def save_conversation(self, s: Session) -> Path:
-        with s.lock:
-            if s.conv is None or not s.conv.messages:
-                raise ServiceError("there is no conversation to save yet")
-            text = s.conv.to_json()
-        path = s.files / f"conversation-{s.id}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        atomic_write(path, lambda fh: fh.write(text.encode()))
-        return path
-
-    def load_conversation(self, s: Session, path: str | Path) -> None:
-        lm = self._wait_model()
-        self.settle(s)
-        name = Path(path).name
-        try:
-            text = read_upload_text(path, self.cfg.memory.max_upload_mb)
-        except ValueError as e:
-            raise ServiceError(str(e)) from None
-        with s.lock:
-            conv = s.conv or Conversation(lm)
-            try:
-                conv.load_json(text, s.files)
-            except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-                raise ServiceError(f"{name} is not a conversation this model can continue: {describe(e)}") from None
-            s.conv, s.last_plot, s.last_note = conv, None, ""
+        return req
 
     # ----------------------------------------------------------------- what the page shows
 
-    def messages(self, s: Session, upto: int | None = None) -> list[dict]:
-        """The session's conversation (its first `upto` messages) as chat-window messages."""
-        return chat_messages(s.conv, upto)
-
-    def recall_log(self, s: Session, live: TurnView | None = None):
-        """Every injection of the session's conversation (and of the answer being written), as a table."""
-        return recall_table(s.conv, live)
-
-    def bank_view(self, s: Session) -> tuple[str, Any, str]:
-        """The bank the session uses: its summary, a sample of its memories, which one it is."""
-        db = self.banks.of(s)
-        return bank_summary(db, self.banks.label(s)), bank_sample(db), s.bank_use
+    def state(self, s: Session, details: bool = False) -> SessionState:
+        """The session as the page shows it; with `details`, its bank's size a memory and first memories."""
+        self.touch(s)
+        lm = self._lm
+        if lm is None:
+            name = Path(self.cfg.model.path).name if self.cfg.model.path else EMBEDDED_NAME
+            notes = ("loading…",)
+        else:
+            name = lm.name
+            notes = tuple(filter(None, [str(lm.device), "" if lm.recall_trained else "recall untrained: recall first "
+                                        "reads memories into your message", self._compile_state()]))
+        bank = bank_state(self.banks.of(s), s.bank_use, self.banks.label(s), details)
+        return SessionState(message_states(s.conv), bank, name, notes, s.last_speed, s.last_plot, s.last_note)
 
     def health(self) -> dict:
         """The model worker (this process's) and the shared bank's store and size."""
@@ -441,15 +266,3 @@ class Service:
         return {"replicas": [{"replica": "in-process", "alive": True, "running": len(self.worker.running),
                               "model": self._lm.name if self._lm else None}],
                 "bank": {"store": self.cfg.memory.store, "size": size}}
-
-    # ----------------------------------------------------------------- the status line
-
-    def status(self, s: Session, state: str = "") -> str:
-        self.touch(s)  # every handler renders the status line
-        lm = self._lm
-        if lm is None:
-            model = f"**{Path(self.cfg.model.path).name if self.cfg.model.path else EMBEDDED_NAME}** · loading…"
-        else:
-            model = " · ".join(filter(None, [f"**{lm.name}**", str(lm.device),
-                                             "" if lm.recall_trained else "recall untrained: recall first reads memories into your message", self._compile_state()]))
-        return status_line(model, self.banks.of(s), s.bank_use, s.last_speed, " · ".join(filter(None, [s.last_note, state])))

@@ -1,4 +1,8 @@
-"""What the page shows, computed from typed events and conversations (pure; no Gradio here)."""
+"""What the page shows, rendered from typed events and session states (pure; no Gradio here).
+
+The live answer is a `TurnView` of its events; everything else comes from a `chat.state.SessionState`, the same
+data whether the model runs in this process or on a replica.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from chat.session import Conversation
+from chat.state import BankState, MessageState, Piece, SessionState
 from chat.worker import Failed, Notice, Waiting
 from decoding.events import FinishEvent, RecallEvent, TokenEvent
-from memory import BankError
 
 Segment = tuple[str, str | None]  # (text, highlight label or None)
 RECALL_COLUMNS = ["turn", "position", "slots", "score", "memory", "text"]
@@ -79,47 +82,27 @@ class TurnView:
         return " · ".join([state, *self.notices])
 
 
-def answer_segments(conv: Conversation, i: int) -> list[Segment]:
-    """Stored assistant message `i` as highlight segments, memory markers at their positions."""
-    msg = conv.messages[i]
-    end = conv.messages[i + 1].start if i + 1 < len(conv.messages) else len(conv.ids)
-    decode = lambda a, b: conv.lm.tokenizer.decode(conv.ids[a:b], skip_special_tokens=True)  # noqa: E731
-    segments: list[Segment] = []
-    cursor = msg.start
-    for recall in sorted(msg.recalls, key=lambda r: r.position):  # (a recall read in the prompt comes first)
-        if (text := decode(cursor, recall.position)):
-            segments.append((text, None))
-        segments.append(marker(recall))
-        cursor = max(cursor, recall.position + recall.length)
-    if (text := decode(cursor, end)):
-        segments.append((text, None))
-    return segments
+def segments(pieces: Sequence[Piece]) -> list[Segment]:
+    """A stored answer's pieces as highlight segments, each memory a marker."""
+    return [marker(p) if isinstance(p, RecallEvent) else (p, None) for p in pieces]
 
 
-def user_message(text: str, images: Sequence[str]) -> dict:
-    content: list[Any] = [{"path": str(p)} for p in images]
-    if text:
-        content.append(text)
-    return {"role": "user", "content": content}
-
-
-def chat_messages(conv: Conversation | None, upto: int | None = None) -> list[dict]:
-    """The conversation (its first `upto` messages) as chat-window messages."""
-    if conv is None:
-        return []
+def chat_messages(messages: Sequence[MessageState]) -> list[dict]:
+    """Messages as the chat window shows them: a user's images and text, an answer with short memory markers."""
     out = []
-    for i, msg in enumerate(conv.messages[:upto]):
+    for msg in messages:
         if msg.role == "user":
-            out.append(user_message(msg.text, msg.images))
+            content: list[Any] = [{"path": p} for p in msg.images]
+            out.append({"role": "user", "content": content + ([msg.text] if msg.text else [])})
         else:
             note = " _(stopped)_" if msg.finish_reason == "interrupted" else ""
-            out.append({"role": "assistant", "content": inline_text(answer_segments(conv, i)) + note})
+            out.append({"role": "assistant", "content": inline_text(segments(msg.pieces)) + note})
     return out
 
 
-def recall_table(conv: Conversation | None, live: TurnView | None = None) -> pd.DataFrame:
+def recall_table(messages: Sequence[MessageState], live: TurnView | None = None) -> pd.DataFrame:
     """Every injection of the conversation (and of the answer being written): one row each."""
-    answers = [m.recalls for m in conv.messages if m.role == "assistant"] if conv is not None else []
+    answers = [m.recalls for m in messages if m.role == "assistant"]
     if live is not None and not live.done:
         answers.append(live.recalls)
     rows = [(turn, r.position, r.length, round(r.score, 4), r.memory_index, r.text or "")
@@ -127,34 +110,29 @@ def recall_table(conv: Conversation | None, live: TurnView | None = None) -> pd.
     return pd.DataFrame(rows, columns=RECALL_COLUMNS)
 
 
-def bank_summary(db, label: str) -> str:
-    if db is None:
-        return f"**Bank:** {label}. No memories: recall is off. Build the example bank or upload one."
-    index = f", {db.index} index" if db.index != "flat" else ""
-    try:
-        return (f"**Bank:** {label} · **{len(db)}** memories · {memory_kind(db)} · "
-                f"{db.bytes_per_memory() / 1024:.1f} KB a memory{index}")
-    except BankError as e:  # a shared store that went away
-        return f"**Bank:** {label} · {e}"
+def bank_summary(bank: BankState | None) -> str:
+    if bank is None:
+        return "**Bank:** not read yet"
+    if bank.error:
+        return f"**Bank:** {bank.label} · {bank.error}"
+    if bank.size is None:
+        return f"**Bank:** {bank.label}. No memories: recall is off. Build the example bank or upload one."
+    index = f", {bank.index} index" if bank.index != "flat" else ""
+    size = f" · {bank.bytes_per_memory / 1024:.1f} KB a memory" if bank.bytes_per_memory is not None else ""
+    return f"**Bank:** {bank.label} · **{bank.size}** memories · {memory_kind(bank)}{size}{index}"
 
 
-def memory_kind(db) -> str:
+def memory_kind(bank: BankState) -> str:
     """How a bank's memories are read and found, in words."""
-    if not db.has_values:
-        return f"one {db.dim}-d hidden-state vector each, found by the <recall> state"
-    values = db.info.get("values", "values")
-    what = "token ids (read as the model's own embeddings)" if db.token_values else f"values of dimension {db.value_dim}"
-    return (f"**{values}** {what}, found by the {db.dim}-d text embedding of your "
-            f"message ({db.info.get('keys', 'a text encoder')})")
+    if not bank.keyed:
+        return f"one {bank.dim}-d hidden-state vector each, found by the <recall> state"
+    what = "token ids (read as the model's own embeddings)" if bank.token_values else \
+        f"values of dimension {bank.value_dim}"
+    return f"**{bank.values}** {what}, found by the {bank.dim}-d text embedding of your message ({bank.keys})"
 
 
-def bank_sample(db, count: int = 8) -> pd.DataFrame:
-    try:
-        rows = db.entries(0, count) if db is not None else []
-    except BankError:  # a shared store that went away: the summary says so
-        rows = []
-    return pd.DataFrame([(e["index"], e["text"] or "", e["slots"], round(e["norm"], 2)) for e in rows],
-                        columns=["memory", "text", "slots", "key norm"])
+def bank_sample(bank: BankState | None) -> pd.DataFrame:
+    return pd.DataFrame(list(bank.entries) if bank is not None else [], columns=["memory", "text", "slots", "key norm"])
 
 
 def found_table(hits: Sequence[dict]) -> pd.DataFrame:
@@ -162,13 +140,18 @@ def found_table(hits: Sequence[dict]) -> pd.DataFrame:
                         columns=["memory", "similarity", "text"])
 
 
-def status_line(model: str, db, bank_use: str, speed: float | None, state: str = "") -> str:
-    try:
-        bank = f"bank: {len(db)} memories ({bank_use})" if db else "bank: none"
-    except BankError:  # a shared store that went away (the answer that needed it says why)
-        bank = f"bank: unreachable ({bank_use})"
-    speed_text = f"last answer {speed:.1f} tokens/s" if speed else "no answer yet"
-    return " · ".join(filter(None, [model, bank, speed_text, state]))
+def status_line(state: SessionState, extra: str = "") -> str:
+    """The model, the bank, the last answer's speed and what is going on, on one line."""
+    bank = state.bank
+    if bank is None:
+        words = "bank: not read yet"
+    elif bank.error:  # a shared store that went away (the answer that needed it says why)
+        words = f"bank: unreachable ({bank.use})"
+    else:
+        words = f"bank: {bank.size} memories ({bank.use})" if bank.size else "bank: none"
+    speed = f"last answer {state.speed:.1f} tokens/s" if state.speed else "no answer yet"
+    model = f"**{state.model}**" if state.model else ""
+    return " · ".join(filter(None, [model, *state.model_notes, words, speed, state.note, state.where, extra]))
 
 
 def answer_figure(plot: tuple | None):

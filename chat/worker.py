@@ -90,7 +90,53 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class Worker:
+class Runner:
+    """What every runner of requests keeps: their ids, the running ones, the records of the last 256 finished,
+    and waiting on them. `Worker` runs them here; `serve.front.RemoteWorker` follows them on replicas."""
+
+    def __init__(self, name: str):
+        self._ids = itertools.count(1)
+        self.waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"{name}-wait")  # blocked on queues
+        self.running: list[Request] = []
+        self.history: deque[Request] = deque(maxlen=256)  # records of finished requests, newest last
+
+    @staticmethod
+    def _put(req: Request, event: Any) -> None:
+        """Pass an event on to the request's queue, counting its tokens and noting how it ended."""
+        if isinstance(event, TokenEvent):
+            req.steps += 1
+        elif isinstance(event, FinishEvent):
+            req.reason = event.reason
+        elif isinstance(event, Failed):
+            req.error = event.message
+        req.events.put(event)
+
+    def _close(self, req: Request) -> None:
+        req.finished = time.perf_counter()
+        req.run = req.on_withdraw = None  # their closures hold the session (conversation, KV cache, bank)
+        self.history.append(dataclasses.replace(req, events=None, result=None))  # a record, holding nothing big
+        req.events.put(END)
+        req.done.set()
+
+    def withdraw(self, req: Request) -> None:
+        raise NotImplementedError
+
+    async def wait_for(self, req: Request) -> Any:
+        """Await a request's end; its result, or `ServiceError` with its message."""
+        await asyncio.get_running_loop().run_in_executor(self.waiters, req.done.wait)
+        if req.error is not None:
+            raise ServiceError(req.error)
+        return req.result
+
+    async def next_event(self, req: Request, timeout: float | None) -> Any:
+        """The request's next event, or None after `timeout` seconds without one."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.waiters, req.events.get, True, timeout)
+        except queue.Empty:
+            return None
+
+
+class Worker(Runner):
     """One thread owns the model and runs every request; answers decode together, a round at a time.
 
     A request whose `run` returns a value (a bank edit, loading the model) runs whole. One that
@@ -103,16 +149,13 @@ class Worker:
     """
 
     def __init__(self, name: str = "recall-chat-model", max_running: int = 8):
+        super().__init__(name)
         self._pending: deque[Request] = deque()
         self._cond = threading.Condition()
-        self._ids = itertools.count(1)
         self.max_running = max_running
-        self.waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"{name}-wait")  # blocked on queues
-        self.running: list[Request] = []
         self.batch = Batch()  # the decode steps of this round's answers, run as one forward
         self._stepping: set[int] = set()  # requests whose generator decodes in `batch`
         self._parked: list[Request] = []  # requests waiting for this round's batch to run
-        self.history: deque[Request] = deque(maxlen=256)  # records of finished requests, newest last
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -207,11 +250,7 @@ class Worker:
                 self._stepping.add(req.id)
                 self._parked.append(req)
                 return
-            if isinstance(event, TokenEvent):
-                req.steps += 1
-            elif isinstance(event, FinishEvent):
-                req.reason = event.reason
-            req.events.put(event)
+            self._put(req, event)
             if req.id not in self._stepping:
                 return
 
@@ -237,21 +276,13 @@ class Worker:
     def _fail(self, req: Request, e: Exception) -> None:
         if not isinstance(e, (ValueError, KeyError, FileNotFoundError)):
             log.exception("request %d (%s) failed", req.id, req.kind)
-        req.error = describe(e)
-        req.events.put(Failed(req.error))
+        self._put(req, Failed(describe(e)))
         self._finish(req)
 
     def _finish(self, req: Request) -> None:
         with self._cond:
             self.running.remove(req)
         self._close(req)
-
-    def _close(self, req: Request) -> None:
-        req.finished = time.perf_counter()
-        req.run = req.on_withdraw = None  # their closures hold the session (conversation, KV cache, bank)
-        self.history.append(dataclasses.replace(req, events=None, result=None))  # a record, holding nothing big
-        req.events.put(END)
-        req.done.set()
 
     def close(self, timeout: float | None = 5.0) -> None:
         with self._cond:
@@ -261,17 +292,3 @@ class Worker:
             self._cond.notify_all()
         self._thread.join(timeout)
         self.waiters.shutdown(wait=False, cancel_futures=True)
-
-    async def wait_for(self, req: Request) -> Any:
-        """Await a request's end; its result, or `ServiceError` with its message."""
-        await asyncio.get_running_loop().run_in_executor(self.waiters, req.done.wait)
-        if req.error is not None:
-            raise ServiceError(req.error)
-        return req.result
-
-    async def next_event(self, req: Request, timeout: float | None) -> Any:
-        """The request's next event, or None after `timeout` seconds without one."""
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.waiters, req.events.get, True, timeout)
-        except queue.Empty:
-            return None

@@ -2,10 +2,11 @@
 continuous batch and compiled step) for the sessions routed to it.
 
 The front door (`serve.front`) keeps every session's `Record`: the exact conversation (`Conversation.to_json`:
-token ids, injected vectors, images inline) and what the page shows of it. Each call brings the record; the
-replica answers on its live session (and KV cache) when it holds the same version, and otherwise rebuilds
-the session from the record first: the session came from a replica that died or was removed. Every call
-streams its events and ends with the session's new record.
+token ids, injected vectors, images inline) and what the page shows of it (`chat.state.SessionState`). Each call
+brings the record and names a session operation of `chat.operations`; the replica runs it on its live session
+(and KV cache) when it holds the same version, and otherwise rebuilds the session from the record first: the
+session came from a replica that died or was removed. Every call streams its events and ends with the session's
+new record.
 """
 
 from __future__ import annotations
@@ -14,16 +15,15 @@ import asyncio
 import dataclasses
 import logging
 import os
-import tempfile
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from chat.config import Config
+from chat.operations import OPERATIONS, Operation
 from chat.session import Session
+from chat.state import SessionState
 from chat.worker import Notice, Request, describe
 from decoding.events import DoneEvent
 
@@ -37,20 +37,14 @@ class Record:
     version: int = 0  # counts the calls that ended on it; a replica with another version rebuilds
     conversation: str | None = None  # Conversation.to_json(), None while empty
     bank_use: str = "shared"
-    messages: list[dict] = field(default_factory=list)  # the chat window
-    recalls: list = field(default_factory=list)  # each stored answer's RecallEvents
-    status: str = ""  # the status line, without the front door's state
-    bank: tuple = ("", None, "shared")  # bank summary, sample, which bank
-    last_speed: float | None = None
-    last_plot: tuple | None = None
-    last_note: str = ""
+    state: SessionState | None = None  # what the page shows; None before the first call
     replica: str = ""  # the replica that wrote it (Ray Serve's replica id)
     running: int = 0  # answers running on that replica when it wrote it
 
 
 @dataclass(frozen=True)
 class Result:
-    """The value of a call that is not an answer (a bank edit, a search, a saved file)."""
+    """The value of a call that is not an answer (a bank edit's, a search's, a file as an `Upload`)."""
 
     value: Any
 
@@ -132,20 +126,22 @@ class ChatReplica:
             s, version = self.sessions[key]
             version += 1
             self.sessions[key] = (s, version)
-        svc, conv = self.service, s.conv
+        conv = s.conv
         with s.lock:
             text = conv.to_json() if conv is not None and conv.messages else None
-            recalls = [m.recalls for m in conv.messages if m.role == "assistant"] if conv is not None else []
-        return Record(version, text, s.bank_use, svc.messages(s), recalls, svc.status(s), svc.bank_view(s), s.last_speed,
-                      s.last_plot, s.last_note, self.id, len(svc.worker.running))
+        return Record(version, text, s.bank_use, self.service.state(s, details=True), self.id,
+                      len(self.service.worker.running))
 
     # ----------------------------------------------------------------- calls
 
     async def call(self, key: str, record: Record, op: str, args: dict) -> AsyncIterator[Any]:
-        """Run `op` for the session `key`: stream its events, then a `Result` (for a value), then its `Record`.
+        """Run the operation `op` for the session `key`: stream its events, then a `Result`, then its `Record`.
         An error is a `chat.worker.Failed` event; the record is sent whatever happened."""
         from chat.worker import END, Failed
 
+        if op not in OPERATIONS:
+            yield Failed(f"replica {self.id} has no operation {op!r}: expected one of {', '.join(OPERATIONS)}")
+            return
         try:
             s, notices = await asyncio.to_thread(self._session, key, record)
         except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
@@ -153,16 +149,16 @@ class ChatReplica:
             return
         for notice in notices:
             yield notice
-        out = None
+        operation, out = OPERATIONS[op], None
         try:
-            out = await asyncio.to_thread(getattr(self, f"op_{op}"), s, **args)
+            out = await asyncio.to_thread(self._run, operation, s, args)
             if isinstance(out, Request):
                 while (event := await self.service.next_event(out, None)) is not END:
                     yield _slim(event)
-                if out.error is None and out.kind != "chat" and out.kind != "regenerate":
-                    yield Result(out.result)
+                if out.error is None:
+                    yield Result(operation.pack_result(out.result))
             else:
-                yield Result(out)
+                yield Result(operation.pack_result(out))
         except (ValueError, KeyError, FileNotFoundError, OSError) as e:
             yield Failed(describe(e))
         except BaseException:  # the caller went away (its stream was cancelled): the answer stops within a step
@@ -170,6 +166,10 @@ class ChatReplica:
                 self.service.withdraw(out)
             raise
         yield await asyncio.to_thread(self._record, key)
+
+    def _run(self, operation: Operation, s: Session, args: dict) -> Any:
+        """The operation run here, on the files that came with it written into the session's folder."""
+        return self.service.run(operation.run, s, **operation.unpack(args, s.files))
 
     def stop(self, key: str) -> int:
         """Stop the session's answers (within one decode step); how many were running."""
@@ -186,55 +186,3 @@ class ChatReplica:
         out = self.service.health()
         out["replicas"][0].update(replica=self.id, sessions=len(self.sessions), node=os.uname().nodename)
         return out
-
-    # ----------------------------------------------------------------- the operations a session asks for
-
-    def _files(self, s: Session, images: list[tuple[str, bytes]]) -> list[str]:
-        paths = []
-        for name, raw in images:
-            path = s.files / f"upload-{time.monotonic_ns()}-{Path(name).name}"
-            path.write_bytes(raw)
-            paths.append(str(path))
-        return paths
-
-    def op_chat(self, s: Session, text: str, images: list, settings, recall, recall_first: bool = False,
-                history: list = ()) -> Request:
-        for role, past, past_images in history:
-            self.service.add_history(s, role, past, self._files(s, past_images))
-        return self.service.chat(s, text, self._files(s, images), settings, recall, recall_first).request
-
-    def op_regenerate(self, s: Session, settings, recall) -> Request:
-        return self.service.regenerate(s, settings, recall).request
-
-    def op_clear(self, s: Session) -> None:
-        self.service.clear(s)
-
-    def op_load_conversation(self, s: Session, text: str) -> None:
-        with tempfile.NamedTemporaryFile("w", suffix=".json", dir=s.files, delete=False, encoding="utf-8") as fh:
-            fh.write(text)
-        self.service.load_conversation(s, fh.name)
-
-    def op_build_example(self, s: Session) -> Request:
-        return self.service.banks.build_example(s)
-
-    def op_write(self, s: Session, text: str, images: list) -> Request:
-        return self.service.banks.write(s, text, self._files(s, images))
-
-    def op_delete(self, s: Session, ids: str) -> Request:
-        return self.service.banks.delete(s, ids)
-
-    def op_upload(self, s: Session, name: str, data: bytes) -> int:
-        path = s.files / Path(name).name
-        path.write_bytes(data)
-        return len(self.service.banks.upload(s, path))
-
-    def op_use(self, s: Session, which: str) -> None:
-        self.service.banks.use(s, which)
-
-    def op_find(self, s: Session, query: str, top_k: int) -> list[dict]:
-        return self.service.banks.find(s, query, top_k)
-
-    def op_save_bank(self, s: Session, fmt: str) -> tuple[str, bytes]:
-        path = self.service.banks.save(s, fmt)
-        return path.name, path.read_bytes()
-

@@ -16,7 +16,10 @@ from gradio_client import Client, handle_file
 
 import app
 from chat.config import load_config
-from chat.service import Service
+from chat.service import ASSETS, Service
+from page import controls as page_controls
+from page.handlers import MEMORY_COLOR
+from page.layout import build_demo
 from memory import MemoryVectorDB
 from models.modeling import adapter_merged
 from conftest import make_tiny_qwen3vl
@@ -37,7 +40,7 @@ def launch(demo, service) -> int:
 def serve(lm, *overrides: str):
     cfg = load_config(overrides=["generation.max_new_tokens=12", *overrides], environ={})
     service = Service(cfg, lm)
-    demo = app.build_demo(service)
+    demo = build_demo(service)
     port = launch(demo, service)
     try:
         yield SimpleNamespace(url=f"http://127.0.0.1:{port}/", service=service, cfg=cfg)
@@ -98,18 +101,14 @@ def running_request(service: Service, label: str, timeout: float = 60):
 
 def test_the_controls_offer_what_the_server_accepts_and_alpha_has_its_own_switch():
     cfg = load_config(overrides=["app.max_new_tokens_cap=300"], environ={})
-    controls = {**app._settings_tab(cfg, "Decoding"), **app._settings_tab(cfg, "Mixture")}
+    controls = {**page_controls.settings_tab(cfg, "Decoding"), **page_controls.settings_tab(cfg, "Mixture")}
     assert (controls["max_new_tokens"].minimum, controls["max_new_tokens"].maximum) == (1, 300)
     assert controls["mixture_alpha_auto"].value is True and not controls["mixture_alpha"].interactive
     assert (controls["mixture_alpha"].minimum, controls["mixture_alpha"].maximum) == (0, 1)
-    service = Service(cfg)
-    try:
-        handlers, page = app.Handlers(service), {name: c.value for name, c in controls.items()}
-        assert handlers.settings(page)[0].mixture.alpha == "auto"
-        fixed = handlers.settings({**page, "mixture_alpha_auto": False, "mixture_alpha": 0.3})[0]
-        assert fixed.mixture.alpha == 0.3
-    finally:
-        service.close()
+    page = {name: c.value for name, c in controls.items()}
+    assert page_controls.settings(cfg, page)[0].mixture.alpha == "auto"
+    fixed = page_controls.settings(cfg, {**page, "mixture_alpha_auto": False, "mixture_alpha": 0.3})[0]
+    assert fixed.mixture.alpha == 0.3
 
 
 def test_module_level_demo_and_command_line():
@@ -233,9 +232,9 @@ def test_example_bank_and_recall_first_show_a_highlighted_memory(client):
     chatbot, highlight, log = out[0], out[1], out[2]
     first = highlight["value"][0]
     assert first["token"].startswith("⟨memory #") and first["class_or_confidence"].startswith("memory 0.")
-    assert highlight["color_map"] == {first["class_or_confidence"]: app.MEMORY_COLOR}
+    assert highlight["color_map"] == {first["class_or_confidence"]: MEMORY_COLOR}
     assert log["headers"] == ["turn", "position", "slots", "score", "memory", "text"] and len(log["data"]) == 1
-    assert log["data"][0][5] in (app.ASSETS / "example_memories.txt").read_text()
+    assert log["data"][0][5] in (ASSETS / "example_memories.txt").read_text()
     assert last_text((chatbot,)).startswith("`⟨memory #")
 
 

@@ -193,8 +193,8 @@ def test_idle_sessions_are_freed(smollm2, tmp_path):
         held = psutil.Process().memory_info().rss
         banks = [weakref.ref(x.own_bank) for x in s.service.sessions.values() if x.own_bank is not None]
         assert len(banks) == 20
-        assert s.service.free_idle_sessions(ttl=3600) == 0  # none idle that long
-        assert s.service.free_idle_sessions(ttl=0) >= 20
+        assert s.service.janitor.free_idle_sessions(ttl=3600) == 0  # none idle that long
+        assert s.service.janitor.free_idle_sessions(ttl=0) >= 20
         after = psutil.Process().memory_info().rss
         assert s.service.sessions == {}
         assert all(b() is None for b in banks)  # nothing keeps a freed session's bank alive...

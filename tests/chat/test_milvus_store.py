@@ -9,6 +9,7 @@ from milvus_lite.server_manager import server_manager_instance
 
 from chat.config import load_config
 from chat.service import Service
+from chat.view import bank_summary, status_line
 from decoding.events import RecallEvent
 from decoding.settings import GenerationSettings, RecallSettings
 from memory.milvus import StoreError
@@ -42,8 +43,8 @@ def test_the_shared_bank_in_milvus_survives_a_restart_and_a_lost_store_is_named(
         assert turn.request.error is not None
         assert turn.request.error.startswith(f"the memory store at memory.milvus_uri={uri!r} failed")
         assert "unreachable" in str(svc.health()["bank"]["size"])
-        assert "bank: unreachable (shared)" in svc.status(s)  # the page goes on rendering
-        assert f"memory.milvus_uri={uri!r}" in svc.bank_view(s)[0]
+        assert "bank: unreachable (shared)" in status_line(svc.state(s))  # the page goes on rendering
+        assert f"memory.milvus_uri={uri!r}" in bank_summary(svc.state(s, details=True).bank)
         # the session and the others go on (without recall)
         result(svc.chat(s, "Hello", [], SHORT, RecallSettings(enabled=False)).request)
         result(svc.chat(other, "Hello", [], SHORT, RecallSettings(enabled=False)).request)

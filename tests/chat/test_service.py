@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from chat import operations as ops
 from chat.banks import parse_ids
 from chat.config import ConfigError, load_config, request_settings
 from chat.service import Service
 from chat.view import (
-    TurnView, answer_segments, bank_sample, bank_summary, chat_messages, found_table, inline_text, recall_table,
+    TurnView, bank_sample, bank_summary, chat_messages, found_table, inline_text, recall_table, segments, status_line,
 )
 from chat.worker import Failed, Notice, Request, ServiceError, Waiting
 from chat.textsearch import TextSearch
@@ -85,7 +86,7 @@ def test_chat_streams_and_stores_the_turn(service):
     assert [m.role for m in s.conv.messages] == ["user", "assistant"]
     assert turn.request.reason == "length" and turn.request.steps == 8
     assert s.last_speed and s.last_speed > 0
-    assert chat_messages(s.conv)[0] == {"role": "user", "content": ["Hello there"]}
+    assert chat_messages(service.state(s).messages)[0] == {"role": "user", "content": ["Hello there"]}
 
 
 def test_empty_message_is_refused(service):
@@ -272,7 +273,7 @@ def test_a_sessions_second_message_waits_and_a_stop_while_queued_keeps_it(servic
     roles = [(m.role, m.text) for m in s.conv.messages]
     assert roles[2] == ("user", "second") and roles[3] == ("assistant", "")  # kept, unanswered
     assert s.conv.messages[3].finish_reason == "interrupted"
-    assert "(stopped)" in chat_messages(s.conv)[3]["content"]
+    assert "(stopped)" in chat_messages(service.state(s).messages)[3]["content"]
     nxt = service.chat(s, "third", [], GenerationSettings(max_new_tokens=3), NO_RECALL)
     result(nxt.request)
     assert nxt.request.reason == "length"
@@ -287,25 +288,25 @@ def test_regenerate_replaces_the_last_answer(service):
     turn = service.regenerate(s, GREEDY, NO_RECALL)
     result(turn.request)
     assert len(s.conv.messages) == 2 and s.conv.messages[-1].text == first  # greedy: the same answer again
-    assert turn.history == chat_messages(s.conv)[:1]
+    assert turn.shown == service.state(s).messages[:1]
 
 
 def test_clear_and_save_load_conversation(service, tmp_path):
     s = service.new_session()
     with pytest.raises(ServiceError, match="no conversation"):
-        service.save_conversation(s)
+        service.run(ops.save_conversation, s)
     result(service.chat(s, "Remember me", [], GREEDY, NO_RECALL).request)
-    path = service.save_conversation(s)
+    path = service.run(ops.save_conversation, s)
     other = service.new_session()
-    service.load_conversation(other, path)
+    service.run(ops.load_conversation, other, path)
     assert [m.text for m in other.conv.messages] == [m.text for m in s.conv.messages]
     assert other.conv.ids == s.conv.ids
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "something else"}')
     with pytest.raises(ServiceError, match="not a conversation this model can continue: format"):
-        service.load_conversation(other, bad)
+        service.run(ops.load_conversation, other, bad)
     assert len(other.conv.messages) == 2  # untouched
-    service.clear(s)
+    service.run(ops.clear, s)
     assert s.conv.messages == [] and s.conv.ids == []
 
 
@@ -333,7 +334,7 @@ def test_vision_model_reads_images_and_writes_image_memories(tiny_qwen3vl, small
         result(turn.request)
         assert turn.request.reason in ("length", "stop")
         assert s.conv.messages[0].images == [str(small_image)]
-        assert chat_messages(s.conv)[0]["content"][0] == {"path": str(small_image)}
+        assert chat_messages(svc.state(s).messages)[0]["content"][0] == {"path": str(small_image)}
         ids = result(svc.banks.write(s, "a gradient", [str(small_image)]))
         db = svc.banks.of(s)
         assert ids == [0, 1] and db.dim == 64 and db.text(1) == "[image] gradient.png"
@@ -362,9 +363,9 @@ def test_recall_first_injects_a_memory_and_the_view_matches_the_stored_answer(se
     label = view.segments[0][1]
     assert label is not None and label.startswith("memory ") and view.segments[0][0].startswith("⟨memory #")
     assert view.recalls[0].position == s.conv.messages[-1].start  # the first answer token
-    assert answer_segments(s.conv, 1) == view.segments
+    assert segments(service.state(s).messages[1].pieces) == view.segments
     assert inline_text(view.segments).startswith(f"`⟨memory #{view.recalls[0].memory_index} · ")
-    table = recall_table(s.conv)
+    table = recall_table(service.state(s).messages)
     assert list(table.columns) == ["turn", "position", "slots", "score", "memory", "text"]
     assert table.iloc[0]["memory"] == view.recalls[0].memory_index and table.iloc[0]["text"]
 
@@ -495,7 +496,7 @@ def test_config_bank_is_shared_and_a_bad_one_stops_the_start(tmp_path, tiny_llam
     try:
         a, b = svc.new_session(), svc.new_session()
         assert svc.banks.of(a) is svc.banks.of(b) is svc.banks.shared and len(svc.banks.shared) == 5
-        assert "shared bank (shared.pt)" in bank_summary(svc.banks.of(a), svc.banks.label(a))
+        assert "shared bank (shared.pt)" in bank_summary(svc.state(a, details=True).bank)
     finally:
         svc.close()
     bad = bank_file(tmp_path / "wide.pt", 32)  # the operator's own file: a start that cannot use it stops
@@ -531,14 +532,15 @@ def test_writes_and_deletes_copy_a_shared_bank_first(service):
 
 def test_write_into_no_bank_creates_an_own_bank_then_find_and_save(service, tmp_path):
     s = service.new_session()
-    assert "No memories" in bank_summary(service.banks.of(s), service.banks.label(s))
+    assert "No memories" in bank_summary(service.state(s, details=True).bank)
     result(service.banks.write(s, "The cat sleeps on the stairs.\nThe ferry leaves at seven.\nBread on Tuesday."))
-    assert "**3** memories" in bank_summary(service.banks.of(s), service.banks.label(s)) and "your own bank" in bank_summary(service.banks.of(s), service.banks.label(s))
+    summary = bank_summary(service.state(s, details=True).bank)
+    assert "**3** memories" in summary and "your own bank" in summary
     found = found_table(service.banks.find(s, "a sleeping kitten", 2))
     assert list(found.columns) == ["memory", "similarity", "text"] and found.iloc[0]["text"].startswith("The cat")
     path = service.banks.save(s, ".safetensors")
     assert len(MemoryVectorDB.load(path)) == 3
-    assert list(bank_sample(service.banks.of(s))["memory"]) == [0, 1, 2]
+    assert list(bank_sample(service.state(s, details=True).bank)["memory"]) == [0, 1, 2]
     with pytest.raises(ServiceError, match="no bank to search"):
         service.banks.find(service.new_session(), "cat")
 
@@ -556,12 +558,12 @@ def test_the_model_loads_lazily_on_the_worker(tiny_llama, text_search):
     svc = Service(config(), loader=loader, text_search=text_search)
     try:
         s = svc.new_session()
-        assert svc.lm is None and "loading…" in svc.status(s)
+        assert svc.lm is None and "loading…" in status_line(svc.state(s))
         turn = svc.chat(s, "Hi", [], GREEDY, NO_RECALL)  # queued: it loads the model first
         result(turn.request)
         assert svc.lm is tiny_llama and threads == ["recall-chat-model"]
         assert result(svc.ready()) == "tiny-llama" and len(threads) == 1
-        assert "tiny-llama" in svc.status(s)
+        assert "tiny-llama" in status_line(svc.state(s))
     finally:
         svc.close()
 
@@ -580,10 +582,10 @@ def test_the_decode_step_compiles_in_the_background(smollm2_dir, text_search, mo
         result(svc.chat(s, "Hi", [], GREEDY, NO_RECALL).request)  # answered while the step compiles
         eager = (list(s.conv.ids), type(s.conv.cache).__name__)
         step = compiled.attached(lm.model)
-        assert step is not None and not step.ready.is_set() and "compiling the decode step" in svc.status(s)
+        assert step is not None and not step.ready.is_set() and "compiling the decode step" in status_line(svc.state(s))
         go.set()
         assert step.ready.wait(300) and step.error is None
-        assert "compiling" not in svc.status(s)
+        assert "compiling" not in status_line(svc.state(s))
         s.conv.clear()
         result(svc.chat(s, "Hi", [], GREEDY, NO_RECALL).request)
         assert (s.conv.ids, type(s.conv.cache).__name__) == (eager[0], "StaticCache")  # same answer, compiled

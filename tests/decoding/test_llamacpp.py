@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from chat import operations as ops
 from chat.config import load_config
 from chat.service import Service
 from chat.session import Conversation
@@ -108,7 +109,7 @@ def test_first_minute_questions_recall_the_right_memory_and_answer_as_on_transfo
             for question, memory, value in [
                     (QUESTION, "Mira Castellan is the lighthouse keeper", "Mira Castellan"),
                     ("When does the ferry to Lune Island leave?", "The ferry to Lune Island leaves at seven", "seven")]:
-                svc.clear(s)
+                svc.run(ops.clear, s)
                 turn = svc.chat(s, question, [], GenerationSettings(max_new_tokens=32), RecallSettings())
                 result(turn.request)
                 answer = s.conv.messages[-1]

@@ -19,16 +19,19 @@ openai = pytest.importorskip("openai")
 from gradio_client import Client  # noqa: E402
 
 import app  # noqa: E402
+from chat import operations as ops  # noqa: E402
 from chat.config import load_config  # noqa: E402
 from chat.service import Service  # noqa: E402
-from chat.view import TurnView  # noqa: E402
+from chat.view import TurnView, chat_messages, recall_table  # noqa: E402
 from chat.worker import Notice  # noqa: E402
 from memory.milvus import StoreError  # noqa: E402
 from conftest import make_tiny_llama  # noqa: E402
 from decoding.events import FinishEvent, RecallEvent  # noqa: E402
 from decoding.settings import GenerationSettings, RecallSettings  # noqa: E402
 from replica_loaders import broken_model  # noqa: E402
-from serve.front import RemoteService, ServeError, start_replicas  # noqa: E402
+from page.layout import build_demo  # noqa: E402
+from serve.cluster import ServeError, start_replicas  # noqa: E402
+from serve.front import RemoteService  # noqa: E402
 from tests_helpers import drain, result  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -61,7 +64,7 @@ def front(cluster, smollm2_dir, tmp_path_factory):
     cfg = config(tmp_path_factory.mktemp("front"))
     loader = functools.partial(make_tiny_llama, str(smollm2_dir))  # seed 0: the weights of `tiny_llama`
     service = RemoteService(cfg, loader=loader)
-    demo = app.build_demo(service)
+    demo = build_demo(service)
     app.launch(demo, service, server_port=None, prevent_thread_lock=True, quiet=True)
     yield service, f"http://127.0.0.1:{demo.server_port}/"
     demo.close()
@@ -93,7 +96,7 @@ def local_answers(svc: Service, turns: list[str]) -> list[dict]:
     with replica_threads():
         for text in turns:
             result(svc.chat(s, text, [], svc.cfg.generation, OFF).request)
-    messages = svc.messages(s)
+    messages = chat_messages(svc.state(s).messages)
     svc.end_session(s)
     return messages
 
@@ -147,10 +150,10 @@ def test_sessions_get_the_in_process_answers_and_stay_on_one_replica(front, loca
 def sessions_on_two_replicas(service: RemoteService):
     """Two sessions that Ray Serve routes to different replicas (a bank call tells where each one went)."""
     first = service.new_session()
-    service.banks.use(first, "shared")
+    service.run(ops.use_bank, first, "shared")
     while True:
         other = service.new_session()
-        service.banks.use(other, "shared")
+        service.run(ops.use_bank, other, "shared")
         if service.served_by[other.id][-1] != service.served_by[first.id][-1]:
             return first, other
 
@@ -158,12 +161,12 @@ def sessions_on_two_replicas(service: RemoteService):
 def test_a_memory_written_through_one_replica_is_recalled_through_the_other(front):
     service, url = front
     writer, reader = sessions_on_two_replicas(service)
-    (i,) = result(service.banks.write(writer, "The ferry to Lune Island leaves at seven."))
+    (i,) = result(service.run(ops.write_memories, writer, "The ferry to Lune Island leaves at seven."))
     turn = service.chat(reader, "When does the ferry leave?", [], GREEDY, RecallSettings(top_k=1), recall_first=True)
     recalls = [e for e in drain(turn.request) if isinstance(e, RecallEvent)]
     assert recalls and recalls[0].memory_index == i and recalls[0].text.startswith("The ferry")
     assert service.served_by[reader.id][-1] != service.served_by[writer.id][-1]
-    assert service.recall_log(reader)["memory"].tolist() == [i]
+    assert recall_table(service.state(reader).messages)["memory"].tolist() == [i]
     health = httpx.get(url + "health", timeout=60).json()
     assert health["bank"]["store"] == "milvus" and health["bank"]["size"] >= 1
     assert health["wanted"] == 2 and sum(r["alive"] for r in health["replicas"]) == 2
@@ -185,7 +188,7 @@ def test_a_stop_reaches_the_replica(front):
     events = drain(turn.request)
     assert [e.reason for e in events if isinstance(e, FinishEvent)] == ["interrupted"]
     assert turn.request.reason == "interrupted" and turn.request.steps < 400
-    assert service.messages(s)[-1]["content"].endswith("_(stopped)_")  # the stopped answer is kept
+    assert chat_messages(service.state(s).messages)[-1]["content"].endswith("_(stopped)_")  # the stopped answer is kept
 
 
 def test_a_killed_replica_costs_nothing_the_user_saw(front, local):
@@ -199,7 +202,7 @@ def test_a_killed_replica_costs_nothing_the_user_saw(front, local):
     assert turn.request.error is None
     assert any(isinstance(e, Notice) and "rebuilt" in e.text for e in events)
     assert service.served_by[s.id][-1] != victim
-    assert service.messages(s) == local_answers(local, ["Tell me about bread.", "And then?"])
+    assert chat_messages(service.state(s).messages) == local_answers(local, ["Tell me about bread.", "And then?"])
 
 
 def test_a_replica_that_cannot_load_its_model_says_which_and_why(cluster, tmp_path):

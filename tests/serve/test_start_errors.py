@@ -7,7 +7,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from chat.config import load_config  # noqa: E402
-from serve.front import ServeError, start_replicas  # noqa: E402
+from serve.cluster import ServeError, start_replicas  # noqa: E402
 
 
 def test_a_cluster_that_is_not_there_is_named():

@@ -1,0 +1,239 @@
+"""The session operations, each written once: a plain function `op(service, session, **args)` of the service that
+holds the model, registered by `@operation`.
+
+`chat.service.Service` runs an operation in process (`service.run(op, session, ...)`); past one machine,
+`serve.front.RemoteService` sends its name and arguments to the session's replica, which runs it from this same
+registry (`serve.replica`). Files travel with the call: an argument named in `files` holds a path or a list of
+paths, sent as `Upload`s (name and bytes) and written into the session's folder there; with `returns_file`, the
+file the operation returns comes back the same way. A `queued` operation returns the model worker's `Request`
+(the page follows it); any other returns its value.
+
+Adding an operation is one function here (and, for the page, its button in `page/layout.py`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from chat.banks import Banks
+from chat.config import Config
+from chat.inputs import read_upload_text
+from chat.session import Conversation, Session
+from chat.worker import Request, ServiceError, describe
+from decoding.settings import GenerationSettings, RecallSettings
+from memory.files import atomic_write
+from models import LoadedModel
+
+Past = tuple[str, str, Sequence[bytes]]  # an earlier message its client keeps: role, text, its images' bytes
+
+
+class ModelSide(Protocol):
+    """What operations ask of the service that holds the model (`chat.service.Service`)."""
+
+    cfg: Config
+    banks: Banks
+
+    def wait_model(self) -> LoadedModel: ...
+    def answer(self, s: Session, text: str, images: Sequence[str], settings: GenerationSettings,
+               recall: RecallSettings, recall_first: bool) -> Request: ...
+    def answer_again(self, s: Session, settings: GenerationSettings, recall: RecallSettings) -> Request: ...
+    def add_history(self, s: Session, role: str, text: str, images: Sequence[str] = ()) -> None: ...
+    def stop(self, s: Session) -> list[Request]: ...
+    def settle(self, s: Session) -> None: ...
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A file on its way to or from a replica."""
+
+    name: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Operation:
+    """A registered operation: its function and how its call travels."""
+
+    name: str
+    run: Callable[..., Any]
+    files: tuple[str, ...] = ()
+    returns_file: bool = False
+    queued: bool = False
+
+    def arguments(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The call's arguments by name, without the service and the session; a wrong call raises here."""
+        bound = inspect.signature(self.run).bind(None, None, *args, **kwargs)
+        return dict(list(bound.arguments.items())[2:])
+
+    def pack(self, args: dict[str, Any], max_mb: int) -> dict[str, Any]:
+        """`args` as they travel: each file read into an `Upload`, refused over `max_mb` MB."""
+        def read(path: str | Path) -> Upload:
+            path = Path(path)
+            if path.stat().st_size > max_mb * 2 ** 20:
+                raise ServiceError(f"{path.name}: expected at most {max_mb} MB")
+            return Upload(path.name, path.read_bytes())
+
+        return {k: ([read(p) for p in v] if isinstance(v, (list, tuple)) else read(v)) if k in self.files else v
+                for k, v in args.items()}
+
+    def unpack(self, args: dict[str, Any], folder: Path) -> dict[str, Any]:
+        """`args` as they arrived, each `Upload` written into `folder` under its own name, as its path."""
+        return {k: ([_write(u, folder) for u in v] if isinstance(v, list) else _write(v, folder))
+                if k in self.files else v for k, v in args.items()}
+
+    def pack_result(self, value: Any) -> Any:
+        return Upload(Path(value).name, Path(value).read_bytes()) if self.returns_file else value
+
+    def unpack_result(self, value: Any, folder: Path) -> Any:
+        return Path(_write(value, folder)) if self.returns_file and isinstance(value, Upload) else value
+
+
+def _write(upload: Upload, folder: Path) -> str:
+    """Write a file that came with a call into a folder of its own (it keeps its name); its path."""
+    where = Path(folder) / f"upload-{uuid.uuid4().hex[:12]}"
+    where.mkdir(parents=True)
+    path = where / Path(upload.name).name
+    path.write_bytes(upload.data)
+    return str(path)
+
+
+OPERATIONS: dict[str, Operation] = {}
+
+
+def operation(*, files: Sequence[str] = (), returns_file: bool = False, queued: bool = False):
+    """Register a session operation under its function's name (the name that travels to a replica)."""
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if fn.__name__ in OPERATIONS:
+            raise ValueError(f"operation {fn.__name__!r} is registered twice")
+        OPERATIONS[fn.__name__] = Operation(fn.__name__, fn, tuple(files), returns_file, queued)
+        return fn
+
+    return register
+
+
+def operation_of(fn: Callable[..., Any]) -> Operation:
+    """The registered operation of a function; `ValueError` for any other function."""
+    op = OPERATIONS.get(getattr(fn, "__name__", ""))
+    if op is None or op.run is not fn:
+        raise ValueError(f"expected a session operation of chat.operations, got {fn!r}")
+    return op
+
+
+# --------------------------------------------------------------------------- answers
+
+
+@operation(queued=True, files=("images",))
+def answer(svc: ModelSide, s: Session, text: str, images: Sequence[str], settings: GenerationSettings,
+           recall: RecallSettings, recall_first: bool = False, history: Sequence[Past] = ()) -> Request:
+    """Queue an answer to a new user message (checked: `ChatService.chat`), after the earlier messages of a
+    conversation its client keeps (the OpenAI API's)."""
+    for role, past, images_data in history:
+        svc.add_history(s, role, past, [_write(Upload(f"api-{uuid.uuid4().hex}.png", data), s.files)
+                                        for data in images_data])
+    return svc.answer(s, text, images, settings, recall, recall_first)
+
+
+@operation(queued=True)
+def answer_again(svc: ModelSide, s: Session, settings: GenerationSettings, recall: RecallSettings) -> Request:
+    """Queue a new answer to the last user message, in place of the last answer."""
+    return svc.answer_again(s, settings, recall)
+
+
+@operation()
+def refresh(svc: ModelSide, s: Session) -> None:
+    """Nothing: every call brings the session's state back (the page asks for it when it opens)."""
+
+
+# --------------------------------------------------------------------------- conversations
+
+
+@operation()
+def clear(svc: ModelSide, s: Session) -> None:
+    """Stop the session's answers and forget its conversation."""
+    svc.stop(s)
+    with s.lock:
+        if s.conv is not None:
+            s.conv.clear()
+        s.last_plot, s.last_note = None, ""
+
+
+@operation(returns_file=True)
+def save_conversation(svc: ModelSide, s: Session) -> Path:
+    """The conversation as a file of the session's folder (exact ids, memory vectors, images inline)."""
+    with s.lock:
+        if s.conv is None or not s.conv.messages:
+            raise ServiceError("there is no conversation to save yet")
+        text = s.conv.to_json()
+    path = s.files / f"conversation-{s.id}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    atomic_write(path, lambda fh: fh.write(text.encode()))
+    return path
+
+
+@operation(files=("path",))
+def load_conversation(svc: ModelSide, s: Session, path: str | Path) -> None:
+    """Continue a saved conversation: it replaces the session's, once every check has passed."""
+    lm = svc.wait_model()
+    svc.settle(s)
+    name = Path(path).name
+    try:
+        text = read_upload_text(path, svc.cfg.memory.max_upload_mb)
+    except ValueError as e:
+        raise ServiceError(str(e)) from None
+    with s.lock:
+        conv = s.conv or Conversation(lm)
+        try:
+            conv.load_json(text, s.files)
+        except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+            raise ServiceError(f"{name} is not a conversation this model can continue: {describe(e)}") from None
+        s.conv, s.last_plot, s.last_note = conv, None, ""
+
+
+# --------------------------------------------------------------------------- banks
+
+
+@operation(queued=True)
+def build_example_bank(svc: ModelSide, s: Session) -> Request:
+    """Queue building the example bank (once a server) and switching the session to it."""
+    return svc.banks.build_example(s)
+
+
+@operation(queued=True, files=("images",))
+def write_memories(svc: ModelSide, s: Session, text: str, images: Sequence[str] = ()) -> Request:
+    """Queue writing memories, one a line, and images, into the session's bank (a shared one is copied first)."""
+    return svc.banks.write(s, text, images)
+
+
+@operation(queued=True)
+def delete_memories(svc: ModelSide, s: Session, ids: str) -> Request:
+    """Queue deleting memories by id ("3, 5-7") from the session's bank (a shared one is copied first)."""
+    return svc.banks.delete(s, ids)
+
+
+@operation(files=("path",))
+def upload_bank(svc: ModelSide, s: Session, path: str | Path) -> int:
+    """Make a bank file the session's own bank; how many memories it holds."""
+    return len(svc.banks.upload(s, path))
+
+
+@operation()
+def use_bank(svc: ModelSide, s: Session, which: str) -> None:
+    """Read the shared, the example or the session's own bank."""
+    svc.banks.use(s, which)
+
+
+@operation()
+def find_memories(svc: ModelSide, s: Session, query: str, top_k: int = 5) -> list[dict[str, Any]]:
+    """The memories whose texts read closest to `query`, best first."""
+    return svc.banks.find(s, query, int(top_k))
+
+
+@operation(returns_file=True)
+def download_bank(svc: ModelSide, s: Session, fmt: str = ".pt") -> Path:
+    """The session's bank as a file of its folder (.pt, .safetensors or .npy)."""
+    return svc.banks.save(s, fmt)

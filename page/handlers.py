@@ -1,0 +1,207 @@
+"""The page's event handlers: each asks the service (`chat.api.ChatService`) and renders what comes back with
+`chat.view` as Gradio component updates. Nothing here decides anything."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import gradio as gr
+
+from chat import operations as ops
+from chat.api import ChatService, Turn
+from chat.session import Session
+from chat.state import MessageState, SessionState
+from chat.view import (
+    TurnView, answer_figure, bank_sample, bank_summary, chat_messages, found_table, inline_text, recall_table,
+    status_line,
+)
+from chat.worker import ServiceError
+from page import controls
+
+MEMORY_COLOR = "#f59e0b"
+
+
+def _warn(e: Exception) -> str:
+    gr.Warning(str(e))
+    return f"⚠ {e}"
+
+
+def _highlight(segments: list) -> gr.HighlightedText:
+    return gr.HighlightedText(segments, color_map={label: MEMORY_COLOR for _, label in segments if label})
+
+
+def _view(state: SessionState, messages: Sequence[MessageState], live: TurnView | None, note: str) -> tuple:
+    """chatbot, highlight, recall log, status: the session's messages, and the answer being written."""
+    shown = chat_messages(messages)
+    if live is not None and not live.done:
+        shown.append({"role": "assistant", "content": inline_text(live.segments) or "…"})
+    return (shown, _highlight(live.segments if live else []), recall_table(messages, live),
+            status_line(state, note or (live.state if live else "")))
+
+
+class Handlers:
+    """The page's event handlers, over one service."""
+
+    def __init__(self, service: ChatService):
+        self.service = service
+        self.cfg = service.cfg
+        self.pages: dict[str, Session] = {}  # open pages (session hash) -> their session, to free it on close
+
+    def render(self, s: Session, note: str = "") -> tuple:
+        """chatbot, highlight, recall log, status of the session as it is."""
+        state = self.service.state(s)
+        return _view(state, state.messages, None, note)
+
+    async def follow(self, s: Session, turn: Turn):
+        notes = recalls = 0
+        async for update in self.service.follow(turn):
+            view = update.view
+            for note in view.notices[notes:]:
+                gr.Warning(note)
+            notes = len(view.notices)
+            if view.done:
+                state = self.service.state(s)
+                chatbot, answer, log, status = _view(state, state.messages, view, "")
+            else:
+                chatbot, answer, log, status = _view(turn.before, turn.shown, view, "")
+            fresh = len(view.recalls) != recalls or view.done or view.ahead is not None
+            recalls = len(view.recalls)
+            plot = gr.skip()
+            if view.done:  # how the answer was decoded (layer entropy, or the mixture's α*), once it is complete
+                plot = gr.Plot(answer_figure(state.plot), visible=state.plot is not None)
+            yield chatbot, answer, log if fresh else gr.skip(), status, plot  # the log changes only with a recall
+
+    async def chat(self, message: dict | None, recall_first: bool, s: Session, **values):
+        try:
+            settings, recall = controls.settings(self.cfg, values)
+            turn = self.service.chat(s, (message or {}).get("text", ""), (message or {}).get("files", []),
+                                     settings, recall, recall_first)
+        except ValueError as e:
+            yield *self.render(s, _warn(e)), gr.skip(), gr.skip()
+            return
+        cleared = False
+        async for update in self.follow(s, turn):
+            yield *update, (gr.skip() if cleared else gr.MultimodalTextbox(value=None))
+            cleared = True
+
+    async def regenerate(self, s: Session, **values):
+        try:
+            turn = self.service.regenerate(s, *controls.settings(self.cfg, values))
+        except ValueError as e:
+            yield *self.render(s, _warn(e)), gr.skip()
+            return
+        async for update in self.follow(s, turn):
+            yield update
+
+    async def stop(self, s: Session) -> str:
+        stopped = self.service.stop(s)
+        for req in stopped:
+            with contextlib.suppress(ValueError):  # a failed request is stopped too
+                await self.service.wait_for(req)  # within one decoding step
+        note = f"stopped after {stopped[-1].steps} tokens" if stopped else "nothing to stop"
+        return status_line(self.service.state(s), note)
+
+    def status(self, s: Session, note: str = "") -> str:
+        return status_line(self.service.state(s), note)
+
+    def clear(self, s: Session) -> tuple:
+        self.service.run(ops.clear, s)
+        return *self.render(s, "cleared"), None
+
+    def save_conversation(self, s: Session) -> tuple[str | None, str]:
+        try:
+            return str(self.service.run(ops.save_conversation, s)), self.status(s, "conversation saved")
+        except ValueError as e:
+            return None, self.status(s, _warn(e))
+
+    def load_conversation(self, path: str, s: Session) -> tuple:
+        try:
+            self.service.run(ops.load_conversation, s, path)
+            return self.render(s, "conversation loaded")
+        except ValueError as e:
+            return self.render(s, _warn(e))
+        finally:
+            Path(path).unlink(missing_ok=True)  # the upload's copy in Gradio's cache: read, then gone
+
+    # ----------------------------------------------------------------- memory banks
+
+    def bank_view(self, s: Session, note: str = "") -> tuple:
+        """bank summary, its first memories, status, which bank."""
+        state = self.service.state(s, details=True)
+        return (bank_summary(state.bank), bank_sample(state.bank), status_line(state, note),
+                state.bank.use if state.bank else None)
+
+    async def _bank_job(self, s: Session, make_request, done: str) -> tuple[tuple, bool]:
+        try:
+            result = await self.service.wait_for(make_request())
+            return self.bank_view(s, done.format(result=result)), True
+        except ValueError as e:
+            return self.bank_view(s, _warn(e)), False
+
+    async def build_example(self, s: Session, progress=gr.Progress(track_tqdm=True)) -> tuple:
+        out, _ = await self._bank_job(s, lambda: self.service.run(ops.build_example_bank, s),
+                                      "example bank ready: {result} memories; ask about Port Avel")
+        return out
+
+    async def write_memories(self, text: str, images: list[str] | None, s: Session,
+                             progress=gr.Progress(track_tqdm=True)) -> tuple:
+        out, ok = await self._bank_job(s, lambda: self.service.run(ops.write_memories, s, text, images or []),
+                                       "wrote memories {result}")
+        return (*out, "", None) if ok else (*out, gr.skip(), gr.skip())  # written: empty the inputs
+
+    async def delete_memories(self, ids: str, s: Session) -> tuple:
+        out, _ = await self._bank_job(s, lambda: self.service.run(ops.delete_memories, s, ids),
+                                      "deleted; {result} memories left")
+        return out
+
+    def upload_bank(self, path: str | None, s: Session) -> tuple:
+        if not path:
+            return self.bank_view(s)
+        try:
+            self.service.run(ops.upload_bank, s, path)
+            return self.bank_view(s, f"bank uploaded: {os.path.basename(path)}")
+        except ValueError as e:
+            return self.bank_view(s, _warn(e))
+        finally:
+            Path(path).unlink(missing_ok=True)  # the upload's copy in Gradio's cache: the bank lives in memory
+
+    def use_bank(self, which: str, s: Session) -> tuple:
+        try:
+            self.service.run(ops.use_bank, s, which)
+            return self.bank_view(s, f"using the {which} bank")
+        except ValueError as e:
+            return self.bank_view(s, _warn(e))
+
+    def find_memories(self, query: str, top_k: int, s: Session) -> tuple:
+        try:
+            return found_table(self.service.run(ops.find_memories, s, query, top_k)), self.status(s)
+        except ValueError as e:
+            return gr.skip(), self.status(s, _warn(e))
+
+    def download_bank(self, fmt: str, s: Session) -> tuple[str | None, str]:
+        try:
+            return str(self.service.run(ops.download_bank, s, fmt)), self.status(s, "bank saved: download it below")
+        except ValueError as e:
+            return None, self.status(s, _warn(e))
+
+    def unload(self, request: gr.Request) -> None:
+        """The page closed: free its session now (API clients are freed after the idle time to live)."""
+        s = self.pages.pop(request.session_hash, None)
+        if s is not None:
+            self.service.end_session(s)
+
+    async def on_load(self, s: Session, request: gr.Request, progress=gr.Progress(track_tqdm=True)) -> tuple:
+        self.pages[request.session_hash] = s
+        note = ""
+        try:
+            if self.service.lm is None:
+                await self.service.wait_for(self.service.ready())
+            await asyncio.to_thread(self.service.run, ops.refresh, s)  # (with replicas: the state comes back)
+        except ServiceError as e:
+            note = _warn(e)
+        return self.bank_view(s, note)
+

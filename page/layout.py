@@ -1,0 +1,131 @@
+"""The page's layout: its components, and every event wired to its handler (`page.handlers`)."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from chat.api import ChatService
+from chat.banks import BANK_TYPES
+from chat.service import EXAMPLE_IMAGES
+from chat.session import Session
+from chat.view import RECALL_COLUMNS
+from page.controls import settings_tab
+from page.handlers import Handlers
+
+THEME = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],  # system fonts: nothing fetched
+                          font_mono=["ui-monospace", "Consolas", "monospace"])
+CSS = "#status {min-height: 1.6em} #answer .textfield {line-height: 1.9}"
+MODEL_EVENTS = dict(concurrency_id="model", concurrency_limit=64)  # the service's queue runs them one at a time
+
+
+def _memory_tab() -> dict[str, gr.Component]:
+    c: dict[str, gr.Component] = {}
+    c["bank_md"] = gr.Markdown(elem_id="bank-info", label="bank")
+    c["bank_use"] = gr.Radio(["shared", "example", "own"], label="Use bank", value=None)
+    c["bank_file"] = gr.File(label="Upload a bank (.pt, .safetensors, .npy)", file_types=list(BANK_TYPES),
+                             type="filepath", height=110, elem_id="bank-upload")
+    c["sample"] = gr.Dataframe(headers=["memory", "text", "slots", "key norm"], label="Entries (first 8)", interactive=False,
+                               wrap=True, max_height=260, column_widths=["12%", "64%", "10%", "14%"])
+    with gr.Accordion("Write memories", open=True):
+        c["memory_text"] = gr.Textbox(lines=3, label="One memory a line", elem_id="memory-text")
+        c["memory_images"] = gr.File(label="Images (vision model only)", file_count="multiple", file_types=["image"],
+                                     type="filepath", height=120)
+        c["write_btn"] = gr.Button("Write to bank", elem_id="write-memories")
+    with gr.Accordion("Find, delete, download", open=False):
+        with gr.Row():
+            c["query"] = gr.Textbox(label="Find memories by text", scale=3)
+            c["top_k_find"] = gr.Slider(1, 20, value=5, step=1, precision=0, label="results", scale=1)
+        c["find_btn"] = gr.Button("Find")
+        c["found"] = gr.Dataframe(headers=["memory", "similarity", "text"], interactive=False, wrap=True,
+                                  column_widths=["16%", "25%", "59%"])
+        with gr.Row():
+            c["delete_ids"] = gr.Textbox(label="Memory ids to delete (e.g. 3, 5-7)", scale=3)
+            c["delete_btn"] = gr.Button("Delete", variant="stop", scale=1)
+        with gr.Row():
+            c["fmt"] = gr.Radio(list(BANK_TYPES), value=".pt", label="format (.npy keeps no texts)")
+            c["download_btn"] = gr.Button("Save bank for download")
+        c["bank_out"] = gr.File(label="Bank file", interactive=False)
+    return c
+
+
+def build_demo(service: ChatService) -> gr.Blocks:
+    """The page over `service`: every control wired to its handler, and each handler to its API name."""
+    cfg, h = service.cfg, Handlers(service)
+    with gr.Blocks(title="recall chat") as demo:
+        # Plain functions, never bound methods: every page load deep-copies component props, and a
+        # bound method would copy its object (the service and the model weights) with it.
+        def new_session() -> Session:
+            return service.new_session()
+
+        def end_session(s: Session | None) -> None:
+            service.end_session(s)
+
+        # one Session per browser tab or API client; freed when the page closes or after the idle time to live
+        session = gr.State(new_session, time_to_live=cfg.app.session_ttl_s, delete_callback=end_session)
+        gr.Markdown("## recall chat\nA language model that recalls stored hidden-state memories when it emits "
+                    "`<recall>`. New here? **Build example bank**, then ask about Port Avel.")
+        status = gr.Markdown(elem_id="status", label="status")
+        controls: dict[str, gr.Component] = {}
+        with gr.Row():
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label="Conversation", height=420, elem_id="chatbot", buttons=["copy"])
+                box = gr.MultimodalTextbox(placeholder="Message (attach images with a vision model)…",
+                                           file_types=["image"], file_count="multiple", sources=["upload"],
+                                           show_label=False, stop_btn=True, elem_id="message")
+                with gr.Row():
+                    recall_first = gr.Checkbox(cfg.app.recall_first, label="recall first: start every answer with "
+                                               "<recall>", elem_id="recall-first")
+                    example_btn = gr.Button("Build example bank", variant="primary", elem_id="build-example")
+                gr.Examples([{"text": "Who keeps the lighthouse of Port Avel?", "files": []},
+                             {"text": "When does the ferry to Lune Island leave?", "files": []},
+                             {"text": "What does this picture show?", "files": [str(EXAMPLE_IMAGES[0])]}],
+                            inputs=[box], label="Try")
+                answer = gr.HighlightedText(label="Last answer: memory markers show where memories were injected",
+                                            combine_adjacent=False, show_legend=False, elem_id="answer")
+                recall_log = gr.Dataframe(headers=RECALL_COLUMNS, label="Recall log (every injection)",
+                                          interactive=False, wrap=True, max_height=240, elem_id="recall-log")
+                decoding_plot = gr.Plot(label="How the last answer was decoded: entropy over layers (layer "
+                                        "decoding) or α* per token (mixture)", visible=False, elem_id="decoding-plot")
+            with gr.Column(scale=2):
+                with gr.Tab("Memory"):
+                    m = _memory_tab()
+                for tab in ("Decoding", "Recall", "Mixture"):
+                    with gr.Tab(tab):
+                        controls.update(settings_tab(cfg, tab))
+                with gr.Tab("Conversation"):
+                    with gr.Row():
+                        regen_btn = gr.Button("Regenerate", elem_id="regenerate")
+                        clear_btn = gr.Button("Clear", elem_id="clear")
+                    save_btn = gr.Button("Save conversation (JSON)")
+                    load_btn = gr.UploadButton("Load conversation", file_types=[".json"], type="filepath")
+                    conv_file = gr.File(label="Conversation file", interactive=False)
+
+        auto_alpha = controls["mixture_alpha_auto"]
+        auto_alpha.change(lambda auto: gr.Slider(interactive=not auto), auto_alpha, controls["mixture_alpha"],
+                          api_visibility="private", queue=False)
+        view = [chatbot, answer, recall_log, status]
+        bank_outputs = [m["bank_md"], m["sample"], status, m["bank_use"]]
+        box.submit(h.chat, [box, recall_first, session], [*view, decoding_plot, box], inputs_kwargs=controls,
+                   api_name="chat", **MODEL_EVENTS)
+        box.stop(h.stop, session, status, api_name="stop", concurrency_limit=None)
+        regen_btn.click(h.regenerate, [session], [*view, decoding_plot], inputs_kwargs=controls, api_name="regenerate",
+                        **MODEL_EVENTS)
+        clear_btn.click(h.clear, session, [*view, conv_file], api_name="clear", concurrency_limit=None)
+        save_btn.click(h.save_conversation, session, [conv_file, status], api_name="save_conversation")
+        load_btn.upload(h.load_conversation, [load_btn, session], view, api_name="load_conversation")
+        example_btn.click(h.build_example, session, bank_outputs, api_name="build_example_bank", **MODEL_EVENTS)
+        m["bank_file"].upload(h.upload_bank, [m["bank_file"], session], bank_outputs, api_name="upload_bank")
+        m["bank_use"].input(h.use_bank, [m["bank_use"], session], bank_outputs, api_name="use_bank")
+        m["write_btn"].click(h.write_memories, [m["memory_text"], m["memory_images"], session],
+                             [*bank_outputs, m["memory_text"], m["memory_images"]], api_name="write_memories",
+                             **MODEL_EVENTS)
+        find_inputs = [m["query"], m["top_k_find"], session]
+        m["find_btn"].click(h.find_memories, find_inputs, [m["found"], status], api_name="find_memories")
+        m["query"].submit(h.find_memories, find_inputs, [m["found"], status], api_visibility="private")
+        m["delete_btn"].click(h.delete_memories, [m["delete_ids"], session], bank_outputs, api_name="delete_memories",
+                              **MODEL_EVENTS)
+        m["download_btn"].click(h.download_bank, [m["fmt"], session], [m["bank_out"], status],
+                                api_name="download_bank")
+        demo.load(h.on_load, session, bank_outputs, api_visibility="private", **MODEL_EVENTS)
+        demo.unload(h.unload)
+    return demo
