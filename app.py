@@ -34,6 +34,9 @@ def launch(demo: gr.Blocks, service: ChatService, **kwargs: Any) -> Any:
     options = dict(server_name=cfg.app.host, server_port=cfg.app.port, theme=THEME, css=CSS, ssr_mode=False,
                    share=False, allowed_paths=[str(ASSETS)],
                    max_file_size=cfg.memory.max_upload_mb * 2 ** 20)  # refused before it is stored
+    if service.users is not None:  # people: the page asks for a login (Gradio's), checked against the users file
+        options.update(auth=service.users.check_password, auth_message="recall chat: log in with your name and "
+                       "password (recall-users add NAME)")
     block = not kwargs.pop("prevent_thread_lock", False)
     out = demo.queue(default_concurrency_limit=8).launch(**{**options, **kwargs, "prevent_thread_lock": True})
     openai_api.mount(demo.app, service)

@@ -24,6 +24,7 @@ from chat.inputs import Limits, check_message, check_new_tokens
 from chat.operations import Past, answer, answer_again
 from chat.session import Session
 from chat.state import MessageState, SessionState
+from chat.users import LOCAL, Users
 from chat.view import TurnView
 from chat.worker import END, Request, Runner, ServiceError
 from decoding.settings import GenerationSettings, RecallSettings
@@ -52,12 +53,13 @@ class ChatService(Protocol):
     """Everything the page and `/v1` ask of a chat service."""
 
     cfg: Config
+    users: Users | None  # the people of app.users_file (None: one local user)
 
     @property
     def lm(self) -> Model | None: ...  # None while the model loads
 
     # sessions: one a browser tab or API request
-    def new_session(self) -> Session: ...
+    def new_session(self, user: str = LOCAL) -> Session: ...
     def touch(self, s: Session) -> None: ...
     def end_session(self, s: Session | None) -> None: ...
 
@@ -93,6 +95,7 @@ class SessionService:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.users = Users(cfg.app.users_file) if cfg.app.users_file else None  # a missing or bad file stops here
         self.limits = Limits(cfg.app.max_message_chars, cfg.app.max_input_tokens, cfg.app.max_new_tokens_cap,
                              cfg.memory.max_memories_per_session)
         self.files = Path(tempfile.mkdtemp(prefix="recall-chat-"))
@@ -110,8 +113,8 @@ class SessionService:
 
     # ----------------------------------------------------------------- sessions
 
-    def new_session(self) -> Session:
-        s = Session(next(self._ids))
+    def new_session(self, user: str = LOCAL) -> Session:
+        s = Session(next(self._ids), user)
         self._open(s)
         return s
 

@@ -93,7 +93,7 @@ class Banks:
                                expected_key_dim=keys.dim if keys is not None else None,
                                expected_encoder=lm.encoder.name)
 
-    def _new(self, lm: LoadedModel) -> MemoryVectorDB:
+    def empty(self, lm: LoadedModel) -> MemoryVectorDB:
         """An empty bank of the kind this model's encoder writes."""
         keyed, tokens = lm.encoder.values.keyed, lm.encoder.values.kind == "tokens"
         db = MemoryVectorDB(lm.encoder.keys.dim if keyed else lm.hidden_size, self.cfg.memory.index,
@@ -153,7 +153,7 @@ class Banks:
         def run(_: threading.Event) -> int:
             if self.example is None:
                 lines = [ln.strip() for ln in EXAMPLE_MEMORIES.read_text().splitlines() if ln.strip()]
-                db = self._new(self._model())
+                db = self.empty(self._model())
                 db.add(*self._encode_texts(lines, lines))
                 db.info["source"] = EXAMPLE_MEMORIES.name
                 self.example = db
@@ -212,7 +212,7 @@ class Banks:
         if s.bank_use != "own":
             shared = self.of(s)
             if shared is None:
-                s.own_bank, s.own_label = self._new(self._model()), "your own bank (written here)"
+                s.own_bank, s.own_label = self.empty(self._model()), "your own bank (written here)"
             else:
                 s.own_bank = shared.copy()
                 s.own_label = f"your copy of {self.label(s)}"

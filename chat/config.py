@@ -80,6 +80,8 @@ class MemoryConfig:
     store: str = "faiss"  # where the shared bank lives: faiss (in this process, from `bank`) | milvus (`milvus_uri`)
     milvus_uri: str | None = None  # a local path (milvus-lite, one machine) or http://host:19530 (a Milvus server)
     milvus_collection: str = "memories"
+    user_dir: str | None = None  # each user's own memories (null: $XDG_DATA_HOME/recall-chat/users, or ~/.local/share/...)
+    remember: str = "explicit"  # what a message writes to its author's memory: explicit ("remember ...", "forget ...") | off
 
     def __post_init__(self):
         _check(self.index in ("flat", "hnsw", "ivf"), "index", self.index, "flat, hnsw, ivf")
@@ -89,6 +91,9 @@ class MemoryConfig:
         _check(isinstance(self.milvus_collection, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,200}",
                self.milvus_collection) is not None, "milvus_collection", self.milvus_collection,
                "a name of letters, digits and _ (not starting with a digit)")
+        _check(self.remember in ("explicit", "off"), "remember", self.remember, "explicit, off")
+        _check(self.user_dir is None or (isinstance(self.user_dir, str) and self.user_dir.strip() != ""), "user_dir",
+               self.user_dir, "null or a folder")
         if self.values != "auto":
             ValueKind.parse(self.values)  # names the value and the kinds allowed
         _check(self.value_dtype in ("float16", "float32"), "value_dtype", self.value_dtype, "float16, float32")
@@ -114,6 +119,7 @@ class AppConfig:
     batching: bool = True  # answers of different sessions decode as rows of one forward; false: they take turns
     session_ttl_s: int = 1800  # a session idle this long is freed (also API clients, which never close a page)
     api_key: str | None = None  # required as "Authorization: Bearer <key>" on /v1 when set
+    users_file: str | None = None  # people (recall-users): the page asks for a login, /v1 for a user's key
 
     def __post_init__(self):
         _check(isinstance(self.port, int) and 0 <= self.port < 65536, "port", self.port, "0..65535")

@@ -75,6 +75,7 @@ class RecallRecord(BaseModel):
     memory_index: int = Field(ge=0, lt=2 ** 62)
     text: Text | None = None
     length: int = Field(1, ge=1, le=100_000)  # value slots (files written before key/value memories have none: 1)
+    source: Text | None = None  # the bank it came from, when several were searched as one
 
 
 class MessageRecord(BaseModel):

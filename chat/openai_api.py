@@ -14,6 +14,7 @@ ignore.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hmac
@@ -29,8 +30,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from chat.api import ChatService
 from chat.config import request_settings
 from chat.inputs import decode_image, describe
+from chat.people import Remembered, public
 from chat.session import Session
+from chat import operations as ops
+from chat.users import LOCAL
 from chat.worker import END, Failed, Notice, ServiceError
+from chat.worker import Request as WorkerRequest
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 
 ALIAS = "recall-chat"  # always accepted as the model name
@@ -65,6 +70,12 @@ class ImagePart(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+
+
+class MemoryRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(min_length=1)
 
 
 class ChatRequest(BaseModel):
@@ -110,24 +121,35 @@ class OpenAIRoutes:
         self.router = APIRouter(prefix="/v1")
         self.router.add_api_route("/models", self.models, methods=["GET"])
         self.router.add_api_route("/chat/completions", self.completions, methods=["POST"])
+        self.router.add_api_route("/memories", self.list_memories, methods=["GET"])
+        self.router.add_api_route("/memories", self.add_memory, methods=["POST"])
+        self.router.add_api_route("/memories", self.delete_memories, methods=["DELETE"])
+        self.router.add_api_route("/memories/{memory_id}", self.delete_memory, methods=["DELETE"])
 
     @property
     def model_id(self) -> str:
         lm = self.service.lm
         return lm.name if lm is not None else ALIAS
 
-    def check_key(self, request: Request) -> None:
-        key = self.service.cfg.app.api_key
-        if key is None:
-            return
-        sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(sent.encode(), key.encode()):
+    async def user_of(self, request: Request) -> str:
+        """The user the request's key belongs to (`app.users_file`), or the one local user (checked against
+        `app.api_key` when set); 401 otherwise."""
+        header = request.headers.get("authorization", "")
+        sent = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        users = self.service.users
+        if users is not None:
+            user = await asyncio.to_thread(users.user_of_key, sent) if sent else None  # scrypt: off the event loop
+        else:
+            key = self.service.cfg.app.api_key
+            user = LOCAL if key is None or hmac.compare_digest(sent.encode(), key.encode()) else None
+        if user is None:
             raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error",
                            code="invalid_api_key")
+        return user
 
     async def models(self, request: Request):
         try:
-            self.check_key(request)
+            await self.user_of(request)
         except APIError as e:
             return e.response()
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
@@ -135,7 +157,7 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request):
         try:
-            self.check_key(request)
+            user = await self.user_of(request)
             try:
                 body = ChatRequest.model_validate_json(await request.body())
             except ValidationError as e:
@@ -144,15 +166,15 @@ class OpenAIRoutes:
             if body.model not in (self.model_id, ALIAS):  # (the alias is what /v1/models says while loading)
                 raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_id!r}",
                                param="model", code="model_not_found")
-            session, turn = self.start(body)
+            session, turn = self.start(body, user)
             if body.stream:
                 return StreamingResponse(self.chunks(request, session, turn, body), media_type="text/event-stream")
             return await self.whole(request, session, turn, body)
         except APIError as e:
             return e.response()
 
-    def start(self, body: ChatRequest):
-        """A fresh session holding the request's conversation, with its answer queued."""
+    def start(self, body: ChatRequest, user: str):
+        """A fresh session of `user` holding the request's conversation, with its answer queued."""
         svc = self.service
         gen = {"generation.max_new_tokens": body.max_completion_tokens or body.max_tokens
                or svc.cfg.generation.max_new_tokens}
@@ -165,7 +187,7 @@ class OpenAIRoutes:
             gen["generation.stop_strings"] = [body.stop] if isinstance(body.stop, str) else body.stop
         if body.seed is not None:
             gen["generation.seed"] = body.seed
-        s = svc.new_session()
+        s = svc.new_session(user)
         try:
             settings, recall = request_settings(svc.cfg, gen)
             *history, last = body.messages
@@ -184,6 +206,63 @@ class OpenAIRoutes:
         except (ValueError, ServiceError) as e:
             svc.end_session(s)
             raise APIError(400, str(e)) from None
+
+    # ------------------------------------------------------------------ the caller's own memory
+
+    async def _on_memory(self, request: Request, op, *args: Any) -> Any:
+        """Run a memory operation for the request's user (waiting for a queued one)."""
+        user = await self.user_of(request)
+        svc = self.service
+        await svc.wait_for(svc.ready())
+        s = svc.new_session(user)
+        try:
+            value = await asyncio.to_thread(svc.run, op, s, *args)
+            return await svc.wait_for(value) if isinstance(value, WorkerRequest) else value
+        finally:
+            svc.end_session(s)
+
+    async def list_memories(self, request: Request):
+        try:
+            return {"object": "list", "data": await self._on_memory(request, ops.my_memories)}
+        except APIError as e:
+            return e.response()
+        except ServiceError as e:
+            return APIError(400, str(e)).response()
+
+    async def add_memory(self, request: Request):
+        try:
+            try:
+                body = MemoryRequest.model_validate_json(await request.body())
+            except ValidationError as e:
+                raise APIError(400, describe(e), param="text") from None
+            done = await self._on_memory(request, ops.remember, body.text)
+            if done.written:
+                return JSONResponse(dict(public(done.written[0]), object="memory",
+                                         superseded=[public(e) for e in done.superseded]), status_code=201)
+            return JSONResponse({"object": "memory", "text": body.text, "duplicate": True, "note": done.note})
+        except APIError as e:
+            return e.response()
+        except ServiceError as e:
+            return APIError(400, str(e)).response()
+
+    async def delete_memory(self, request: Request, memory_id: str):
+        try:
+            gone = await self._on_memory(request, ops.forget_memories, [memory_id])
+            return {"id": gone[0]["id"], "object": "memory", "deleted": True}
+        except APIError as e:
+            return e.response()
+        except KeyError:
+            return APIError(404, f"memory {memory_id!r}: no such memory of yours", code="memory_not_found").response()
+        except ServiceError as e:
+            return APIError(400, str(e)).response()
+
+    async def delete_memories(self, request: Request):
+        try:
+            return {"object": "list", "deleted": await self._on_memory(request, ops.forget_all_memories)}
+        except APIError as e:
+            return e.response()
+        except ServiceError as e:
+            return APIError(400, str(e)).response()
 
     @staticmethod
     def files(s: Session, images: list[bytes]) -> list[str]:
@@ -228,6 +307,8 @@ class OpenAIRoutes:
                 yield chunk({}, recall=_recall(event))
             elif isinstance(event, Notice):
                 yield chunk({}, notice=event.text)
+            elif isinstance(event, Remembered):
+                yield chunk({}, **_memory_changes(event))
             elif isinstance(event, FinishEvent):
                 if out := text.finish():
                     yield chunk({"content": out})
@@ -238,6 +319,7 @@ class OpenAIRoutes:
 
     async def whole(self, request: Request, session: Session, turn, body: ChatRequest) -> JSONResponse:
         text, recalls, notices, reason, tokens, prompt = StopText(body.stop), [], [], "stop", 0, 0
+        changes: dict[str, list] = {"remembered": [], "forgotten": []}
         async for event in self.events(request, session, turn):
             if isinstance(event, DoneEvent):
                 prompt = event.result.prompt_length
@@ -248,13 +330,16 @@ class OpenAIRoutes:
                 recalls.append(_recall(event))
             elif isinstance(event, Notice):
                 notices.append(event.text)
+            elif isinstance(event, Remembered):
+                for name, entries in _memory_changes(event).items():
+                    changes[name] += entries
             elif isinstance(event, FinishEvent):
                 reason = FINISH[event.reason]
             elif isinstance(event, Failed):
                 raise APIError(500, event.message, "server_error")
         return JSONResponse({
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_id, "recalls": recalls, "notices": notices,
+            "model": self.model_id, "recalls": recalls, "notices": notices, **changes,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text.all()},
                          "finish_reason": reason}],
             "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}})
@@ -297,9 +382,14 @@ class StopText:
         return out
 
 
+def _memory_changes(event: Remembered) -> dict[str, list[dict]]:
+    """A turn's changes to its author's memory as the API carries them: `remembered` and `forgotten` {id, text}."""
+    return {"remembered": [public(e) for e in event.written], "forgotten": [public(e) for e in event.forgotten]}
+
+
 def _recall(event: RecallEvent) -> dict:
     return {"position": event.position, "slots": event.length, "score": round(event.score, 6),
-            "memory_index": event.memory_index, "text": event.text}
+            "memory_index": event.memory_index, "text": event.text, "source": event.source}
 
 
 def mount(app, service: ChatService) -> None:

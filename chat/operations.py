@@ -24,10 +24,12 @@ from typing import Any, Protocol
 from chat.banks import Banks
 from chat.config import Config
 from chat.inputs import read_upload_text
+from chat.people import Decision, Remembered, about_the_user, public
 from chat.session import Conversation, Session
 from chat.worker import Request, ServiceError, describe
 from decoding.settings import GenerationSettings, RecallSettings
 from memory.files import atomic_write
+from memory.personal import PersonalMemory
 from models import LoadedModel
 
 Past = tuple[str, str, Sequence[bytes]]  # an earlier message its client keeps: role, text, its images' bytes
@@ -46,6 +48,8 @@ class ModelSide(Protocol):
     def add_history(self, s: Session, role: str, text: str, images: Sequence[str] = ()) -> None: ...
     def stop(self, s: Session) -> list[Request]: ...
     def settle(self, s: Session) -> None: ...
+    def remember(self, s: Session, decision: Decision, source: str = "chat") -> Remembered: ...
+    def personal(self, s: Session) -> PersonalMemory: ...
 
 
 @dataclass(frozen=True)
@@ -237,3 +241,41 @@ def find_memories(svc: ModelSide, s: Session, query: str, top_k: int = 5) -> lis
 def download_bank(svc: ModelSide, s: Session, fmt: str = ".pt") -> Path:
     """The session's bank as a file of its folder (.pt, .safetensors or .npy)."""
     return svc.banks.save(s, fmt)
+
+
+# --------------------------------------------------------------------------- the user's own memory
+
+
+@operation()
+def my_memories(svc: ModelSide, s: Session) -> list[dict[str, Any]]:
+    """The session's user's memories, newest first ({"id", "text", "created_at", "source", "conversation"})."""
+    return [public(e) for e in svc.personal(s).entries()]
+
+
+@operation()
+def my_memory_history(svc: ModelSide, s: Session) -> list[dict[str, Any]]:
+    """The memories of the session's user that newer ones superseded, with when and by which."""
+    return svc.personal(s).history
+
+
+@operation(queued=True)
+def remember(svc: ModelSide, s: Session, text: str, source: str = "api") -> Request:
+    """Queue writing a memory of the session's user, as a "remember that ..." in the chat writes it."""
+    text = (text or "").strip()
+    if not text:
+        raise ServiceError("text: expected what to remember, got nothing")
+    if len(text) > svc.cfg.app.max_message_chars:
+        raise ServiceError(f"text: expected at most {svc.cfg.app.max_message_chars} characters, got {len(text)}")
+    return Request("remember", lambda _: svc.remember(s, Decision(write=about_the_user(text)), source), s.id)
+
+
+@operation()
+def forget_memories(svc: ModelSide, s: Session, ids: Sequence[str]) -> list[dict[str, Any]]:
+    """Delete memories of the session's user by id; `KeyError` naming an id that is not theirs (nothing deleted)."""
+    return [public(e) for e in svc.personal(s).remove(list(ids))]
+
+
+@operation()
+def forget_all_memories(svc: ModelSide, s: Session) -> int:
+    """Delete every memory of the session's user, and their history; how many there were."""
+    return svc.personal(s).clear()

@@ -18,6 +18,7 @@ from chat.banks import Banks
 from chat.config import Config, load_options
 from chat.janitor import Janitor
 from chat.operations import operation_of
+from chat.people import Decision, People, Remembered, decide
 from chat.session import Conversation, Session, text_only_message
 from chat.state import SessionState, bank_state, message_states
 from chat.textsearch import TextSearch
@@ -28,6 +29,7 @@ from decoding.mixture import MixtureResult
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import BankError
 from memory.milvus import MilvusBank
+from memory.personal import Joined, PersonalMemory
 from models import EMBEDDED_NAME, LoadedModel, load_model
 from models.spec import COMPILE
 
@@ -35,8 +37,8 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EXAMPLE_IMAGES = (ASSETS / "example_lighthouse.png", ASSETS / "example_cat.png")
 
 
-NO_MEMORY = ("the model looked for a memory, but there is none to read (no bank, or recall is off): it answered "
-             "from what it knows; build the example bank or load one")
+NO_MEMORY = ("the model looked for a memory, but none fits (no bank, none close enough to the question: "
+             "memory min score, or recall is off): it answered from what it knows")
 
 
 class Service(SessionService):
@@ -52,6 +54,7 @@ class Service(SessionService):
         self.janitor = Janitor(self)
         self.worker = Worker()
         self.banks = Banks(cfg, self.worker, self._model, self.wait_model, self.files, text_search)
+        self.people = People(cfg)
         if lm is not None:
             try:
                 self.banks.load_shared(lm)
@@ -174,7 +177,10 @@ class Service(SessionService):
         def run(interrupt: threading.Event) -> Iterator[Any]:
             nonlocal recall_first, images
             with s.lock:
-                conv, bank = self.conversation(s), self.banks.of(s)
+                conv = self.conversation(s)
+                if changed := self.remember(s, decide(text, self.cfg.memory.remember)):
+                    yield changed
+                bank = self.recall_bank(s)
                 if images and not conv.lm.is_vision:
                     message = text_only_message(conv.lm, len(images))
                     if not text:
@@ -192,6 +198,28 @@ class Service(SessionService):
         req.on_withdraw = lambda: self._record_unanswered(s, req)
         return self._start(s, req)
 
+    def recall_bank(self, s: Session) -> Any:
+        """What the memory head searches for this session: its user's own memories and the session's bank, as one
+        (each recall names the bank it came from), or the session's bank alone while the user has none."""
+        mine, bank = self.people.of(self._model(), s.user), self.banks.of(s)
+        if not len(mine):
+            return bank
+        return Joined([("yours", mine.bank), (self.banks.label(s), bank)])
+
+    def personal(self, s: Session) -> PersonalMemory:
+        """The session's user's own memory."""
+        return self.people.of(self.wait_model(), s.user)
+
+    def remember(self, s: Session, decision: Decision, source: str = "chat") -> Remembered:
+        """Carry out a write decision on the session's user's memory (on the worker thread: it encodes)."""
+        lm = self._model()
+        if decision.forget:
+            return self.people.forget(lm, s.user, decision.forget)
+        if decision.write:
+            return self.people.write(lm, s.user, decision.write, lambda: self.banks.empty(lm), source=source,
+                                     conversation=f"session-{s.id}")
+        return Remembered()
+
     @staticmethod
     def _record_unanswered(s: Session, req: Request) -> None:
         """A chat stopped while it waited: keep the user's message, with an empty stopped answer.
@@ -208,7 +236,7 @@ class Service(SessionService):
 
         def run(interrupt: threading.Event) -> Iterator[Any]:
             with s.lock:
-                yield from self._noted(s, conv.regenerate(settings, recall, self.banks.of(s), interrupt))
+                yield from self._noted(s, conv.regenerate(settings, recall, self.recall_bank(s), interrupt))
 
         return self._start(s, Request("regenerate", run, s.id, "regenerate"))
 

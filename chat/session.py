@@ -11,6 +11,7 @@ A `Session` is what one browser tab (or API request) holds: its conversation, it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -24,6 +25,7 @@ from pydantic import ValidationError
 
 from chat.inputs import FORMAT, ConversationFile, check_conversation, decode_image, describe, encode_image, encode_vector
 from chat.worker import Request
+from chat.users import LOCAL
 from decoding.engine import Engine, Prompt, Recall, cache_length, cut_cache, memory_now
 from decoding.events import DoneEvent, Event, GenerationResult, RecallEvent
 from decoding.settings import GenerationSettings, RecallSettings
@@ -181,7 +183,7 @@ class Conversation:
             self.ids = self.ids + old_ids[m.start:end]
             self.memory.update({p + shift: v for p, v in old_memory.items() if m.start <= p < end})
             self.messages.append(Message("assistant", m.text, [], [*self.placed, *(
-                RecallEvent(r.row, r.position + shift, r.score, r.memory_index, r.text, r.length)
+                dataclasses.replace(r, position=r.position + shift)
                 for r in m.recalls if r.position >= m.start)], m.finish_reason, m.start + shift))
 
     def _again(self, event: RecallEvent, ids: list[int], memory: dict[int, torch.Tensor]):
@@ -190,8 +192,7 @@ class Conversation:
             shift = position - event.position
             span = ids[event.position:event.position + event.length]
             vectors = {p + shift: memory[p] for p in range(event.position, event.position + event.length)}
-            return span, vectors, RecallEvent(event.row, position, event.score, event.memory_index, event.text,
-                                              event.length)
+            return span, vectors, dataclasses.replace(event, position=position)
         return place
 
     def inputs(self) -> dict:
@@ -258,6 +259,8 @@ class Conversation:
                                  "writes one hidden-state vector a memory (memory.values: state): use a bank it wrote")
             vector = encoder.query(text or " ")
             query = lambda hidden: vector  # noqa: E731 - the message, not the <recall> state, is the query
+            if len(memory_db) and float(memory_db.topk(vector, 1)[0][0]) < settings.min_score:
+                memory_db = None  # nothing fits the message: the model answers from what it knows (`NoMemory`)
             if encoder.close is not None:
                 suffix = (self.lm.tokenizer.convert_tokens_to_ids(encoder.close),)
         embedding = encoder.embedding_for(memory_db) if memory_db is not None else None
@@ -337,6 +340,7 @@ class Session:
     """One browser tab: its conversation, its running request, its bank choice."""
 
     id: int
+    user: str = LOCAL  # whose memory it reads and writes (one local user without a users file)
     conv: Conversation | None = None
     bank_use: str = "shared"  # shared | example | own
     own_bank: MemoryVectorDB | None = None

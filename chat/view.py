@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from chat.state import BankState, MessageState, Piece, SessionState
+from chat.people import Remembered
 from chat.worker import Failed, Notice, Waiting
 from decoding.events import FinishEvent, RecallEvent, TokenEvent
 
@@ -45,6 +46,7 @@ class TurnView:
     tokens: int = 0
     reason: str | None = None
     notices: list[str] = field(default_factory=list)
+    remembered: list[Remembered] = field(default_factory=list)  # the turn's changes to its author's memory
     error: str | None = None
     done: bool = False
 
@@ -65,6 +67,9 @@ class TurnView:
             self.reason = event.reason
         elif isinstance(event, Notice):
             self.notices.append(event.text)
+        elif isinstance(event, Remembered):
+            self.remembered.append(event)
+            self.notices.append(event.describe())
         elif isinstance(event, Failed):
             self.error = event.message
 

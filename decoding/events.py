@@ -30,6 +30,7 @@ class RecallEvent:
     memory_index: int
     text: str | None = None  # the memory's text, when the bank has one
     length: int = 1  # value slots, injected in order at consecutive positions
+    source: str | None = None  # the bank it came from, when several are searched as one ("yours", the shared one)
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,7 +143,7 @@ def recall_step(selector: "MemorySelector", recall: Recall, hidden: torch.Tensor
     memory = selector.choose(hidden)
     vectors = {position + i: v for i, v in enumerate(recall.values(memory))}
     return recall.span(memory), vectors, RecallEvent(row, position, memory.score, memory.index, memory.text,
-                                                     memory.slots)
+                                                     memory.slots, memory.source)
 
 
 def inject_memories(embeds: torch.Tensor, input_ids: torch.Tensor, pad_id: int,
@@ -186,6 +186,9 @@ class MemorySelector:
 
     def choose(self, hidden: torch.Tensor) -> Memory:
         scores, ids = self.scores(hidden)  # [k], [k]
+        fits = scores >= self.recall.min_score
+        fits[0] = True  # under `min_score` a memory is not a candidate, but the best stays one (the step needs one)
+        scores, ids = scores[fits], ids[fits]
         warped = self.warper(None, scores[None].clone()) if self.warper else scores[None]  # [1, k]
         pick = int(sample(warped, self.recall.use_sampling, self.generator)[0])
         memory = self.db.memory(int(ids[pick]), float(scores[pick]))

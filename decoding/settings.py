@@ -265,9 +265,11 @@ class RecallSettings:
     temperature: float = 1.0
     use_sampling: bool = False
     debug: bool = False
+    min_score: float = -1.0  # "nothing fits": a memory scored under it is never read (-1: every memory may be)
 
     def __post_init__(self):
         _validate(self, {
+            "min_score": (float, False, lambda v: -1 <= v <= 1, "must be in [-1, 1] (a cosine similarity)"),
             "enabled": (bool, False, None, ""), "use_sampling": (bool, False, None, ""),
             "debug": (bool, False, None, ""),
             "top_k": (int, False, _GE0, "must be >= 0 (0 keeps all memories)"),

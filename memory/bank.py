@@ -49,6 +49,7 @@ class Memory:
     score: float  # cosine similarity of the query and its key
     values: torch.Tensor  # [k, Dv] float32, or token ids int64 [k]: what is injected a <|memory_pad|> slot, in order
     text: str | None = None
+    source: str | None = None  # the label of its bank, when several are searched as one (`memory.personal.Joined`)
 
     @property
     def token_ids(self) -> bool:

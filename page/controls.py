@@ -71,6 +71,9 @@ CONTROLS: dict[str, tuple] = {
                      lambda v, cfg: gr.Slider(0, 50, v, step=1, precision=0, label="memory top-k (0 = all)")),
     "recall_top_p": ("recall.top_p", "Recall",
                      lambda v, cfg: gr.Slider(0, 1, v, step=0.01, label="memory top-p (1 = off)")),
+    "recall_min_score": ("recall.min_score", "Recall",
+                         lambda v, cfg: gr.Slider(-1, 1, v, step=0.01, label="memory min score: under it nothing "
+                                                  "fits, the model answers from what it knows (-1 = off)")),
 }
 
 

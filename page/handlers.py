@@ -196,6 +196,8 @@ class Handlers:
 
     async def on_load(self, s: Session, request: gr.Request, progress=gr.Progress(track_tqdm=True)) -> tuple:
         self.pages[request.session_hash] = s
+        if self.service.users is not None:  # the login's user owns the tab's memory
+            s.user = request.username
         note = ""
         try:
             if self.service.lm is None:

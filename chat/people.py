@@ -1,0 +1,180 @@
+"""Each person's own memory: what they tell the chat, kept across conversations and restarts, theirs alone.
+
+`People` opens one `memory.personal.PersonalMemory` a user, in `memory.user_dir` (`<user>.safetensors`,
+written by the model's own encoder and checked against it on load like any bank), and writes and forgets on
+the model worker (encoding needs the model). What a message asks of the memory is `decide(text)`:
+
+- "Remember (that) ..." writes what follows, in the third person ("my dog is Pocket" -> "The user's dog is
+  Pocket."), the form the memory is read in as being about the person the model talks to;
+- "Forget (that / about) ..." removes the memory of theirs that reads closest to what follows;
+- anything else writes nothing (`memory.remember: explicit`).
+
+A write is a `Remembered` event of the turn: the page shows it under the message, `/v1` answers carry it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chat.config import Config
+from chat.worker import ServiceError
+from memory import BankError
+from memory.personal import PersonalMemory, Similar
+from models import LoadedModel
+
+REMEMBER = re.compile(r"^\s*(?:please\s*,?\s+)?(?:remember|note|keep in mind)(?:\s+that)?\s*[,:]?\s+(?P<what>.+?)\s*$",
+                      re.I | re.S)
+FORGET = re.compile(r"^\s*(?:please\s*,?\s+)?forget(?:\s+(?:that|about|what i said about|what i told you about))?"
+                    r"\s*[,:]?\s+(?P<what>.+?)\s*$", re.I | re.S)
+FORGET_ABOVE = 0.5  # the least key similarity of a memory to "forget X" for it to be the one meant
+
+# first person -> the user, word by word (the verb right after "I" takes the third person: I live -> the user lives)
+_WORDS = {"my": "the user's", "mine": "the user's", "myself": "the user", "me": "the user", "i'm": "the user is",
+          "i've": "the user has", "i'd": "the user would", "i'll": "the user will"}
+_KEEP_AFTER_I = {"was", "will", "would", "can", "could", "should", "shall", "might", "must", "may", "had", "did"}
+_ADVERBS = {"never", "also", "still", "really", "just", "always", "usually", "often", "recently", "once", "sometimes",
+            "mostly", "only", "truly", "absolutely", "rarely", "seldom", "actually", "currently", "now"}
+_IRREGULAR = {"am": "is", "have": "has", "do": "does", "go": "goes", "was": "was", "were": "was"}
+
+
+def _third_person(verb: str) -> str:
+    low = verb.lower()
+    if low in _IRREGULAR:
+        return _IRREGULAR[low]
+    if low in _KEEP_AFTER_I or low.endswith("ed") or not low.isalpha():
+        return verb
+    if re.search(r"(s|sh|ch|x|z|o)$", low):
+        return verb + "es"
+    if re.search(r"[^aeiou]y$", low):
+        return verb[:-1] + "ies"
+    return verb + "s"
+
+
+def about_the_user(text: str) -> str:
+    """A first-person statement as a memory about the user: "my sister is called Lena" -> "The user's sister is
+    called Lena."; "I live in Porto" -> "The user lives in Porto."; a text in the third person stays as it is."""
+    words = re.split(r"(\s+)", text.strip().replace("\u2019", "'"))
+    out, after_i = [], False
+    for w in words:
+        if not w or w.isspace():
+            out.append(w)
+            continue
+        core = re.match(r"^([\w']+)(.*)$", w)
+        word, tail = (core[1], core[2]) if core else (w, "")
+        low = word.lower()
+        if after_i and low in _ADVERBS:
+            out.append(w)
+            after_i = not tail
+        elif after_i:
+            out.append(_third_person(word) + tail)
+            after_i = False
+        elif low == "i":
+            out.append("the user" + tail)
+            after_i = not tail
+        elif low in _WORDS:
+            out.append(_WORDS[low] + tail)
+        else:
+            out.append(w)
+    sentence = "".join(out).strip()
+    sentence = sentence[:1].upper() + sentence[1:]
+    return sentence if sentence.endswith((".", "!", "?")) else sentence + "."
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a message asks of its author's memory."""
+
+    write: str | None = None  # the memory to write (already about the user)
+    forget: str | None = None  # what to forget
+
+
+def decide(text: str, mode: str) -> Decision:
+    """The write decision of `memory.remember` (explicit: only "remember ..." and "forget ...")."""
+    if mode == "off" or not text:
+        return Decision()
+    if m := FORGET.match(text):
+        return Decision(forget=m["what"].rstrip(".!"))
+    if (m := REMEMBER.match(text)) and len(m["what"].split()) >= 2 and not m["what"].endswith("?"):
+        return Decision(write=about_the_user(m["what"]))
+    return Decision()
+
+
+def public(entry: dict) -> dict:
+    """A memory as the API and the page show it: {"id", "text", "created_at", "source", "conversation"}."""
+    return {k: entry[k] for k in ("id", "text", "created_at", "source", "conversation") if k in entry}
+
+
+@dataclass(frozen=True)
+class Remembered:
+    """A turn's changes to its author's memory: `written` and `forgotten` entries ({"id", "text", ...}), and the
+    older memories the new ones `superseded`."""
+
+    written: tuple[dict, ...] = ()
+    superseded: tuple[dict, ...] = ()
+    forgotten: tuple[dict, ...] = ()
+    note: str = ""  # why nothing changed, when a change was asked for
+
+    def __bool__(self) -> bool:
+        return bool(self.written or self.forgotten or self.note)
+
+    def describe(self) -> str:
+        parts = [f"Remembered: {e['text']}" for e in self.written]
+        parts += [f"(replaces: {e['text']})" for e in self.superseded]
+        parts += [f"Forgot: {e['text']}" for e in self.forgotten]
+        return " · ".join(parts + ([self.note] if self.note else []))
+
+
+@dataclass
+class People:
+    """The memories of every user of this server. Thread-safe; `write`/`forget` run on the model worker."""
+
+    cfg: Config
+    similar: Similar = Similar()
+    _open: dict[str, PersonalMemory] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def folder(self) -> Path:
+        if self.cfg.memory.user_dir is not None:
+            return Path(self.cfg.memory.user_dir).expanduser()
+        data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+        return Path(data) / "recall-chat" / "users"
+
+    def of(self, lm: LoadedModel, user: str) -> PersonalMemory:
+        """`user`'s memory, opened from its file on first use (checked against this model's encoder)."""
+        with self._lock:
+            if user not in self._open:
+                keys = lm.encoder.keys
+                try:
+                    self._open[user] = PersonalMemory(
+                        self.folder / f"{user}.safetensors", expected_dim=lm.hidden_size,
+                        expected_key_dim=keys.dim if keys is not None else None, expected_encoder=lm.encoder.name,
+                        vocab_size=len(lm.tokenizer))
+                except BankError as e:
+                    raise ServiceError(f"the memories of {user!r} cannot be read: {e}") from None
+            return self._open[user]
+
+    def write(self, lm: LoadedModel, user: str, text: str, new_bank, **meta) -> Remembered:
+        """Encode and keep one memory of `user` (not twice; a newer value of the same thing supersedes the older)."""
+        keys, values = lm.encoder.encode(lm.model, lm.tokenizer, [text], batch_size=1, progress=False)
+        entry, superseded = self.of(lm, user).add(keys, None if values is None else values[0], text,
+                                                   similar=self.similar, make_bank=new_bank, **meta)
+        if entry is None:
+            return Remembered(note=f"Already remembered: {text}")
+        return Remembered(written=(entry,), superseded=tuple(superseded))
+
+    def forget(self, lm: LoadedModel, user: str, what: str) -> Remembered:
+        """Remove the memory of `user` that reads closest to `what` (none when nothing is close)."""
+        memory = self.of(lm, user)
+        if not len(memory):
+            return Remembered(note="Nothing to forget: you have not told me anything to remember yet")
+        keys, _ = lm.encoder.encode(lm.model, lm.tokenizer, [about_the_user(what)], batch_size=1, progress=False)
+        scores, ids = memory.bank.topk(keys[0], 1)
+        if float(scores[0]) < FORGET_ABOVE:
+            return Remembered(note=f"Nothing to forget: no memory of yours is about {what!r}")
+        target = next(e for e in memory.entries() if e["index"] == int(ids[0]))
+        return Remembered(forgotten=tuple(memory.remove([target["id"]])))

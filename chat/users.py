@@ -1,0 +1,226 @@
+"""People: the users file (`app.users_file`) and the `recall-users` command that keeps it.
+
+The file is JSON: for each user a scrypt hash of the password and of the API key, never either itself.
+Hashing is OpenSSL's scrypt (`hashlib.scrypt`, n=2**14, r=8, p=1: RFC 7914's interactive setting, ~16 MB and
+~40 ms a check). An API key is `rc-<key id>-<secret>`: the id finds its user, the secret is checked against the
+hash in constant time; a key checked once is remembered (its SHA-256) for the life of the process, so `/v1`
+pays scrypt once a key, not once a request. Writes are atomic and take a lock: two `recall-users` at once
+cannot lose a user.
+
+    recall-users --file users.json add NAME [--password-stdin]   # the API key is the last word printed
+    recall-users --file users.json rotate-key NAME | remove NAME | list
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import getpass
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from memory.files import atomic_write
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+LOCAL = "local"  # the one user of a server without a users file
+SCRYPT = {"n": 2 ** 14, "r": 8, "p": 1}
+MIN_PASSWORD = 8
+
+
+class UsersError(ValueError):
+    """A users file that cannot be read, or a request it cannot serve (the message says which)."""
+
+
+def _hash(secret: str, salt: bytes, n: int, r: int, p: int) -> bytes:
+    return hashlib.scrypt(secret.encode(), salt=salt, n=n, r=r, p=p, maxmem=64 * 2 ** 20, dklen=32)
+
+
+def _stored(secret: str) -> dict:
+    salt = secrets.token_bytes(16)
+    return {"scrypt": SCRYPT, "salt": salt.hex(), "hash": _hash(secret, salt, **SCRYPT).hex()}
+
+
+def _matches(secret: str, stored: dict) -> bool:
+    digest = _hash(secret, bytes.fromhex(stored["salt"]), **stored["scrypt"])
+    return hmac.compare_digest(digest, bytes.fromhex(stored["hash"]))
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise UsersError(f"a user name is 1-64 letters, digits, '_', '.', '@' or '-' (starting with a letter or "
+                         f"digit), got {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    created: float
+
+
+class Users:
+    """The users of a server, read from its users file (re-read when the file changes: `recall-users` run while
+    the server runs takes effect at once). Thread-safe."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._known: dict[str, str] = {}  # SHA-256 of a key checked once -> its user (cleared on any change)
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int] | None = None
+        self._data: dict = {}
+        self._read()
+
+    # ------------------------------------------------------------------ reading
+
+    def _read(self) -> dict:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            raise UsersError(f"app.users_file: expected a users file at {str(self.path)!r} (create it with "
+                             f"recall-users --file {self.path} add NAME), found none") from None
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        with self._lock:
+            if stamp != self._stamp:
+                try:
+                    data = json.loads(self.path.read_text())
+                    if not isinstance(data.get("users"), dict):
+                        raise ValueError("no 'users' object")
+                except (ValueError, AttributeError) as e:
+                    raise UsersError(f"{self.path}: expected a users file written by recall-users, got "
+                                     f"something else ({e})") from None
+                self._data, self._stamp, self._known = data, stamp, {}
+            return self._data
+
+    def names(self) -> list[str]:
+        return sorted(self._read()["users"])
+
+    def list(self) -> list[User]:
+        users = self._read()["users"]
+        return [User(name, users[name].get("created", 0.0)) for name in sorted(users)]
+
+    def check_password(self, name: str, password: str) -> bool:
+        """Whether `password` is `name`'s (Gradio's `auth` callback)."""
+        entry = self._read()["users"].get(name)
+        return entry is not None and isinstance(password, str) and _matches(password, entry["password"])
+
+    def user_of_key(self, key: str) -> str | None:
+        """The user whose API key `key` is, or None."""
+        users = self._read()["users"]
+        fingerprint = hashlib.sha256(key.encode()).hexdigest()
+        with self._lock:
+            known = self._known.get(fingerprint)
+        if known is not None:
+            return known if known in users else None
+        m = re.fullmatch(r"rc-([0-9a-f]{12})-([A-Za-z0-9_-]{20,})", key or "")
+        if m is None:
+            return None
+        for name, entry in users.items():
+            if hmac.compare_digest(entry["key"]["id"], m[1]) and _matches(key, entry["key"]):
+                with self._lock:
+                    self._known[fingerprint] = name
+                return name
+        return None
+
+    # ------------------------------------------------------------------ writing (the CLI)
+
+    @classmethod
+    @contextmanager
+    def editing(cls, path: str | os.PathLike) -> Iterator[dict]:
+        """The file's data to change in place, under an exclusive lock, written back atomically (mode 0600)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = cls(path)._read() if path.exists() else {"version": 1, "users": {}}
+            yield data
+            atomic_write(path, lambda fh: fh.write(json.dumps(data, indent=1).encode()))
+            os.chmod(path, 0o600)
+
+
+def new_key() -> tuple[str, dict]:
+    """A new API key and what is stored of it."""
+    key_id = secrets.token_hex(6)
+    key = f"rc-{key_id}-{secrets.token_urlsafe(32)}"
+    return key, dict(_stored(key), id=key_id)
+
+
+def add(path: str | os.PathLike, name: str, password: str) -> str:
+    """Add a user; their new API key."""
+    check_name(name)
+    if not isinstance(password, str) or len(password) < MIN_PASSWORD:
+        raise UsersError(f"a password has at least {MIN_PASSWORD} characters, got {len(password or '')}")
+    key, stored_key = new_key()
+    with Users.editing(path) as data:
+        if name in data["users"]:
+            raise UsersError(f"user {name!r} already exists (rotate-key gives a new key, remove then add a new "
+                             "password)")
+        data["users"][name] = {"password": _stored(password), "key": stored_key, "created": time.time()}
+    return key
+
+
+def rotate_key(path: str | os.PathLike, name: str) -> str:
+    """A new API key for `name` (the old one stops working)."""
+    key, stored_key = new_key()
+    with Users.editing(path) as data:
+        if name not in data["users"]:
+            raise UsersError(f"no user {name!r} in {path}")
+        data["users"][name]["key"] = stored_key
+    return key
+
+
+def remove(path: str | os.PathLike, name: str) -> None:
+    with Users.editing(path) as data:
+        if data["users"].pop(name, None) is None:
+            raise UsersError(f"no user {name!r} in {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="recall-users", description="Keep the users file of a recall chat server "
+                                     "(app.users_file): names, password and API key hashes.")
+    parser.add_argument("--file", required=True, help="the users file (created by the first add)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_add = sub.add_parser("add", help="add a user; prints their API key last")
+    p_add.add_argument("name")
+    p_add.add_argument("--password-stdin", action="store_true", help="read the password from the first line of "
+                       "stdin (otherwise it is asked for)")
+    sub.add_parser("remove", help="remove a user").add_argument("name")
+    sub.add_parser("rotate-key", help="give a user a new API key; prints it last").add_argument("name")
+    sub.add_parser("list", help="the users, one a line")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "add":
+            if args.password_stdin:
+                password = sys.stdin.readline().rstrip("\r\n")
+            else:
+                password = getpass.getpass(f"password for {args.name}: ")
+                if getpass.getpass("again: ") != password:
+                    raise UsersError("the two passwords differ")
+            key = add(args.file, args.name, password)
+            print(f"added {args.name}; API key (shown once): {key}")
+        elif args.command == "rotate-key":
+            print(f"new API key for {args.name} (shown once): {rotate_key(args.file, args.name)}")
+        elif args.command == "remove":
+            remove(args.file, args.name)
+            print(f"removed {args.name}")
+        else:
+            for user in Users(args.file).list():
+                print(f"{user.name}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(user.created))}")
+    except UsersError as e:
+        print(f"recall-users: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""One person's memories, kept: a bank file of their own, rewritten atomically after every change; and the union
+of banks the memory head searches (the person's and the shared one).
+
+A change (`add`, `remove`, `clear`) is made on a copy, written to the file (`memory.files.atomic_write`: a
+temporary, fsync, rename) and only then published, so a crash or `kill -9` at any point leaves the file, and
+the memories in use, as they were before or as they are after. Each memory has a stable id (`m-` and 12 hex
+digits, in its metadata, kept across restarts) and the time it was written. A memory that supersedes another
+(a newer value of the same thing) moves the older one to the bank's history (`info["history"]`: its text, when
+it was written and when it was superseded, by which id); the history is kept, never recalled. Deleting a
+person's last memory deletes the file, history included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memory.bank import BankShape, Memory, MemoryVectorDB
+
+
+def normalise_text(text: str) -> str:
+    """A memory's text as compared for exact duplicates: lower case, words only."""
+    return " ".join(re.findall(r"\w+", text.lower()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Similar:
+    """How close a new memory's key must be to an old one's (cosine) to be the same memory, or the same thing."""
+
+    duplicate: float = 0.97  # not added twice
+    supersede: float = 0.80  # the newer replaces the older (when not a duplicate)
+
+    def __post_init__(self):
+        if not -1 <= self.supersede < self.duplicate <= 1:
+            raise ValueError(f"expected -1 <= supersede < duplicate <= 1, got supersede={self.supersede}, "
+                             f"duplicate={self.duplicate}")
+
+
+class PersonalMemory:
+    """A person's memories in one bank file (checked on every read as any bank file: `MemoryVectorDB.load`'s
+    `checks`). Thread- and process-safe: a change holds a lock on the file (replicas on one machine share it) and
+    starts from the file as it is; `bank` is re-read when another process has changed the file."""
+
+    def __init__(self, path: str | Path, **checks: Any):
+        self.path = Path(path)
+        self._checks = checks
+        self._bank: MemoryVectorDB | None = None  # None until the first memory (its layout is the encoder's)
+        self._stamp: tuple | None = None
+        self._lock = threading.Lock()
+        self._refresh()
+
+    def _refresh(self) -> None:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = None
+        if stamp != self._stamp:
+            self._bank = None if stamp is None else MemoryVectorDB.load(self.path, **self._checks)
+            self._stamp = stamp
+
+    @property
+    def bank(self) -> MemoryVectorDB | None:
+        self._refresh()
+        return self._bank
+
+    @contextmanager
+    def _writing(self) -> Iterator[MemoryVectorDB | None]:
+        """The bank as the file holds it now, under this process's and the file's lock."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock, open(self.path.with_name(f".{self.path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._refresh()
+            yield self._bank
+
+    def __len__(self) -> int:
+        bank = self.bank
+        return 0 if bank is None else len(bank)
+
+    @property
+    def history(self) -> list[dict]:
+        return [] if self.bank is None else list(self.bank.info.get("history", []))
+
+    def entries(self) -> list[dict]:
+        """Every memory, newest first: {"id", "text", "created_at", "source", "conversation"}."""
+        bank = self.bank
+        if bank is None:
+            return []
+        rows = bank.entries(0, len(bank))
+        return sorted(({"index": r["index"], "text": r["text"], **(r["metadata"] or {})} for r in rows),
+                      key=lambda e: (-e.get("created_at", 0.0), -e["index"]))
+
+    def find(self, memory_id: str) -> dict | None:
+        return next((e for e in self.entries() if e.get("id") == memory_id), None)
+
+    # ------------------------------------------------------------------ changes
+
+    def _publish(self, bank: MemoryVectorDB) -> None:
+        if not len(bank):  # no memory left: no file (its history goes with it: the person asked them all gone)
+            with suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self._bank, self._stamp = None, None
+            return
+        bank.save(self.path)  # atomic: the old file or the new one, never half of one
+        st = os.stat(self.path)
+        self._bank, self._stamp = bank, (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def add(self, key: torch.Tensor, value: Any, text: str, *, similar: Similar = Similar(),
+            make_bank: Callable[[], MemoryVectorDB], **meta: Any) -> tuple[dict | None, list[dict]]:
+        """Write one memory (key [1, D], its value as `MemoryVectorDB.add` takes it, or None for a bank whose values
+        are its keys); (the new entry, or None for a duplicate of one kept; the entries it superseded)."""
+        with self._writing() as now:
+            bank = now.copy() if now is not None else make_bank()
+            if len(bank):
+                scores, ids = bank.topk(key[0], min(len(bank), 8))
+                for score, i in zip(scores.tolist(), ids.tolist()):
+                    if score >= similar.duplicate or normalise_text(bank.text(i) or "") == normalise_text(text):
+                        return None, []
+                old = [i for score, i in zip(scores.tolist(), ids.tolist()) if score >= similar.supersede]
+            else:
+                old = []
+            entry = {"id": f"m-{secrets.token_hex(6)}", "created_at": time.time(), **meta}
+            bank.add(key, [text], [entry], None if value is None else [value])
+            superseded = [{"text": bank.text(i), **(bank.metadata(i) or {})} for i in old]
+            if old:
+                now = time.time()
+                history = list(bank.info.get("history", []))
+                history += [dict(s, superseded_at=now, superseded_by=entry["id"]) for s in superseded]
+                bank.info = dict(bank.info, history=history)
+                bank.remove(old)
+            self._publish(bank)
+            return dict(entry, text=text), superseded
+
+    def remove(self, memory_ids: Sequence[str]) -> list[dict]:
+        """Delete memories by id (not kept in the history: the person asked them gone); the deleted entries.
+        An id that is not here raises `KeyError` naming it, and nothing is deleted."""
+        with self._writing() as now:
+            by_id = {e.get("id"): e for e in self.entries()}
+            missing = [i for i in memory_ids if i not in by_id]
+            if missing:
+                raise KeyError(f"no memory {missing[0]!r} among yours")
+            if not memory_ids:
+                return []
+            bank = now.copy()
+            bank.remove([by_id[i]["index"] for i in memory_ids])
+            self._publish(bank)
+            return [by_id[i] for i in memory_ids]
+
+    def clear(self) -> int:
+        """Delete every memory and the history; how many memories there were."""
+        with self._writing() as now:
+            if now is None:
+                return 0
+            self._publish(MemoryVectorDB(now.dim))
+            return len(now)
+
+
+class Joined(BankShape):
+    """Several banks of one layout searched as one by the memory head (one key encoder: their scores compare):
+    ids are `id * parts + part`; each memory knows the label of the bank it came from (`source`)."""
+
+    def __init__(self, parts: Sequence[tuple[str, Any]]):
+        self.parts = [(label, bank) for label, bank in parts if bank is not None and len(bank)]
+        if not self.parts:
+            raise ValueError("expected at least one bank with memories to join, got none")
+        first = self.parts[0][1]
+        shape = lambda b: (b.dim, b.value_dim, b.token_values)  # noqa: E731
+        for label, bank in self.parts[1:]:
+            if shape(bank) != shape(first):
+                raise ValueError(f"{label}: expected a bank of the same layout as {self.parts[0][0]} (keys, values, "
+                                 f"token ids {shape(first)}), got {shape(bank)}")
+        self._dim, self._kind = first.dim, "joined"
+        self._value_dim, self._tokens = first._value_dim, first.token_values
+        self.info = first.info
+
+    def __len__(self) -> int:
+        return sum(len(bank) for _, bank in self.parts)
+
+    def topk(self, query: Any, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(self.parts)
+        found = [(bank.topk(query, k), p) for p, (_, bank) in enumerate(self.parts)]
+        scores = torch.cat([s for (s, _), _ in found]) if found else torch.empty(0)
+        ids = torch.cat([i * n + p for (_, i), p in found]) if found else torch.empty(0, dtype=torch.int64)
+        order = torch.from_numpy(np.argsort(-scores.numpy(), kind="stable"))[:k]
+        return scores[order], ids[order]
+
+    def memory(self, i: int, score: float) -> Memory:
+        label, bank = self.parts[i % len(self.parts)]
+        return dataclasses.replace(bank.memory(i // len(self.parts), score), index=int(i), source=label)
+
+    def source(self, i: int) -> tuple[str, int]:
+        """(the label of memory `i`'s bank, its id there)."""
+        return self.parts[i % len(self.parts)][0], i // len(self.parts)

@@ -1,0 +1,85 @@
+"""The users file and `recall-users`: hashes only, keys that find their user, the command's own output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chat import users
+from chat.users import Users, UsersError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(path: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "chat.users", "--file", str(path), *args], input=stdin,
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_the_command_adds_a_user_whose_key_is_the_last_word_and_stores_only_hashes(tmp_path):
+    path = tmp_path / "users.json"
+    done = cli(path, "add", "ada", "--password-stdin", stdin="correct horse\n")
+    assert done.returncode == 0, done.stderr
+    key = done.stdout.strip().splitlines()[-1].split()[-1]
+    assert key.startswith("rc-")
+    text = path.read_text()
+    assert key not in text and "correct horse" not in text  # neither is stored, only their hashes
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    store = Users(path)
+    assert store.user_of_key(key) == "ada"
+    assert store.check_password("ada", "correct horse")
+    assert not store.check_password("ada", "correct horsf")
+    assert not store.check_password("bob", "correct horse")
+    assert store.user_of_key(key[:-1] + ("A" if key[-1] != "A" else "B")) is None
+    assert store.user_of_key("rc-000000000000-" + "x" * 43) is None
+    assert store.user_of_key("") is None
+
+    listed = cli(path, "list")
+    assert listed.returncode == 0 and listed.stdout.split()[0] == "ada"
+    again = cli(path, "add", "ada", "--password-stdin", stdin="another one\n")
+    assert again.returncode == 1 and "already exists" in again.stderr
+
+
+def test_a_rotated_key_replaces_the_old_one_in_a_running_server(tmp_path):
+    path = tmp_path / "users.json"
+    old = users.add(path, "ada", "password1")
+    store = Users(path)  # the server's view, opened before the rotation
+    assert store.user_of_key(old) == "ada"
+    rotated = cli(path, "rotate-key", "ada")
+    assert rotated.returncode == 0, rotated.stderr
+    new = rotated.stdout.split()[-1]
+    assert store.user_of_key(old) is None  # the file changed: the remembered check is dropped
+    assert store.user_of_key(new) == "ada"
+    assert cli(path, "remove", "ada").returncode == 0
+    assert store.user_of_key(new) is None and store.names() == []
+
+
+def test_two_users_have_their_own_keys(tmp_path):
+    path = tmp_path / "users.json"
+    a, b = users.add(path, "ada", "password1"), users.add(path, "bob", "password2")
+    store = Users(path)
+    assert (store.user_of_key(a), store.user_of_key(b)) == ("ada", "bob")
+    assert store.names() == ["ada", "bob"]
+
+
+@pytest.mark.parametrize("name,password,expected", [
+    ("", "password1", "user name"), ("../etc", "password1", "user name"), ("ada", "short", "at least 8"),
+])
+def test_bad_names_and_passwords_are_refused_by_name(tmp_path, name, password, expected):
+    with pytest.raises(UsersError, match=expected):
+        users.add(tmp_path / "users.json", name, password)
+    assert not (tmp_path / "users.json").exists()  # nothing half-made
+
+
+def test_a_file_that_is_not_a_users_file_is_named(tmp_path):
+    path = tmp_path / "users.json"
+    path.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(UsersError, match="expected a users file written by recall-users"):
+        Users(path)
+    with pytest.raises(UsersError, match="found none"):
+        Users(tmp_path / "missing.json")

@@ -1,0 +1,129 @@
+"""A person's memories in their own file: duplicates, supersede and history, deletes by id, restarts, `kill -9`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from memory import MemoryVectorDB
+from memory.personal import Joined, PersonalMemory, Similar
+
+ROOT = Path(__file__).resolve().parents[2]
+DIM = 16
+
+
+def key(*weights: float) -> torch.Tensor:
+    """A key [1, DIM] mixing the first basis vectors with `weights` (cosines are easy to set)."""
+    v = torch.zeros(1, DIM)
+    v[0, :len(weights)] = torch.tensor(weights)
+    return v
+
+
+def empty() -> MemoryVectorDB:
+    return MemoryVectorDB(DIM)
+
+
+def test_a_memory_is_kept_once_and_a_newer_value_supersedes_the_older(tmp_path):
+    mine = PersonalMemory(tmp_path / "ada.safetensors")
+    assert len(mine) == 0 and mine.entries() == []
+    first, gone = mine.add(key(1, 0, 0), None, "The user's dog is called Rex.", make_bank=empty, source="chat")
+    assert first["id"].startswith("m-") and gone == []
+    other, _ = mine.add(key(0, 0, 1), None, "The user lives in Porto.", make_bank=empty, source="api")
+    # the same text again, or a key as good as the same: not added twice
+    assert mine.add(key(0, 0, 1), None, "the user lives in porto", make_bank=empty)[0] is None
+    assert mine.add(key(1, 0.05, 0), None, "The user's dog is named Rex", make_bank=empty)[0] is None
+    # the same thing, a new value (cosine 0.89: over `supersede`, under `duplicate`)
+    newer, gone = mine.add(key(1, 0.5, 0), None, "The user's dog is called Pocket.", make_bank=empty)
+    assert [g["id"] for g in gone] == [first["id"]]
+    assert [e["text"] for e in mine.entries()] == ["The user's dog is called Pocket.", "The user lives in Porto."]
+    (old,) = mine.history
+    assert old["text"] == "The user's dog is called Rex." and old["superseded_by"] == newer["id"]
+    assert old["superseded_at"] >= old["created_at"]
+
+    again = PersonalMemory(tmp_path / "ada.safetensors")  # a restart: the same memories, ids, times, history
+    ids = lambda m: [{k: v for k, v in e.items() if k != "index"} for e in m.entries()]  # noqa: E731 (rows renumber)
+    assert ids(again) == ids(mine) and again.history == mine.history
+    assert again.find(other["id"])["source"] == "api"
+
+
+def test_deletes_are_by_id_and_an_unknown_id_deletes_nothing(tmp_path):
+    mine = PersonalMemory(tmp_path / "ada.safetensors")
+    a, _ = mine.add(key(1), None, "The user is a nurse.", make_bank=empty)
+    b, _ = mine.add(key(0, 1), None, "The user has two cats.", make_bank=empty)
+    with pytest.raises(KeyError, match="m-000000000000"):
+        mine.remove([b["id"], "m-000000000000"])
+    assert len(mine) == 2
+    assert [e["id"] for e in mine.remove([a["id"]])] == [a["id"]]
+    assert [e["id"] for e in PersonalMemory(tmp_path / "ada.safetensors").entries()] == [b["id"]]
+    assert mine.clear() == 1 and len(PersonalMemory(tmp_path / "ada.safetensors")) == 0
+
+
+def test_a_change_made_by_another_process_is_seen(tmp_path):
+    path = tmp_path / "ada.safetensors"
+    here, there = PersonalMemory(path), PersonalMemory(path)  # two replicas on one machine
+    here.add(key(1), None, "The user is a nurse.", make_bank=empty)
+    there.add(key(0, 1), None, "The user has two cats.", make_bank=empty)  # starts from the file, not its copy
+    assert sorted(e["text"] for e in here.entries()) == ["The user has two cats.", "The user is a nurse."]
+
+
+WRITER = """
+import sys, torch
+from memory import MemoryVectorDB
+from memory.personal import PersonalMemory
+mine = PersonalMemory(sys.argv[1])
+i = len(mine)
+while True:
+    k = torch.randn(1, 16)
+    mine.add(k, None, f"memory {i}", make_bank=lambda: MemoryVectorDB(16))
+    i += 1
+    print(i, flush=True)
+"""
+
+
+def test_kill_9_in_the_middle_of_writes_leaves_the_memories_as_before_or_after(tmp_path):
+    path = tmp_path / "ada.safetensors"
+    written = 0
+    for round_ in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], cwd=ROOT, stdout=subprocess.PIPE,
+                                text=True)
+        seen = written
+        deadline = time.monotonic() + 60
+        while seen < written + 3 + round_ and time.monotonic() < deadline:  # it is writing: kill it at a new moment
+            seen = int(proc.stdout.readline())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        after = PersonalMemory(path)  # loads: never a half-written file
+        texts = [e["text"] for e in after.entries()]
+        # every write it reported is there, and at most the one it was making when killed
+        assert seen <= len(texts) <= seen + 1, (seen, len(texts))
+        assert sorted(texts, key=lambda t: int(t.split()[1])) == [f"memory {i}" for i in range(len(texts))]
+        written = len(texts)
+    assert written >= 6
+
+
+def test_joined_banks_search_as_one_and_name_where_a_memory_came_from():
+    mine, shared = MemoryVectorDB(DIM), MemoryVectorDB(DIM)
+    mine.add(torch.cat([key(1, 0.1), key(0, 0, 1)]), ["The user's dog is Pocket.", "The user lives in Porto."])
+    shared.add(torch.cat([key(1, 0.3), key(0, 1)]), ["Dogs are loyal.", "The ferry leaves at seven."])
+    both = Joined([("yours", mine), ("shared", shared), ("empty", None)])
+    assert len(both) == 4
+    scores, ids = both.topk(key(1), 2)
+    got = [both.memory(int(i), float(s)) for s, i in zip(scores, ids)]
+    assert [(m.text, m.source) for m in got] == [("The user's dog is Pocket.", "yours"), ("Dogs are loyal.", "shared")]
+    assert scores.tolist() == pytest.approx([1 / 1.01 ** 0.5, 1 / 1.09 ** 0.5], abs=1e-5)
+    assert both.source(int(ids[1])) == ("shared", 0)
+    all_scores, all_ids = both.topk(key(1), None)
+    assert len(all_scores) == 4 and sorted(both.source(int(i)) for i in all_ids) == [
+        ("shared", 0), ("shared", 1), ("yours", 0), ("yours", 1)]
+
+
+def test_thresholds_that_cannot_work_are_refused():
+    with pytest.raises(ValueError, match="duplicate"):
+        Similar(duplicate=0.5, supersede=0.8)
