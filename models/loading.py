@@ -21,7 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from memory import BankCheck
 from models.embedded import EMBEDDED_NAME, digest, embedded_model_dir, resolve_adapter, resolve_device
-from models.encoder import ENCODER_CONFIG, HiddenStateSpec, MemoryEncoder
+from models.encoder import ENCODER_CONFIG, MemoryEncoder
+from models.hidden import HiddenStateSpec
 from models.text_keys import TextEncoder
 from models.modeling import hidden_size, is_peft, set_adapter_merged, unwrap_model
 from models.spec import ModelSpec, transformers_spec
