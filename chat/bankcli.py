@@ -108,9 +108,7 @@ def cmd_show(args: argparse.Namespace) -> None:
 def cmd_search(args: argparse.Namespace) -> None:
     info = MemoryVectorDB.load(args.bank).info
     loaded = _load_model(args, info.get("values", "state"), info.get("layer", -1), info.get("pooling", "last"))
-    keys = loaded.encoder.keys
-    db = MemoryVectorDB.load(args.bank, expected_dim=loaded.hidden_size, expected_encoder=loaded.encoder.name,
-                             expected_key_dim=keys.dim if keys else None)
+    db = MemoryVectorDB.load(args.bank, check=loaded.bank_check())
     query = (loaded.encoder.query(args.query) if db.has_values else
              loaded.encoder.encode_states(loaded.model, loaded.tokenizer, [args.query], progress=False)[0])
     for rank, hit in enumerate(db.search(query, args.k), 1):

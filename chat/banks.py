@@ -23,7 +23,7 @@ from chat.session import Session
 from chat.textsearch import TextSearch
 from chat.worker import Request, ServiceError, Worker, describe
 from memory import BankError, MemoryVectorDB
-from memory.milvus import MilvusBank, load_into
+from memory.milvus import MilvusBank, StoreLayout, load_into
 from models import LoadedModel
 from models.vision import IMAGE_PAD, VISION_END, VISION_START, encode_with_images
 
@@ -84,14 +84,11 @@ class Banks:
         client = MilvusBank.connect(mem.milvus_uri)
         if mem.bank is not None and not client.has_collection(mem.milvus_collection):
             load_into(self._load(lm, mem.bank), mem.milvus_uri, mem.milvus_collection, index=mem.index, client=client)
-        keys = lm.encoder.keys
-        return MilvusBank.open(mem.milvus_uri, mem.milvus_collection, client=client,
-                               dim=keys.dim if keyed else lm.hidden_size, token_values=tokens,
-                               value_dim=lm.hidden_size if keyed and not tokens else None,
-                               value_dtype=mem.value_dtype, index=mem.index, info=lm.encoder.describe(),
-                               hnsw_ef_search=mem.hnsw_ef_search, expected_dim=lm.hidden_size,
-                               expected_key_dim=keys.dim if keys is not None else None,
-                               expected_encoder=lm.encoder.name)
+        layout = StoreLayout(lm.encoder.keys.dim if keyed else lm.hidden_size,
+                             value_dim=lm.hidden_size if keyed and not tokens else None,
+                             value_dtype=mem.value_dtype, token_values=tokens, info=lm.encoder.describe())
+        return MilvusBank.open(mem.milvus_uri, mem.milvus_collection, create=layout, index=mem.index,
+                               hnsw_ef_search=mem.hnsw_ef_search, check=lm.bank_check(), client=client)
 
     def empty(self, lm: LoadedModel) -> MemoryVectorDB:
         """An empty bank of the kind this model's encoder writes."""
@@ -104,12 +101,9 @@ class Banks:
 
     def _load(self, lm: LoadedModel, path: str | Path, max_bytes: int | None = None) -> MemoryVectorDB:
         """A bank file checked against this model; `max_bytes` for files strangers send (uploads)."""
-        keys = lm.encoder.keys
-        return MemoryVectorDB.load(path, index=self.cfg.memory.index, expected_dim=lm.hidden_size,
-                                   expected_key_dim=keys.dim if keys is not None else None,
+        return MemoryVectorDB.load(path, check=lm.bank_check(), index=self.cfg.memory.index,
                                    max_slots=self.cfg.memory.max_slots, max_bytes=max_bytes,
-                                   expected_encoder=lm.encoder.name, vocab_size=len(lm.tokenizer),
-                                   hnsw_ef_search=self.cfg.memory.hnsw_ef_search)
+                                   vocab_size=len(lm.tokenizer), hnsw_ef_search=self.cfg.memory.hnsw_ef_search)
 
     def of(self, s: Session) -> MemoryVectorDB | None:
         return {"shared": self.shared, "example": self.example, "own": s.own_bank}[s.bank_use]

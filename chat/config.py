@@ -20,7 +20,8 @@ import yaml
 
 from decoding.settings import GenerationSettings, RecallSettings
 from models import LoadOptions
-from models.encoder import HiddenStateSpec, ValueKind
+from models.encoder import ValueKind
+from models.hidden import HiddenStateSpec
 from models.llamacpp import GGUF_TYPES
 from models.quantize import QUANTIZE
 from models.spec import LAYERS, MIXTURE

@@ -148,12 +148,9 @@ class People:
         """`user`'s memory, opened from its file on first use (checked against this model's encoder)."""
         with self._lock:
             if user not in self._open:
-                keys = lm.encoder.keys
                 try:
-                    self._open[user] = PersonalMemory(
-                        self.folder / f"{user}.safetensors", expected_dim=lm.hidden_size,
-                        expected_key_dim=keys.dim if keys is not None else None, expected_encoder=lm.encoder.name,
-                        vocab_size=len(lm.tokenizer))
+                    self._open[user] = PersonalMemory(self.folder / f"{user}.safetensors", check=lm.bank_check(),
+                                                      vocab_size=len(lm.tokenizer))
                 except BankError as e:
                     raise ServiceError(f"the memories of {user!r} cannot be read: {e}") from None
             return self._open[user]

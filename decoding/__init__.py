@@ -7,7 +7,7 @@ from decoding.memory import MemorySelector, Recall, inject_memories
 from decoding.sampling import sample
 from decoding.mixture import generate_mixture, stream_mixture
 from decoding.seed_api import OptimalSpeculativeDecoder, custom_generate, memory_embedding, memory_head
-from decoding.processors import build_logits_processor, build_stopping_criteria, make_memory_warper
+from decoding.processors import NegativePrompt, build_logits_processor, build_stopping_criteria, make_memory_warper
 from decoding.settings import GenerationSettings, MixtureSettings, RecallSettings
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "GenerationSettings",
     "MemorySelector",
     "MixtureSettings",
+    "NegativePrompt",
     "OptimalSpeculativeDecoder",
     "Recall",
     "RecallEvent",

@@ -13,7 +13,7 @@ its `lm_head` (an adapter that leaves the head alone) is, up to a constant, `lm_
 shipped recall adapter trains the three recall tokens' rows of the tied head, so for it f* is q*
 except on those three tokens. Draft steps after the first feed f̂ back where training fed h_θ: a
 known mismatch, see the README.)
-`training/draft.py` trains it; `decoding.speculative.HeadDraft` drafts with it.
+`training/draft.py` trains it; `decoding.drafts.HeadDraft` drafts with it.
 """
 
 from __future__ import annotations

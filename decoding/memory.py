@@ -28,7 +28,7 @@ from decoding.events import RecallEvent
 from decoding.sampling import kept, sample
 from decoding.processors import make_memory_warper
 from decoding.settings import RecallSettings
-from memory.bank import Memory
+from memory.shape import Memory
 
 log = logging.getLogger("decoding.memory")
 

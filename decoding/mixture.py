@@ -1,5 +1,5 @@
 """The geometric mixture q* of two models with one tokenizer (seed 003), drawn directly or by exact
-speculative sampling (`decoding.speculative`).
+speculative sampling (`decoding.speculative`, its drafts `decoding.drafts`).
 
     q_α(x) ∝ π_θ(x)^α · π_t(x)^(1-α),   α* solves KL(q_α ‖ π_θ) = KL(q_α ‖ π_t)   (per row and step)
 
@@ -35,7 +35,8 @@ from decoding.events import DoneEvent, GenerationResult, PrefillEvent
 from decoding.memory import Recall
 from decoding.request import Controls, Prompt, Request, prepare
 from decoding.settings import GenerationSettings, MixtureSettings
-from decoding.speculative import HeadDraft, ModelDraft, ModelPair, PairDraft, make_draft, process_block, speculative_round
+from decoding.drafts import HeadDraft, ModelDraft, PairDraft, make_draft
+from decoding.speculative import ModelPair, Sampling, process_block, speculative_round
 from models.spec import MIXTURE
 
 MASKED = -1e30  # scores at or below this count as masked (transformers masks with -inf or finfo.min)
@@ -225,8 +226,9 @@ class _Run:
         memory = ({p: self.embedded(p) for p in req.rows.memory[0]}
                   if isinstance(draft, (ModelDraft, PairDraft, HeadDraft)) else {})
         inject = {0: self.embedded(last)} if last in req.rows.memory[0] else {}
-        rnd = speculative_round(list(seq), self.pair, draft, gamma, self.target, req.settings.do_sample,
-                                processors=req.processors, memory=memory, inject=inject, generator=req.rng)
+        sampling = Sampling(req.settings.do_sample, req.processors, req.rng)
+        rnd = speculative_round(list(seq), self.pair, draft, gamma, self.target, sampling, memory=memory,
+                                inject=inject)
         start = len(seq)
         self.emit(rnd.tokens, rnd.alphas, events)
         self.pair.crop(req.rows.cur - 1)  # a stop or a <recall> cut the round short

@@ -9,6 +9,7 @@ uses. `to_generation_config` maps the same settings onto a `GenerationConfig`, s
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from transformers.generation.stopping_criteria import (
 
 from decoding.settings import GenerationSettings, RecallSettings
 
+
 def _eos_tensor(eos_token_id, device) -> torch.Tensor | None:
     """EOS id(s) as the 1-D tensor `generate` passes around (`_prepare_special_tokens`)."""
     if eos_token_id is None:
@@ -35,33 +37,43 @@ def _eos_tensor(eos_token_id, device) -> torch.Tensor | None:
     return torch.as_tensor(eos_token_id, dtype=torch.long, device=device).reshape(-1)
 
 
+@dataclass(frozen=True)
+class NegativePrompt:
+    """The unconditional prompt of classifier-free guidance, tokenized: ids [1, L] and their attention mask."""
+
+    ids: torch.LongTensor
+    attention_mask: torch.Tensor | None = None
+
+
 def build_logits_processor(
     settings: GenerationSettings, *, eos_token_id: int | list[int] | None, prompt_ids: torch.LongTensor,
-    device: torch.device | str, vocab_size: int, model: Any = None,
-    negative_prompt_ids: torch.LongTensor | None = None, negative_prompt_attention_mask: torch.Tensor | None = None,
+    vocab_size: int, model: Any = None, negative_prompt: NegativePrompt | None = None,
     prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
     attention_mask: torch.Tensor | None = None,
 ) -> LogitsProcessorList:
     """The processors `generate` would build for `settings`, same classes, arguments and order.
 
-    `prompt_ids` [B, L] is the encoder input of the encoder-side penalties and gives L;
-    `attention_mask` [B, L] (left padding) keeps the repetition penalty off pad tokens;
-    `model` computes the unconditional branch of classifier-free guidance.
+    `prompt_ids` [B, L] is the encoder input of the encoder-side penalties, gives L, and is on the device
+    the processors work on; `attention_mask` [B, L] (left padding) keeps the repetition penalty off pad
+    tokens; `model` computes the unconditional branch of classifier-free guidance, from `negative_prompt`
+    when the settings name one.
     """
     s, procs = settings, LogitsProcessorList()
     if prompt_ids.dim() != 2:
         raise ValueError(f"prompt_ids has shape {tuple(prompt_ids.shape)}: must be [batch, length]")
+    device = prompt_ids.device
     length, eos = prompt_ids.shape[1], _eos_tensor(eos_token_id, device)
     max_length = length + s.max_new_tokens
     if s.guidance_scale != 1:
         if model is None:
             raise ValueError(f"guidance_scale is {s.guidance_scale}: classifier-free guidance needs model=...")
-        if s.negative_prompt is not None and negative_prompt_ids is None:
-            raise ValueError(f"negative_prompt is {s.negative_prompt!r} but negative_prompt_ids is None: "
-                             "tokenize the negative prompt and pass negative_prompt_ids=...")
+        if s.negative_prompt is not None and negative_prompt is None:
+            raise ValueError(f"negative_prompt is {s.negative_prompt!r} but no NegativePrompt was given: "
+                             "tokenize the negative prompt and pass negative_prompt=NegativePrompt(ids)")
+        negative = negative_prompt or NegativePrompt(None)
         procs.append(UnbatchedClassifierFreeGuidanceLogitsProcessor(
-            s.guidance_scale, model, unconditional_ids=negative_prompt_ids,
-            unconditional_attention_mask=negative_prompt_attention_mask, use_cache=True))
+            s.guidance_scale, model, unconditional_ids=negative.ids,
+            unconditional_attention_mask=negative.attention_mask, use_cache=True))
     if s.sequence_bias:
         procs.append(SequenceBiasLogitsProcessor(sequence_bias=[[list(ids), b] for ids, b in s.sequence_bias]))
     if s.encoder_repetition_penalty != 1.0:

@@ -26,7 +26,7 @@ from decoding.entropy import EntropyDecoder, repeat_rows
 from decoding.events import Event, FinishEvent, GenerationResult, RecallEvent, TokenEvent
 from decoding.backend import Backend, backend_for, require
 from decoding.memory import MemorySelector, NoMemory, Recall, recall_step
-from decoding.processors import build_logits_processor, build_stopping_criteria
+from decoding.processors import NegativePrompt, build_logits_processor, build_stopping_criteria
 from decoding.settings import GenerationSettings
 from models.spec import GUIDANCE, LAYERS, ROWS
 
@@ -342,11 +342,10 @@ def _processors(fwd: Backend, settings: GenerationSettings, input_ids: torch.Ten
     if settings.guidance_scale != 1 and settings.negative_prompt is not None:
         if tokenizer is None:
             raise ValueError("negative_prompt needs a tokenizer to be encoded")
-        negative = tokenizer(settings.negative_prompt, return_tensors="pt").input_ids.to(fwd.device)
+        negative = NegativePrompt(tokenizer(settings.negative_prompt, return_tensors="pt").input_ids.to(fwd.device))
     mask = None if prompt_mask is None else prompt_mask.to(fwd.device)
     if layers > 1:
         input_ids, mask = repeat_rows(input_ids, layers), repeat_rows(mask, layers)
-    return build_logits_processor(
-        settings, eos_token_id=eos or None, prompt_ids=input_ids, device=fwd.device,
-        vocab_size=fwd.spec.vocab_size, model=fwd.model,
-        negative_prompt_ids=negative, attention_mask=mask)
+    return build_logits_processor(  # (input_ids are on the model's device: the processors' device)
+        settings, eos_token_id=eos or None, prompt_ids=input_ids, vocab_size=fwd.spec.vocab_size, model=fwd.model,
+        negative_prompt=negative, attention_mask=mask)

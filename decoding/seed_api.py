@@ -95,8 +95,7 @@ def custom_generate(
         recall = Recall.from_token_ids(recall_token_ids or {}, memory_db, recall_settings)
     input_ids = inputs["input_ids"]
     vocab = model.get_output_embeddings().weight.shape[0]
-    warpers = build_logits_processor(settings, eos_token_id=eos_token_id, prompt_ids=input_ids,
-                                     device=input_ids.device, vocab_size=vocab)
+    warpers = build_logits_processor(settings, eos_token_id=eos_token_id, prompt_ids=input_ids, vocab_size=vocab)
     processors = type(warpers)([*(logits_processor or []), *warpers])
     tokenizer = getattr(processor, "tokenizer", processor)
     result = generate(model, inputs, settings, recall=recall, tokenizer=tokenizer, interrupt=interrupt_event,

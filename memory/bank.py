@@ -1,10 +1,7 @@
 """`MemoryVectorDB`: memories searched by cosine similarity of their keys, with their value vectors and texts.
 
-A memory is a key (one vector: what the index holds and the memory head scores) and a value (k >= 1
-slots, what the memory embedding injects, in order, one per `<|memory_pad|>` slot): k vectors, or k
-token ids of the model's vocabulary (a `tokens` bank: the model's own input embeddings of those ids are
-injected, looked up at injection, so a memory costs 4 bytes a slot). A bank built without values keeps
-the seeds' single-vector memory: k = 1, key = value.
+What a memory is (a key, and a value of k >= 1 vectors or token ids) and what every bank says about its
+vectors are `memory/shape.py`'s; this module keeps them in process memory and reads and writes bank files.
 """
 
 from __future__ import annotations
@@ -20,8 +17,9 @@ import torch
 
 from memory.ann import INDEXES, AnnConfig, AnnIndex
 from memory.files import BankData, read_bank, write_bank
-from memory.validate import (TOKEN_DTYPE, VALUE_DTYPES, BankError, as_query, check_labels, normalise, prepare_values,
-                             prepare_vectors)
+from memory.shape import BankShape, Memory, pack_values
+from memory.validate import (TOKEN_DTYPE, VALUE_DTYPES, BankCheck, BankError, as_query, check_labels, normalise,
+                             prepare_values, prepare_vectors)
 
 log = logging.getLogger("memory.bank")
 
@@ -41,26 +39,6 @@ class _Snapshot:
     offsets: np.ndarray | None = None  # [n + 1] int64: row r's slots are values[offsets[r]:offsets[r + 1]]
 
 
-@dataclass(frozen=True, slots=True)
-class Memory:
-    """One memory as the memory head hands it to the loop."""
-
-    index: int  # its stable id in the bank
-    score: float  # cosine similarity of the query and its key
-    values: torch.Tensor  # [k, Dv] float32, or token ids int64 [k]: what is injected a <|memory_pad|> slot, in order
-    text: str | None = None
-    source: str | None = None  # the label of its bank, when several are searched as one (`memory.personal.Joined`)
-
-    @property
-    def token_ids(self) -> bool:
-        """Whether `values` are token ids (the model's input embeddings of them are injected)."""
-        return not self.values.is_floating_point()
-
-    @property
-    def slots(self) -> int:
-        return self.values.shape[0]
-
-
 def exact_topk(normed: np.ndarray, query: np.ndarray, k: int | None) -> tuple[np.ndarray, np.ndarray]:
     """(scores [k], rows [k]) best first: cosine of a unit query [D] against unit rows [N, D]."""
     # (torch, not numpy: numpy's OpenBLAS threads keep spinning after a call and slow the model's next
@@ -72,59 +50,6 @@ def exact_topk(normed: np.ndarray, query: np.ndarray, k: int | None) -> tuple[np
         part = np.argpartition(-scores, k - 1)[:k]
         order = part[np.argsort(-scores[part], kind="stable")]
     return scores[order], order
-
-
-def pack_values(bank: "BankShape", values: Sequence[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """`add`'s values (one array a memory: [k, Dv] vectors, or [k] token ids in a bank of token values) checked and
-    packed flat with their offsets, for a bank of either store."""
-    if not bank.has_values:
-        raise BankError("add: expected no values (in this bank a memory's value is its key)")
-    if len(values) != n:
-        raise BankError(f"add: expected {n} value arrays (one per key), got {len(values)}")
-    parts = [v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v) for v in values]
-    tokens = bank.token_values
-    if any(p.ndim != (1 if tokens else 2) or np.issubdtype(p.dtype, np.integer) != tokens for p in parts):
-        raise BankError("add: expected each memory's values as token ids [k] (a bank of token values)" if tokens else
-                        f"add: expected each memory's values as a 2-D float array [k, {bank.value_dim}]")
-    offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
-    flat = np.concatenate(parts) if tokens else np.concatenate([p.astype(np.float32, copy=False) for p in parts])
-    return prepare_values(flat, offsets, n, expected_dim=bank.value_dim, source="add")
-
-
-class BankShape:
-    """What every bank says about its vectors, from `_dim`, `_kind`, `_value_dim` (None: value = key) and
-    `_tokens` (values are token ids)."""
-
-    _dim: int
-    _kind: str
-    _value_dim: int | None
-    _tokens: bool = False
-
-    @property
-    def dim(self) -> int:
-        return self._dim
-
-    @property
-    def index(self) -> str:
-        return self._kind
-
-    @property
-    def value_dim(self) -> int | None:
-        """The dimension of what is injected: the values', or the keys' when a value is its key; None for token
-        ids (the model's own embeddings, whatever its hidden size)."""
-        if self._tokens:
-            return None
-        return self._dim if self._value_dim is None else self._value_dim
-
-    @property
-    def has_values(self) -> bool:
-        """Whether memories have values of their own (else value = key, one slot)."""
-        return self._value_dim is not None or self._tokens
-
-    @property
-    def token_values(self) -> bool:
-        """Whether the values are token ids of the model that wrote the bank (a `tokens` bank)."""
-        return self._tokens
 
 
 class MemoryVectorDB(BankShape):
@@ -428,33 +353,28 @@ class MemoryVectorDB(BankShape):
                                   snap.values, snap.offsets))
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, index: str = "flat", expected_dim: int | None = None,
-             expected_key_dim: int | None = None, max_slots: int | None = None, max_bytes: int | None = None,
-             expected_encoder: str | None = None, vocab_size: int | None = None,
+    def load(cls, path: str | os.PathLike, *, check: BankCheck = BankCheck(), index: str = "flat",
+             max_slots: int | None = None, max_bytes: int | None = None, vocab_size: int | None = None,
              **index_options: Any) -> "MemoryVectorDB":
         """Read a bank file (see `memory.files`); every problem raises `BankError` naming the file.
 
-        `expected_dim`: the dimension of what is injected (the model's hidden size): the values', or the
-        keys' in a bank whose values are its keys. `expected_key_dim`: the keys' dimension in a bank with
-        values (its key encoder's). `max_slots`: the most value slots one memory may have. `vocab_size`: token
-        ids of a bank of token values must be below it.
-        `expected_encoder`: the name of the encoder that must have written the bank. A bank that
-        records another encoder is refused (its vectors mean something else to this model); one
-        that records none (raw vectors from elsewhere) is accepted as it is.
+        `check`: what the model expects of the bank (its encoder, the dimensions of its keys and of what is
+        injected; see `BankCheck`). `max_slots`: the most value slots one memory may have. `vocab_size`: token
+        ids of a bank of token values must be below it. `max_bytes`: the largest file read.
         """
         data = read_bank(path, max_bytes=max_bytes)
         source = os.path.basename(path)
         written_by = data.info.get("encoder")
-        if expected_encoder is not None and written_by is not None and written_by != expected_encoder:
-            raise BankError(f"{source}: expected memories written by this model's encoder {expected_encoder!r}, "
+        if check.refuses(written_by):
+            raise BankError(f"{source}: expected memories written by this model's encoder {check.encoder!r}, "
                             f"got a bank written by {written_by!r}; rebuild it from its texts with this model "
                             "(python -m chat.bankcli build memories.txt bank.pt, or write them in the Memory tab)")
         has_values = data.values is not None
-        raw, norms = prepare_vectors(data.vectors, expected_dim=expected_key_dim if has_values else expected_dim,
+        raw, norms = prepare_vectors(data.vectors, expected_dim=check.key_dim if has_values else check.dim,
                                      source=source)
         values = None
         if has_values:
-            values = prepare_values(data.values, data.offsets, len(raw), expected_dim=expected_dim,
+            values = prepare_values(data.values, data.offsets, len(raw), expected_dim=check.dim,
                                     max_slots=max_slots, vocab_size=vocab_size, source=source)
         elif max_slots is not None and max_slots < 1:
             raise BankError(f"{source}: expected at most {max_slots} value slots per memory, got 1")

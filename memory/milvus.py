@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 
-from memory.bank import BankShape, Memory, MemoryVectorDB, pack_values
-from memory.validate import VALUE_DTYPES, BankError, as_query, check_labels, prepare_vectors
+from memory.bank import MemoryVectorDB
+from memory.shape import BankShape, Memory, pack_values
+from memory.validate import VALUE_DTYPES, BankCheck, BankError, as_query, check_labels, prepare_vectors
 
 INFO = "recall_chat.info"
 MAX_TOPK = 16384  # Milvus' largest search limit: "all memories" of a bigger bank means its best 16384
@@ -45,6 +47,19 @@ _PAGE = 1000  # rows a query reads at once
 
 class StoreError(BankError):
     """The memory store could not be reached or refused a request; the message names its URI."""
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """The bank `MilvusBank.open` creates when its collection does not exist: keys of dimension `dim`, and values
+    of their own (`value_dim`, stored float32 and read back at `value_dtype`, or `token_values`) or none (a
+    memory's value is its key); `info` is stamped on it (the encoder that writes it)."""
+
+    dim: int
+    value_dim: int | None = None
+    value_dtype: str = "float32"
+    token_values: bool = False
+    info: dict = field(default_factory=dict)
 
 
 def _group() -> int:
@@ -80,22 +95,19 @@ class MilvusBank(BankShape):
             raise StoreError(f"the memory store at memory.milvus_uri={uri!r} is unreachable: {_message(e)}") from None
 
     @classmethod
-    def open(cls, uri: str, name: str = "memories", *, dim: int | None = None, value_dim: int | None = None,
-             value_dtype: str = "float32", token_values: bool = False, index: str = "flat", info: dict | None = None,
-             hnsw_ef_search: int = 64,
-             expected_dim: int | None = None, expected_key_dim: int | None = None,
-             expected_encoder: str | None = None, client: Any = None) -> "MilvusBank":
+    def open(cls, uri: str, name: str = "memories", *, create: StoreLayout | None = None, index: str = "flat",
+             hnsw_ef_search: int = 64, check: BankCheck = BankCheck(), client: Any = None) -> "MilvusBank":
         """The collection `name` at `uri`: opened when it exists (and checked as a bank file is: the encoder
-        stamp, the dimension of keys and of what is injected), created with `dim` / `value_dim` (or
-        `token_values`) otherwise."""
+        stamp, the dimension of keys and of what is injected; see `BankCheck`), created as `create` lays it
+        out otherwise (None: refused, a collection is expected)."""
         client = client or cls.connect(uri)
         where = f"{name!r} at {uri}"
         try:
             if not client.has_collection(name):
-                if dim is None:
+                if create is None:
                     raise StoreError(f"memory store {where}: expected a collection, found none "
                                      "(load a bank file into it: python -m chat.bankcli load bank.pt URI)")
-                cls._create(client, name, dim, value_dim, token_values, index, dict(info or {}, value_dtype=value_dtype))
+                cls._create(client, name, create, index)
             described = client.describe_collection(name)
             stored = json.loads(described.get("properties", {}).get(INFO, "{}"))
             key_dim = int(_field(described, "key")["params"]["dim"])
@@ -111,24 +123,25 @@ class MilvusBank(BankShape):
         except Exception as e:  # noqa: BLE001
             raise StoreError(f"memory store {where}: {_message(e)}") from None
         written_by = stored.get("encoder")
-        if expected_encoder is not None and written_by is not None and written_by != expected_encoder:
+        if check.refuses(written_by):
             raise BankError(f"memory store {where}: expected memories written by this model's encoder "
-                            f"{expected_encoder!r}, got a collection written by {written_by!r}")
+                            f"{check.encoder!r}, got a collection written by {written_by!r}")
         injected = value_dim if value_dim is not None else key_dim
-        if expected_dim is not None and not token_values and injected != expected_dim:
-            raise BankError(f"memory store {where}: expected vectors of dimension {expected_dim} (the model's hidden "
+        if check.dim is not None and not token_values and injected != check.dim:
+            raise BankError(f"memory store {where}: expected vectors of dimension {check.dim} (the model's hidden "
                             f"size), got dimension {injected}")
-        if expected_key_dim is not None and (value_dim is not None or token_values) and key_dim != expected_key_dim:
-            raise BankError(f"memory store {where}: expected keys of dimension {expected_key_dim}, got {key_dim}")
+        if check.key_dim is not None and (value_dim is not None or token_values) and key_dim != check.key_dim:
+            raise BankError(f"memory store {where}: expected keys of dimension {check.key_dim}, got {key_dim}")
         dtype = stored.pop("value_dtype", "float32")
         return cls(client, uri, name, dim=key_dim, value_dim=value_dim, value_dtype=dtype, index=stored.pop(
             "index", index), info=stored, hnsw_ef_search=hnsw_ef_search, token_values=token_values)
 
     @staticmethod
-    def _create(client: Any, name: str, dim: int, value_dim: int | None, token_values: bool, index: str,
-                info: dict) -> None:
+    def _create(client: Any, name: str, layout: StoreLayout, index: str) -> None:
         from pymilvus import DataType
 
+        dim, value_dim, token_values = layout.dim, layout.value_dim, layout.token_values
+        info = dict(layout.info or {}, value_dtype=layout.value_dtype)
         kind, build, _ = _INDEX[index]
         schema = client.create_schema(auto_id=True)
         schema.add_field("id", DataType.INT64, is_primary=True)
@@ -354,9 +367,8 @@ def load_into(db: MemoryVectorDB, uri: str, name: str, *, index: str = "flat", c
                          "choose another name, or drop it first")
     snap = db._snap
     values_dtype = "float32" if snap.values is None or db.token_values else np.dtype(snap.values.dtype).name
-    store = MilvusBank.open(uri, name, dim=db.dim, value_dim=db.value_dim if db.has_values else None,
-                            value_dtype=values_dtype, token_values=db.token_values, index=index, info=db.info,
-                            client=client)
+    layout = StoreLayout(db.dim, db.value_dim if db.has_values else None, values_dtype, db.token_values, db.info)
+    store = MilvusBank.open(uri, name, create=layout, index=index, client=client)
     for start in range(0, len(db), _PAGE):
         ids = snap.ids[start:start + _PAGE].tolist()
         store.add(snap.raw[start:start + _PAGE], snap.texts[start:start + len(ids)],

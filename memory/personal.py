@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from memory.bank import BankShape, Memory, MemoryVectorDB
+from memory.bank import MemoryVectorDB
+from memory.shape import BankShape, Memory
 
 
 def normalise_text(text: str) -> str:

@@ -1,8 +1,10 @@
-"""Checks shared by `MemoryVectorDB.add` and `MemoryVectorDB.load`: vectors, labels, queries."""
+"""Checks shared by `MemoryVectorDB.add` and `MemoryVectorDB.load`: vectors, labels, queries; `BankCheck`, what a
+model expects of a bank it opens (a file or a Milvus collection)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -14,6 +16,27 @@ _SHOW = 5  # offending row numbers named in a message
 
 class BankError(ValueError):
     """A memory bank (file or vectors) that cannot be used; the message says what was expected."""
+
+
+@dataclass(frozen=True)
+class BankCheck:
+    """What a model expects of a bank it opens, checked by `MemoryVectorDB.load` and `MilvusBank.open` alike
+    (None: not checked).
+
+    `dim`: the dimension of what is injected (the model's hidden size): the values', or the keys' in a bank
+    whose values are its keys (a bank of token values has none: the model embeds its ids). `key_dim`: the
+    keys' dimension in a bank with values (its key encoder's). `encoder`: the name of the encoder that must
+    have written the bank; a bank that records another is refused (its vectors mean something else to this
+    model), one that records none (raw vectors from elsewhere) is accepted as it is.
+    """
+
+    dim: int | None = None
+    key_dim: int | None = None
+    encoder: str | None = None
+
+    def refuses(self, written_by: str | None) -> bool:
+        """Whether a bank stamped by the encoder `written_by` (None: no stamp) is refused."""
+        return self.encoder is not None and written_by is not None and written_by != self.encoder
 
 
 def to_numpy(vectors: Any, source: str) -> np.ndarray:

@@ -19,8 +19,10 @@ from typing import Any, Callable, Hashable
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from memory import BankCheck
 from models.embedded import EMBEDDED_NAME, digest, embedded_model_dir, resolve_adapter, resolve_device
-from models.encoder import ENCODER_CONFIG, HiddenStateSpec, MemoryEncoder
+from models.encoder import ENCODER_CONFIG, MemoryEncoder
+from models.hidden import HiddenStateSpec
 from models.text_keys import TextEncoder
 from models.modeling import hidden_size, is_peft, set_adapter_merged, unwrap_model
 from models.spec import ModelSpec, transformers_spec
@@ -120,6 +122,12 @@ class LoadedModel:
     @property
     def hidden_size(self) -> int:
         return self.spec.hidden_size
+
+    def bank_check(self) -> BankCheck:
+        """What this model expects of a bank it opens: what is injected of its hidden size, keys of its key
+        encoder's dimension, written by its memory encoder."""
+        keys = self.encoder.keys
+        return BankCheck(self.hidden_size, keys.dim if keys is not None else None, self.encoder.name)
 
     @property
     def device(self) -> torch.device:

@@ -139,35 +139,49 @@ def collate(questions: Sequence[Example], repeats: Sequence[Example], negatives:
                  [(e.fact_ids, e.kind) for e in (*questions, *repeats)])
 
 
-def batches(tokenizer, tokens, replies: dict[str, list[int]], facts_per_batch: int, chats_per_batch: int,
-            seed: int, repeats_per_batch: int = 0, history: float = 0.0,
-            kinds: Sequence[tuple[str, float]] = (("tokens", 1.0),)) -> Iterator[tuple[Batch, list[Fact]]]:
-    """Endless batches: new training facts each time (no two asked the same way), the first few of
-    them also to repeat, then ordinary prompts; a question or prompt comes after an earlier ordinary
-    turn with probability `history`; each memory's value kind is drawn from `kinds` (kind, weight)."""
-    rng = random.Random(f"batches:{seed}")
-    stream = fact_stream("train", seed)
+@dataclass(frozen=True)
+class BatchRecipe:
+    """What a batch holds: `facts_per_batch` fact questions, the first `repeats_per_batch` of their facts also
+    asked to be repeated whole, `chats_per_batch` ordinary prompts; a question or prompt comes after an earlier
+    ordinary turn with probability `history`; each memory's value kind is drawn from `kinds` (kind, weight).
+    `seed` makes the stream repeatable."""
+
+    facts_per_batch: int
+    chats_per_batch: int
+    seed: int
+    repeats_per_batch: int = 0
+    history: float = 0.0
+    kinds: Sequence[tuple[str, float]] = (("tokens", 1.0),)
+
+
+def batches(tokenizer, tokens, replies: dict[str, list[int]],
+            recipe: BatchRecipe) -> Iterator[tuple[Batch, list[Fact]]]:
+    """Endless batches as `recipe` lays them out: new training facts each time (no two asked the same way),
+    the first few of them also to repeat, then ordinary prompts (answered by `replies`)."""
+    rng = random.Random(f"batches:{recipe.seed}")
+    stream = fact_stream("train", recipe.seed)
     prompts = sorted(replies)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    names, weights = zip(*kinds)
+    names, weights = zip(*recipe.kinds)
     while True:
         facts: list[Fact] = []
         asked: set[str] = set()
-        while len(facts) < facts_per_batch:
+        while len(facts) < recipe.facts_per_batch:
             fact = next(stream)
             if fact.questions[0] not in asked:
                 asked.add(fact.questions[0])
                 facts.append(fact)
 
         def earlier() -> History | None:
-            if rng.random() >= history:
+            if rng.random() >= recipe.history:
                 return None
             p = rng.choice(prompts)
             return p, replies[p]
 
         kind = lambda: rng.choices(names, weights)[0]  # noqa: E731
         questions = [positive(tokenizer, tokens, f, rng.choice(f.questions), kind(), history=earlier()) for f in facts]
-        repeats = [positive(tokenizer, tokens, facts[i], "", kind(), repeat=True) for i in range(repeats_per_batch)]
+        repeats = [positive(tokenizer, tokens, facts[i], "", kind(), repeat=True)
+                   for i in range(recipe.repeats_per_batch)]
         negatives = [negative(tokenizer, p, replies[p], earlier())
-                     for p in rng.sample(prompts, min(chats_per_batch, len(prompts)))]
+                     for p in rng.sample(prompts, min(recipe.chats_per_batch, len(prompts)))]
         yield collate(questions, repeats, negatives, pad), facts

@@ -29,6 +29,7 @@ import json
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -125,12 +126,28 @@ def _batch(rows: list[dict], embed):
     return emb, feat, tgt, mask
 
 
-def train(head: DraftHead, data: list[dict], embed, lm_head, *, steps: int, batch: int, lr: float, noise: float,
-          kl_positions: int, w_kl: float, seed: int, log=print, held_out: list[dict] | None = None,
-          eval_every: int = 0) -> list[dict]:
+@dataclass(frozen=True)
+class DraftRecipe:
+    """How the head is trained (the defaults are `main`'s): `steps` of `batch` sequences at peak learning rate
+    `lr`, input features jittered by uniform `noise`, the KL on `kl_positions` sampled positions weighted
+    `w_kl`, seeded by `seed`; the held-out evaluation every `eval_every` steps (0: never during training)."""
+
+    steps: int = 1200
+    batch: int = 16
+    lr: float = 1e-3
+    noise: float = 0.1
+    kl_positions: int = 384
+    w_kl: float = 0.1
+    seed: int = 0
+    eval_every: int = 0
+
+
+def train(head: DraftHead, data: list[dict], embed, lm_head, recipe: DraftRecipe, *, log=print,
+          held_out: list[dict] | None = None) -> list[dict]:
     """AdamW with warm-up and cosine decay; teacher-forced (true features in, as EAGLE-1)."""
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
+    steps, lr, eval_every = recipe.steps, recipe.lr, recipe.eval_every
+    torch.manual_seed(recipe.seed)
+    rng = random.Random(recipe.seed)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     warm = max(1, steps // 20)
     history = []
@@ -139,19 +156,19 @@ def train(head: DraftHead, data: list[dict], embed, lm_head, *, steps: int, batc
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
-        emb, feat, tgt, mask = _batch(rng.sample(data, batch), embed)
-        feat = feat + noise * (torch.rand_like(feat) * 2 - 1)
+        emb, feat, tgt, mask = _batch(rng.sample(data, recipe.batch), embed)
+        feat = feat + recipe.noise * (torch.rand_like(feat) * 2 - 1)
         positions = torch.arange(emb.shape[1])[None].expand(emb.shape[0], -1) + 1
         pred = head(emb, feat, positions)  # [B, S, H]
         reg = torch.nn.functional.smooth_l1_loss(pred[mask], tgt[mask])
         idx = mask.nonzero()
-        pick = idx[torch.randperm(len(idx))[:kl_positions]]  # the KL on a sample: the lm_head is 49k wide
+        pick = idx[torch.randperm(len(idx))[:recipe.kl_positions]]  # the KL on a sample: the lm_head is 49k wide
         with torch.autocast("cpu", dtype=torch.bfloat16):
             log_d = torch.log_softmax(lm_head(pred[pick[:, 0], pick[:, 1]]).float(), -1)
             with torch.no_grad():
                 log_q = torch.log_softmax(lm_head(tgt[pick[:, 0], pick[:, 1]]).float(), -1)
         kl = (log_q.exp() * (log_q - log_d)).sum(-1).mean()
-        loss = reg + w_kl * kl
+        loss = reg + recipe.w_kl * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -235,9 +252,9 @@ def main() -> None:
         p.requires_grad_(False)
     head = DraftHead(head_config(theta.config.get_text_config(decoder=True)))
     before = evaluate(head, datasets["eval"], embed, lm_head)
-    history = train(head, datasets["train"], embed, lm_head, steps=args.steps, batch=args.batch, lr=args.lr,
-                    noise=args.noise, kl_positions=args.kl_positions, w_kl=args.w_kl, seed=args.seed,
-                    held_out=datasets["eval"], eval_every=args.eval_every)
+    recipe = DraftRecipe(steps=args.steps, batch=args.batch, lr=args.lr, noise=args.noise,
+                         kl_positions=args.kl_positions, w_kl=args.w_kl, seed=args.seed, eval_every=args.eval_every)
+    history = train(head, datasets["train"], embed, lm_head, recipe, held_out=datasets["eval"])
     after = evaluate(head, datasets["eval"], embed, lm_head)
     tokens = sum(len(r["ids"]) for r in datasets["train"])
     meta = {"recipe": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -40,7 +40,7 @@ from decoding.memory import inject_memories
 from models.encoder import MemoryEncoder, MemoryProjector, ValueKind
 from models.modeling import backbone_and_head, head_logits
 from models.text_keys import TextEncoder
-from training.data import IGNORE, Batch, answer_ids, batches, prompt_ids, value_tokens
+from training.data import IGNORE, Batch, BatchRecipe, answer_ids, batches, prompt_ids, value_tokens
 from training.facts import chat_prompts, make_facts
 from training.losses import masked_means
 
@@ -258,8 +258,9 @@ def train(lm, recipe: Recipe, out: Path, log_every: int = 10, keys: TextEncoder 
                                   lr=recipe.lr, weight_decay=0.0)
     model.train()
 
-    stream = batches(tok, tokens, replies, recipe.facts_per_batch, recipe.chats_per_batch, recipe.seed,
-                     recipe.repeats_per_batch, recipe.history, list(zip(recipe.values, recipe.value_weights)))
+    stream = batches(tok, tokens, replies, BatchRecipe(recipe.facts_per_batch, recipe.chats_per_batch, recipe.seed,
+                                                       recipe.repeats_per_batch, recipe.history,
+                                                       tuple(zip(recipe.values, recipe.value_weights))))
     evaluate = lambda: {k: round(v, 4) for k, v in  # noqa: E731
                         quick_eval(model, tok, tokens, encoder, recipe.eval_facts, recipe.seed).items()}
     started = time.perf_counter()

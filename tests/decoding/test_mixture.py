@@ -22,7 +22,8 @@ from decoding.mixture import (
 )
 from decoding.draft_head import DraftHead, draft_head_for, head_config
 from decoding.settings import MixtureSettings
-from decoding.speculative import HeadDraft, ModelPair, accept_draft, point_masses, speculative_round
+from decoding.drafts import HeadDraft, point_masses
+from decoding.speculative import ModelPair, Sampling, accept_draft, speculative_round
 from memory import MemoryVectorDB
 from models.gguf import gguf_draft_for
 from models.modeling import adapter_merged, backbone_and_head, is_peft, set_adapter_merged
@@ -369,7 +370,7 @@ def test_seed_scheme_is_not_used_pi_theta_draft_gives_q_star():
     torch.manual_seed(0)
     target = lambda seq, drafts, logits: (q.log()[None].expand(len(drafts) + 1, -1), torch.zeros(len(drafts) + 1))  # noqa: E731
     pair = _StubPair()
-    ours = [speculative_round([0], pair, _PiThetaDraft(p), 1, target, True).tokens[0] for _ in range(6000)]
+    ours = [speculative_round([0], pair, _PiThetaDraft(p), 1, target, Sampling(True)).tokens[0] for _ in range(6000)]
     assert pair.runs == 6000  # one verify forward per round
     assert chi2_p(ours, q) > P_MIN
     g = torch.Generator().manual_seed(0)
@@ -602,7 +603,7 @@ def test_caches_after_a_rejection_equal_a_fresh_prefill(pair2, peft_lm, case, ke
     pair = ModelPair(model_theta, model_t, batched=batched)
     pair.run(prompt[:-1], logits=False)
     target = lambda seq, drafts, logits: mixture_log_probs(logits[0], logits[1])  # noqa: E731
-    rnd = speculative_round(list(prompt), pair, _FixedDraft(good + wrong, pair.vocab), 3, target, False)
+    rnd = speculative_round(list(prompt), pair, _FixedDraft(good + wrong, pair.vocab), 3, target, Sampling(False))
     assert rnd.accepted == keep and rnd.tokens[:keep] == good
     seq = prompt + rnd.tokens
     assert pair.length == len(seq) - 1

@@ -18,7 +18,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from decoding.processors import (
-    build_logits_processor, build_stopping_criteria, make_memory_warper, to_generation_config,
+    NegativePrompt, build_logits_processor, build_stopping_criteria, make_memory_warper, to_generation_config,
 )
 from decoding.settings import GenerationSettings, RecallSettings
 
@@ -104,7 +104,9 @@ def test_processors_match_generate(tiny_llama, name, variant):
     if settings.negative_prompt is not None:
         extra["negative_prompt_ids"] = tok(settings.negative_prompt, return_tensors="pt").input_ids
     theirs, _ = generate_built(model, settings, prompt, **extra)
-    ours = build_logits_processor(settings, eos_token_id=EOS, prompt_ids=prompt, device="cpu",
+    if "negative_prompt_ids" in extra:  # generate's keyword, our NegativePrompt
+        extra["negative_prompt"] = NegativePrompt(extra.pop("negative_prompt_ids"))
+    ours = build_logits_processor(settings, eos_token_id=EOS, prompt_ids=prompt,
                                   vocab_size=model.config.vocab_size, model=model, **extra)
     assert [type(p) for p in ours] == [type(p) for p in theirs]
     if name not in ("greedy", "greedy_ignores_warpers"):
@@ -129,13 +131,13 @@ def test_min_new_tokens_overrides_min_length_like_generate(tiny_llama):
     prompt = _prompt(1)
     settings = GenerationSettings(min_length=20, min_new_tokens=2, max_new_tokens=4)
     theirs, _ = generate_built(tiny_llama.model, settings, prompt)
-    ours = build_logits_processor(settings, eos_token_id=EOS, prompt_ids=prompt, device="cpu", vocab_size=100)
+    ours = build_logits_processor(settings, eos_token_id=EOS, prompt_ids=prompt, vocab_size=100)
     assert [p.min_length for p in ours[:1]] == [p.min_length for p in theirs[:1]] == [prompt.shape[1] + 2]
 
 
 def _our_decode(model, settings, prompt, **extra):
     """A plain loop over our processors and criteria, sampling like `generate`'s `_sample`."""
-    procs = build_logits_processor(settings, eos_token_id=EOS, prompt_ids=prompt, device="cpu",
+    procs = build_logits_processor(settings, eos_token_id=EOS, prompt_ids=prompt,
                                    vocab_size=model.config.vocab_size, model=model, **extra)
     stops = build_stopping_criteria(settings, prompt_length=prompt.shape[1], eos_token_id=EOS)
     ids = prompt
@@ -171,10 +173,10 @@ def test_generate_with_to_generation_config_decodes_like_our_processors(tiny_lla
 
 def test_builder_errors_name_what_is_missing(tiny_llama):
     prompt = _prompt(1)
-    build = dict(eos_token_id=EOS, prompt_ids=prompt, device="cpu", vocab_size=100)
+    build = dict(eos_token_id=EOS, prompt_ids=prompt, vocab_size=100)
     with pytest.raises(ValueError, match="guidance_scale is 1.5.*model="):
         build_logits_processor(GenerationSettings(guidance_scale=1.5), **build)
-    with pytest.raises(ValueError, match="negative_prompt is 'no'.*negative_prompt_ids"):
+    with pytest.raises(ValueError, match="negative_prompt is 'no'.*NegativePrompt"):
         build_logits_processor(GenerationSettings(guidance_scale=1.5, negative_prompt="no"), model=object(), **build)
     with pytest.raises(ValueError, match="exponential_decay_length_penalty.*eos_token_id"):
         build_logits_processor(GenerationSettings(exponential_decay_length_penalty=(2, 1.2)),
@@ -356,7 +358,7 @@ def test_cfg_processor_gets_the_negative_prompt(tiny_llama):
     negative = tok("a rude reply", return_tensors="pt").input_ids
     procs = build_logits_processor(GenerationSettings(guidance_scale=2.0, negative_prompt="a rude reply",
                                                       suppress_tokens=[3]),
-                                   eos_token_id=EOS, prompt_ids=_prompt(1), device="cpu", vocab_size=1, model=model,
-                                   negative_prompt_ids=negative)
+                                   eos_token_id=EOS, prompt_ids=_prompt(1), vocab_size=1, model=model,
+                                   negative_prompt=NegativePrompt(negative))
     assert [type(p) for p in procs] == [UnbatchedClassifierFreeGuidanceLogitsProcessor, SuppressTokensLogitsProcessor]
     assert procs[0].unconditional_context["input_ids"] is negative and procs[0].model is model

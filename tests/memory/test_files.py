@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 
 import memory.files
-from memory import BankError, MemoryVectorDB
+from memory import BankCheck, BankError, MemoryVectorDB
 
 
 def vectors(n: int = 6, dim: int = 8, seed: int = 0) -> np.ndarray:
@@ -66,7 +66,7 @@ def test_ids_are_renumbered_by_save_load(tmp_path):
 def test_pt_layouts(tmp_path, payload):
     v = torch.from_numpy(vectors())
     torch.save(payload(v), tmp_path / "bank.pt")
-    db = MemoryVectorDB.load(tmp_path / "bank.pt", expected_dim=8)
+    db = MemoryVectorDB.load(tmp_path / "bank.pt", check=BankCheck(dim=8))
     assert len(db) == 6
     assert db.topk(v[3], 1)[1].item() == 3
 
@@ -169,7 +169,7 @@ def save_pt(tmp_path, obj, name="bank.pt"):
 def test_wrong_dimension_names_both(tmp_path):
     path = save_pt(tmp_path, torch.ones(3, 64))
     with pytest.raises(BankError, match=r"bank\.pt: expected vectors of dimension 576, got dimension 64"):
-        MemoryVectorDB.load(path, expected_dim=576)
+        MemoryVectorDB.load(path, check=BankCheck(dim=576))
 
 
 def test_nan_rows_are_named(tmp_path):
@@ -303,7 +303,7 @@ def test_key_value_round_trip_keeps_keys_values_and_their_dtype(tmp_path, ext, d
     db = kv_db(dtype)
     db.remove([1])  # compacted: the other memories keep their values
     db.save(tmp_path / f"kv{ext}")
-    back = MemoryVectorDB.load(tmp_path / f"kv{ext}", expected_dim=6, expected_key_dim=8, max_slots=5)
+    back = MemoryVectorDB.load(tmp_path / f"kv{ext}", check=BankCheck(dim=6, key_dim=8), max_slots=5)
     assert back.has_values and back.value_dim == 6 and back.info == db.info and len(back) == 4
     assert [e["slots"] for e in back.entries(0, 4)] == [1, 3, 4, 5]
     for new, old in enumerate((0, 2, 3, 4)):
@@ -316,7 +316,7 @@ def test_key_value_round_trip_keeps_keys_values_and_their_dtype(tmp_path, ext, d
 def test_a_bank_without_values_loads_as_key_equals_value_one_slot(tmp_path):
     db = labelled_db()
     db.save(tmp_path / "old.pt")
-    back = MemoryVectorDB.load(tmp_path / "old.pt", expected_dim=8, max_slots=1)
+    back = MemoryVectorDB.load(tmp_path / "old.pt", check=BankCheck(dim=8), max_slots=1)
     assert not back.has_values and back.value_dim == 8
     assert torch.equal(back.values(2), back.vector(2)[None]) and back.entries(0, 1)[0]["slots"] == 1
 
@@ -355,7 +355,7 @@ def kv_file(tmp_path, ext=".pt", **change):
 def test_bad_key_value_files_are_refused_by_name(tmp_path, ext, change, message):
     path = kv_file(tmp_path, ext, **change)
     with pytest.raises(BankError, match=message):
-        MemoryVectorDB.load(path, expected_dim=6, expected_key_dim=8)
+        MemoryVectorDB.load(path, check=BankCheck(dim=6, key_dim=8))
 
 
 def test_too_many_slots_are_refused_with_the_cap(tmp_path):
@@ -394,7 +394,7 @@ def test_token_values_round_trip_as_ids_at_four_bytes_a_slot(tmp_path, ext):
     db = token_db()
     db.remove([1])
     db.save(tmp_path / f"tok{ext}")
-    back = MemoryVectorDB.load(tmp_path / f"tok{ext}", expected_dim=576, expected_key_dim=8, vocab_size=100)
+    back = MemoryVectorDB.load(tmp_path / f"tok{ext}", check=BankCheck(dim=576, key_dim=8), vocab_size=100)
     assert back.has_values and back.token_values and back.value_dim is None and len(back) == 3
     for new, old in enumerate((0, 2, 3)):
         ids = back.values(new)

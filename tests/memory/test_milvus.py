@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from memory import BankError, MemoryVectorDB
-from memory.milvus import MilvusBank, StoreError, load_into
+from memory import BankCheck, BankError, MemoryVectorDB
+from memory.milvus import MilvusBank, StoreError, StoreLayout, load_into
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def uri(tmp_path):
 def test_topk_matches_faiss_exact_search_over_10k(uri):
     rng = np.random.default_rng(0)
     keys = rng.standard_normal((10_000, 384)).astype(np.float32)
-    store = MilvusBank.open(uri, "m", dim=384)
+    store = MilvusBank.open(uri, "m", create=StoreLayout(384))
     ids = store.add(keys, [f"fact {i}" for i in range(len(keys))])
     assert len(store) == 10_000
     unit = keys / np.linalg.norm(keys, axis=1, keepdims=True)
@@ -71,7 +71,7 @@ def test_token_values_live_in_the_memorys_own_row(uri):
     for row, i in enumerate(ids):
         assert torch.equal(store.values(i), db.values(row))
     assert store.bytes_per_memory() == pytest.approx(4 * 16 + 8 * 7 / 3)
-    reopened = MilvusBank.open(uri, "tok", expected_dim=576, expected_key_dim=16, expected_encoder="enc-1")
+    reopened = MilvusBank.open(uri, "tok", check=BankCheck(dim=576, key_dim=16, encoder="enc-1"))
     assert reopened.token_values and torch.equal(reopened.memory(ids[1], 0.9).values, torch.tensor([7, 8, 9, 10]))
     assert reopened.remove([ids[0]]) == 2
     back = reopened.to_bank()
@@ -83,7 +83,7 @@ def test_token_values_live_in_the_memorys_own_row(uri):
 def test_a_memory_written_by_one_client_is_found_by_another_and_survives_a_restart(uri):
     from milvus_lite.server_manager import server_manager_instance
 
-    first = MilvusBank.open(uri, "shared", dim=8)
+    first = MilvusBank.open(uri, "shared", create=StoreLayout(8))
     shared_uri = server_manager_instance.start_and_get_uri(uri)  # what a second process connects to
     second = MilvusBank.open(shared_uri, "shared")
     (i,) = first.add(torch.eye(8)[3:4], ["written by the first"])
@@ -106,7 +106,7 @@ def test_missing_and_unreachable_stores_are_named(uri):
 def test_a_store_that_goes_away_later_fails_the_call_with_a_named_error(uri):
     from milvus_lite.server_manager import server_manager_instance
 
-    MilvusBank.open(uri, "m", dim=8).add(torch.eye(8), None)
+    MilvusBank.open(uri, "m", create=StoreLayout(8)).add(torch.eye(8), None)
     remote = MilvusBank.open(server_manager_instance.start_and_get_uri(uri), "m")
     server_manager_instance.release_server(uri)
     with pytest.raises(StoreError, match="memory.milvus_uri='http://127.0.0.1:.*failed to search"):
@@ -114,15 +114,15 @@ def test_a_store_that_goes_away_later_fails_the_call_with_a_named_error(uri):
 
 
 def test_checks_as_for_files(uri):
-    store = MilvusBank.open(uri, "m", dim=8, value_dim=4, info={"encoder": "enc-1"})
+    store = MilvusBank.open(uri, "m", create=StoreLayout(8, value_dim=4, info={"encoder": "enc-1"}))
     with pytest.raises(BankError, match="expected values for every memory"):
         store.add(torch.randn(2, 8))
     with pytest.raises(BankError, match="dimension 8"):
         store.add(torch.randn(2, 5), values=[torch.randn(1, 4)] * 2)
     with pytest.raises(BankError, match="written by 'enc-1'"):
-        MilvusBank.open(uri, "m", expected_encoder="enc-2")
+        MilvusBank.open(uri, "m", check=BankCheck(encoder="enc-2"))
     with pytest.raises(BankError, match="dimension 6"):
-        MilvusBank.open(uri, "m", expected_dim=6)
+        MilvusBank.open(uri, "m", check=BankCheck(dim=6))
     with pytest.raises(StoreError, match="already has a collection"):
         load_into(MemoryVectorDB(8), uri, "m")
 

@@ -10,7 +10,7 @@ from PIL import Image
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from models import HiddenStateSpec, MemoryEncoder, build_bank
-from models.encoder import pool, right_pad
+from models.hidden import pool, right_pad
 
 
 def encode_texts(model, tokenizer, texts, spec=HiddenStateSpec(), **kw):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.data import IGNORE, REPEAT, batches, negative, positive, prompt_ids, slots
+from training.data import IGNORE, REPEAT, BatchRecipe, batches, negative, positive, prompt_ids, slots
 from training.facts import make_facts
 
 
@@ -49,7 +49,7 @@ def test_batches_put_questions_repeats_then_negatives(tiny_llama):
     tok = lm.tokenizer
     replies = {p: tok(p.upper(), add_special_tokens=False)["input_ids"] for p in ("Hi!", "Thanks.", "Why?")}
     kinds = [("tokens", 1.0), ("mean", 1.0)]
-    batch, facts = next(batches(tok, lm.tokens, replies, 4, 2, seed=0, repeats_per_batch=1, kinds=kinds))
+    batch, facts = next(batches(tok, lm.tokens, replies, BatchRecipe(4, 2, seed=0, repeats_per_batch=1, kinds=kinds)))
     assert batch.input_ids.shape[0] == 4 + 1 + 2 == len(batch.decision)
     assert len(batch.memories) == 5  # the four questions', then the repeat's (of the first fact)
     assert [tok.decode(ids) for ids, _ in batch.memories] == [f.text for f in facts] + [facts[0].text]
@@ -59,7 +59,7 @@ def test_batches_put_questions_repeats_then_negatives(tiny_llama):
         assert (batch.input_ids[row] == lm.tokens.recall).sum() == 1 and (batch.input_ids[row] == lm.tokens.recall_end).sum() == 1
     assert (batch.input_ids[5:] == lm.tokens.memory_pad).sum() == 0
     assert len({f.questions[0] for f in facts}) == 4
-    again, _ = next(batches(tok, lm.tokens, replies, 4, 2, seed=0, repeats_per_batch=1, kinds=kinds))
+    again, _ = next(batches(tok, lm.tokens, replies, BatchRecipe(4, 2, seed=0, repeats_per_batch=1, kinds=kinds)))
     assert torch.equal(again.input_ids, batch.input_ids)  # seeded
 
 
@@ -76,8 +76,8 @@ def test_questions_and_prompts_can_follow_an_earlier_turn(tiny_llama):
     n = negative(tok, "Why?", reply, history=("How is the weather?", reply))
     assert tok.decode(n.ids).count("<|im_start|>user") == 2 and n.labels[n.decision] == reply[0]
     replies = {p: tok(p.upper(), add_special_tokens=False)["input_ids"] for p in ("Hi!", "Thanks.", "Why?")}
-    every, _ = next(batches(tok, tokens, replies, 4, 2, seed=0, history=1.0))
-    never, _ = next(batches(tok, tokens, replies, 4, 2, seed=0, history=0.0))
+    every, _ = next(batches(tok, tokens, replies, BatchRecipe(4, 2, seed=0, history=1.0)))
+    never, _ = next(batches(tok, tokens, replies, BatchRecipe(4, 2, seed=0, history=0.0)))
     for batch, turns in ((every, 2), (never, 1)):
         for row in range(batch.input_ids.shape[0]):
             assert tok.decode(batch.input_ids[row, :int(batch.decision[row]) + 1]).count("<|im_start|>user") == turns

@@ -11,7 +11,7 @@ from decoding.draft_head import DraftHead, head_config
 from decoding.mixture import mixture_log_probs
 from models.modeling import backbone_and_head
 from models.loading import base_copy
-from training.draft import draft_prompts, evaluate, features, train
+from training.draft import DraftRecipe, draft_prompts, evaluate, features, train
 from training.facts import chat_prompts
 
 
@@ -60,8 +60,8 @@ def test_training_fits_the_head(pair, data):
     torch.manual_seed(0)
     head = DraftHead(head_config(theta.config))
     before = evaluate(head, data, embed, lm_head)
-    history = train(head, data, embed, lm_head, steps=60, batch=4, lr=3e-3, noise=0.0, kl_positions=64, w_kl=1.0,
-                    seed=0, log=lambda *_: None)
+    recipe = DraftRecipe(steps=60, batch=4, lr=3e-3, noise=0.0, kl_positions=64, w_kl=1.0, seed=0)
+    history = train(head, data, embed, lm_head, recipe, log=lambda *_: None)
     after = evaluate(head, data, embed, lm_head)
     first, last = history[0], history[-1]
     # measured over 1 and 2 threads and seeds 0-2: reg last/first 0.430-0.434, kl 10.4 -> 2.9-3.1,

@@ -7,7 +7,7 @@ import csv
 import pytest
 import torch
 
-from memory import MemoryVectorDB
+from memory import BankCheck, MemoryVectorDB
 from memory.validate import BankError
 from models import MemoryEncoder, LoadOptions, load_model
 from models.encoder import ValueKind
@@ -86,12 +86,12 @@ def test_a_bank_from_another_encoder_is_refused(trained, tmp_path):
 
     db = build_bank(loaded.model, loaded.tokenizer, ["a fact"], loaded.encoder, progress=False)
     db.save(tmp_path / "mine.pt")
-    assert len(MemoryVectorDB.load(tmp_path / "mine.pt", expected_encoder=loaded.encoder.name)) == 1
+    assert len(MemoryVectorDB.load(tmp_path / "mine.pt", check=BankCheck(encoder=loaded.encoder.name))) == 1
     plain = load_model(folder, LoadOptions(adapter=None, device="cpu", keys=None))
     with pytest.raises(BankError, match="written by .*rebuild it from its texts"):
-        MemoryVectorDB.load(tmp_path / "mine.pt", expected_encoder=plain.encoder.name)
+        MemoryVectorDB.load(tmp_path / "mine.pt", check=BankCheck(encoder=plain.encoder.name))
     other = build_bank(plain.model, plain.tokenizer, ["a fact"], plain.encoder, progress=False)
     other.save(tmp_path / "plain.pt")
     with pytest.raises(BankError, match=f"expected memories written by this model's encoder '{loaded.encoder.name}'"):
-        MemoryVectorDB.load(tmp_path / "plain.pt", expected_encoder=loaded.encoder.name)
+        MemoryVectorDB.load(tmp_path / "plain.pt", check=BankCheck(encoder=loaded.encoder.name))
     assert isinstance(plain.encoder, MemoryEncoder) and not plain.recall_trained and plain.encoder.placement == "user"
