@@ -26,7 +26,7 @@ from chat.config import Config
 from chat.inputs import read_upload_text
 from chat.people import Decision, Remembered, about_the_user, public
 from chat.session import Conversation, Session
-from chat.worker import Request, ServiceError, describe
+from chat.worker import Request, ServiceError, Worker, describe
 from decoding.settings import GenerationSettings, RecallSettings
 from memory.files import atomic_write
 from memory.personal import PersonalMemory
@@ -40,6 +40,7 @@ class ModelSide(Protocol):
 
     cfg: Config
     banks: Banks
+    worker: Worker
 
     def wait_model(self) -> LoadedModel: ...
     def answer(self, s: Session, text: str, images: Sequence[str], settings: GenerationSettings,
@@ -266,7 +267,8 @@ def remember(svc: ModelSide, s: Session, text: str, source: str = "api") -> Requ
         raise ServiceError("text: expected what to remember, got nothing")
     if len(text) > svc.cfg.app.max_message_chars:
         raise ServiceError(f"text: expected at most {svc.cfg.app.max_message_chars} characters, got {len(text)}")
-    return Request("remember", lambda _: svc.remember(s, Decision(write=about_the_user(text)), source), s.id)
+    return svc.worker.submit(Request("remember", lambda _: svc.remember(s, Decision(write=about_the_user(text)), source),
+                                     s.id))
 
 
 @operation()
