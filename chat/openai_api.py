@@ -251,8 +251,8 @@ class OpenAIRoutes:
             return {"id": gone[0]["id"], "object": "memory", "deleted": True}
         except APIError as e:
             return e.response()
-        except KeyError:
-            return APIError(404, f"memory {memory_id!r}: no such memory of yours", code="memory_not_found").response()
+        except KeyError as e:
+            return APIError(404, str(e.args[0]), code="memory_not_found").response()
         except ServiceError as e:
             return APIError(400, str(e)).response()
 

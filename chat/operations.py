@@ -14,6 +14,7 @@ Adding an operation is one function here (and, for the page, its button in `page
 from __future__ import annotations
 
 import inspect
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from memory.files import atomic_write
 from memory.personal import PersonalMemory
 from models import LoadedModel
 
+MEMORIES_FORMAT = "recall-chat-memories-1"
 Past = tuple[str, str, Sequence[bytes]]  # an earlier message its client keeps: role, text, its images' bytes
 
 
@@ -281,3 +283,57 @@ def forget_memories(svc: ModelSide, s: Session, ids: Sequence[str]) -> list[dict
 def forget_all_memories(svc: ModelSide, s: Session) -> int:
     """Delete every memory of the session's user, and their history; how many there were."""
     return svc.personal(s).clear()
+
+
+@operation(queued=True)
+def edit_memory(svc: ModelSide, s: Session, memory_id: str, text: str) -> Request:
+    """Queue replacing one of the user's memories by a new text (the new one is written first: a failed write
+    changes nothing)."""
+    mine = svc.personal(s)
+    if mine.find(memory_id) is None:
+        raise ServiceError(f"memory {memory_id!r}: no such memory of yours")
+    text = (text or "").strip()
+    if not text:
+        raise ServiceError("text: expected the memory's new text, got nothing")
+
+    def run(_) -> Remembered:
+        done = svc.remember(s, Decision(write=about_the_user(text)), "edit")
+        if mine.find(memory_id) is not None and not any(e["id"] == memory_id for e in done.superseded):
+            mine.remove([memory_id])
+        return done
+
+    return svc.worker.submit(Request("edit_memory", run, s.id))
+
+
+@operation(returns_file=True)
+def export_memories(svc: ModelSide, s: Session) -> Path:
+    """The user's memories and their history as a JSON file of the session's folder."""
+    mine = svc.personal(s)
+    data = {"format": MEMORIES_FORMAT, "memories": [public(e) for e in mine.entries()], "history": mine.history}
+    path = s.files / f"memories-{s.user}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    atomic_write(path, lambda fh: fh.write(json.dumps(data, indent=1).encode()))
+    return path
+
+
+@operation(queued=True, files=("path",))
+def import_memories(svc: ModelSide, s: Session, path: str | Path) -> Request:
+    """Queue writing every memory of an exported file (or a JSON list of texts) into the user's memory; each is
+    written as "remember that ..." writes it, so duplicates are skipped."""
+    name = Path(path).name
+    try:
+        data = json.loads(read_upload_text(path, svc.cfg.memory.max_upload_mb))
+    except ValueError as e:
+        raise ServiceError(f"{name}: expected a JSON file of memories ({describe(e)})") from None
+    items = data.get("memories") if isinstance(data, dict) else data
+    texts = [m.get("text") if isinstance(m, dict) else m for m in items] if isinstance(items, list) else None
+    if not texts or not all(isinstance(t, str) and t.strip() for t in texts):
+        raise ServiceError(f"{name}: expected {{\"memories\": [{{\"text\": ...}}, ...]}} (an export) or a list of "
+                           "texts, got something else; nothing was written")
+
+    def run(_) -> int:
+        written = 0
+        for text in texts:
+            written += len(svc.remember(s, Decision(write=about_the_user(text.strip())), "import").written)
+        return written
+
+    return svc.worker.submit(Request("import_memories", run, s.id))

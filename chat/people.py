@@ -1,6 +1,6 @@
 """Each person's own memory: what they tell the chat, kept across conversations and restarts, theirs alone.
 
-`People` opens one `memory.personal.PersonalMemory` a user, in `memory.user_dir` (`<user>.safetensors`,
+`People` opens one `memory.personal.PersonalMemory` a user, in `memory.user_dir` (`<user>/<encoder>.safetensors`:
 written by the model's own encoder and checked against it on load like any bank), and writes and forgets on
 the model worker (encoding needs the model). What a message asks of the memory is `decide(text)`:
 
@@ -14,6 +14,7 @@ A write is a `Remembered` event of the turn: the page shows it under the message
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import threading
@@ -144,12 +145,19 @@ class People:
         data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
         return Path(data) / "recall-chat" / "users"
 
+    def path(self, lm: LoadedModel, user: str) -> Path:
+        """`user`'s memory file for this model: a memory is written by one model's encoder and read by it alone, so
+        each encoder has its own file (another model starts empty; the earlier file stays for its model)."""
+        name = lm.encoder.name
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")[:60]
+        return self.folder / user / f"{slug}-{hashlib.sha256(name.encode()).hexdigest()[:8]}.safetensors"
+
     def of(self, lm: LoadedModel, user: str) -> PersonalMemory:
         """`user`'s memory, opened from its file on first use (checked against this model's encoder)."""
         with self._lock:
             if user not in self._open:
                 try:
-                    self._open[user] = PersonalMemory(self.folder / f"{user}.safetensors", check=lm.bank_check(),
+                    self._open[user] = PersonalMemory(self.path(lm, user), check=lm.bank_check(),
                                                       vocab_size=len(lm.tokenizer))
                 except BankError as e:
                     raise ServiceError(f"the memories of {user!r} cannot be read: {e}") from None

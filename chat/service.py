@@ -178,9 +178,13 @@ class Service(SessionService):
             nonlocal recall_first, images
             with s.lock:
                 conv = self.conversation(s)
-                if changed := self.remember(s, decide(text, self.cfg.memory.remember)):
-                    yield changed
-                bank = self.recall_bank(s)
+                try:
+                    if changed := self.remember(s, decide(text, self.cfg.memory.remember)):
+                        yield changed
+                    bank = self.recall_bank(s)
+                except ServiceError as e:  # (a memory file that cannot be read: said, and the answer goes on)
+                    yield Notice(f"{e}; answering without your memories")
+                    bank = self.banks.of(s)
                 if images and not conv.lm.is_vision:
                     message = text_only_message(conv.lm, len(images))
                     if not text:
@@ -236,7 +240,12 @@ class Service(SessionService):
 
         def run(interrupt: threading.Event) -> Iterator[Any]:
             with s.lock:
-                yield from self._noted(s, conv.regenerate(settings, recall, self.recall_bank(s), interrupt))
+                try:
+                    bank = self.recall_bank(s)
+                except ServiceError as e:
+                    yield Notice(f"{e}; answering without your memories")
+                    bank = self.banks.of(s)
+                yield from self._noted(s, conv.regenerate(settings, recall, bank, interrupt))
 
         return self._start(s, Request("regenerate", run, s.id, "regenerate"))
 
@@ -277,8 +286,13 @@ class Service(SessionService):
             notes = ("loading…",)
         else:
             name = lm.name
+            try:
+                mine = len(self.people.of(lm, s.user))
+            except ServiceError:
+                mine = 0
             notes = tuple(filter(None, [str(lm.device), "" if lm.recall_trained else "recall untrained: recall first "
-                                        "reads memories into your message", self._compile_state()]))
+                                        "reads memories into your message", self._compile_state(),
+                                        f"your memories: {mine}" if mine else ""]))
         bank = bank_state(self.banks.of(s), s.bank_use, self.banks.label(s), details)
         return SessionState(message_states(s.conv), bank, name, notes, s.last_speed, s.last_plot, s.last_note)
 

@@ -7,6 +7,7 @@ data whether the model runs in this process or on a replica.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,7 +111,8 @@ def recall_table(messages: Sequence[MessageState], live: TurnView | None = None)
     answers = [m.recalls for m in messages if m.role == "assistant"]
     if live is not None and not live.done:
         answers.append(live.recalls)
-    rows = [(turn, r.position, r.length, round(r.score, 4), r.memory_index, r.text or "")
+    rows = [(turn, r.position, r.length, round(r.score, 4),
+             f"{r.memory_index} ({r.source})" if r.source else r.memory_index, r.text or "")
             for turn, recalls in enumerate(answers, 1) for r in recalls]
     return pd.DataFrame(rows, columns=RECALL_COLUMNS)
 
@@ -138,6 +140,14 @@ def memory_kind(bank: BankState) -> str:
 
 def bank_sample(bank: BankState | None) -> pd.DataFrame:
     return pd.DataFrame(list(bank.entries) if bank is not None else [], columns=["memory", "text", "slots", "key norm"])
+
+
+def about_table(entries: Sequence[dict], query: str = "") -> pd.DataFrame:
+    """A user's memories, newest first, those containing `query` (any case) when one is given."""
+    q = (query or "").strip().lower()
+    rows = [(e["id"], time.strftime("%Y-%m-%d %H:%M", time.localtime(e.get("created_at", 0))), e["text"])
+            for e in entries if not q or q in e["text"].lower()]
+    return pd.DataFrame(rows, columns=["id", "written", "text"])
 
 
 def found_table(hits: Sequence[dict]) -> pd.DataFrame:

@@ -151,7 +151,7 @@ class PersonalMemory:
             by_id = {e.get("id"): e for e in self.entries()}
             missing = [i for i in memory_ids if i not in by_id]
             if missing:
-                raise KeyError(f"no memory {missing[0]!r} among yours")
+                raise KeyError(f"memory {missing[0]!r}: no such memory of yours")
             if not memory_ids:
                 return []
             bank = now.copy()
@@ -198,8 +198,9 @@ class Joined(BankShape):
         return scores[order], ids[order]
 
     def memory(self, i: int, score: float) -> Memory:
+        """Memory `i` of `topk`, with its id in its own bank and that bank's label."""
         label, bank = self.parts[i % len(self.parts)]
-        return dataclasses.replace(bank.memory(i // len(self.parts), score), index=int(i), source=label)
+        return dataclasses.replace(bank.memory(i // len(self.parts), score), source=label)
 
     def source(self, i: int) -> tuple[str, int]:
         """(the label of memory `i`'s bank, its id there)."""

@@ -16,7 +16,7 @@ from chat.api import ChatService, Turn
 from chat.session import Session
 from chat.state import MessageState, SessionState
 from chat.view import (
-    TurnView, answer_figure, bank_sample, bank_summary, chat_messages, found_table, inline_text, recall_table,
+    TurnView, about_table, answer_figure, bank_sample, bank_summary, chat_messages, found_table, inline_text, recall_table,
     status_line,
 )
 from chat.worker import ServiceError
@@ -187,6 +187,60 @@ class Handlers:
             return str(self.service.run(ops.download_bank, s, fmt)), self.status(s, "bank saved: download it below")
         except ValueError as e:
             return None, self.status(s, _warn(e))
+
+    # ----------------------------------------------------------------- about you: the user's own memory
+
+    def about_view(self, s: Session, query: str = "", note: str = "") -> tuple:
+        """how many memories, the list (those containing `query`), status."""
+        try:
+            entries = self.service.run(ops.my_memories, s)
+        except ValueError as e:
+            entries, note = [], _warn(e)
+        who = "" if s.user == "local" else f" ({s.user})"
+        count = f"**About you{who}**: {len(entries)} memories, written when you say \"remember that ...\" or below."
+        return count, about_table(entries, query), self.status(s, note)
+
+    async def _about_job(self, s: Session, query: str, make_request, done) -> tuple:
+        try:
+            result = await self.service.wait_for(make_request())
+            return self.about_view(s, query, done(result))
+        except ValueError as e:
+            return self.about_view(s, query, _warn(e))
+
+    async def remember(self, text: str, query: str, s: Session) -> tuple:
+        return await self._about_job(s, query, lambda: self.service.run(ops.remember, s, text, "page"),
+                                     lambda r: r.describe())
+
+    async def edit_memory(self, memory_id: str, text: str, query: str, s: Session) -> tuple:
+        return await self._about_job(s, query, lambda: self.service.run(ops.edit_memory, s, memory_id.strip(), text),
+                                     lambda r: r.describe())
+
+    def forget_memories(self, ids: str, query: str, s: Session) -> tuple:
+        try:
+            gone = self.service.run(ops.forget_memories, s, [i for i in ids.replace(",", " ").split() if i])
+            return self.about_view(s, query, "Forgot: " + " · ".join(e["text"] for e in gone))
+        except KeyError as e:
+            return self.about_view(s, query, _warn(ServiceError(e.args[0])))
+        except ValueError as e:
+            return self.about_view(s, query, _warn(e))
+
+    def forget_everything(self, query: str, s: Session) -> tuple:
+        try:
+            return self.about_view(s, query, f"forgot all {self.service.run(ops.forget_all_memories, s)} memories")
+        except ValueError as e:
+            return self.about_view(s, query, _warn(e))
+
+    def export_memories(self, s: Session) -> tuple[str | None, str]:
+        try:
+            return str(self.service.run(ops.export_memories, s)), self.status(s, "your memories: download them below")
+        except ValueError as e:
+            return None, self.status(s, _warn(e))
+
+    async def import_memories(self, path: str | None, query: str, s: Session) -> tuple:
+        if not path:
+            return self.about_view(s, query)
+        return await self._about_job(s, query, lambda: self.service.run(ops.import_memories, s, path),
+                                     lambda n: f"imported {n} new memories")
 
     def unload(self, request: gr.Request) -> None:
         """The page closed: free its session now (API clients are freed after the idle time to live)."""

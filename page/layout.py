@@ -48,6 +48,29 @@ def _memory_tab() -> dict[str, gr.Component]:
     return c
 
 
+def _about_tab() -> dict[str, gr.Component]:
+    c: dict[str, gr.Component] = {}
+    c["about_md"] = gr.Markdown(elem_id="about-info")
+    c["about_query"] = gr.Textbox(label="Search your memories", elem_id="about-query")
+    c["about"] = gr.Dataframe(headers=["id", "written", "text"], label="What you told me (newest first)",
+                              interactive=False, wrap=True, max_height=300, column_widths=["22%", "22%", "56%"],
+                              elem_id="about-list")
+    with gr.Row():
+        c["about_text"] = gr.Textbox(label="Remember (or the new text of the memory below)", scale=3,
+                                     elem_id="about-text")
+        c["about_add"] = gr.Button("Remember", scale=1, elem_id="about-add")
+    with gr.Row():
+        c["about_ids"] = gr.Textbox(label="Memory id(s)", scale=2, elem_id="about-ids")
+        c["about_edit"] = gr.Button("Edit (one id)", scale=1, elem_id="about-edit")
+        c["about_delete"] = gr.Button("Delete", variant="stop", scale=1, elem_id="about-delete")
+    with gr.Row():
+        c["about_all"] = gr.Button("Forget everything", variant="stop", elem_id="about-all")
+        c["about_export"] = gr.Button("Export (JSON)")
+        c["about_import"] = gr.UploadButton("Import (JSON)", file_types=[".json"], type="filepath")
+    c["about_file"] = gr.File(label="Your memories", interactive=False)
+    return c
+
+
 def build_demo(service: ChatService) -> gr.Blocks:
     """The page over `service`: every control wired to its handler, and each handler to its API name."""
     cfg, h = service.cfg, Handlers(service)
@@ -88,7 +111,10 @@ def build_demo(service: ChatService) -> gr.Blocks:
                                         "decoding) or α* per token (mixture)", visible=False, elem_id="decoding-plot")
             with gr.Column(scale=2):
                 with gr.Tab("Memory"):
-                    m = _memory_tab()
+                    with gr.Accordion("About you: what you told me", open=True, elem_id="about-you"):
+                        a = _about_tab()
+                    with gr.Accordion("Banks", open=True):
+                        m = _memory_tab()
                 for tab in ("Decoding", "Recall", "Mixture"):
                     with gr.Tab(tab):
                         controls.update(settings_tab(cfg, tab))
@@ -105,8 +131,8 @@ def build_demo(service: ChatService) -> gr.Blocks:
                           api_visibility="private", queue=False)
         view = [chatbot, answer, recall_log, status]
         bank_outputs = [m["bank_md"], m["sample"], status, m["bank_use"]]
-        box.submit(h.chat, [box, recall_first, session], [*view, decoding_plot, box], inputs_kwargs=controls,
-                   api_name="chat", **MODEL_EVENTS)
+        sent = box.submit(h.chat, [box, recall_first, session], [*view, decoding_plot, box], inputs_kwargs=controls,
+                          api_name="chat", **MODEL_EVENTS)
         box.stop(h.stop, session, status, api_name="stop", concurrency_limit=None)
         regen_btn.click(h.regenerate, [session], [*view, decoding_plot], inputs_kwargs=controls, api_name="regenerate",
                         **MODEL_EVENTS)
@@ -126,6 +152,20 @@ def build_demo(service: ChatService) -> gr.Blocks:
                               **MODEL_EVENTS)
         m["download_btn"].click(h.download_bank, [m["fmt"], session], [m["bank_out"], status],
                                 api_name="download_bank")
-        demo.load(h.on_load, session, bank_outputs, api_visibility="private", **MODEL_EVENTS)
+        about = [a["about_md"], a["about"], status]
+        q = a["about_query"]
+        q.change(h.about_view, [session, q], about, api_name="my_memories", queue=False)
+        a["about_add"].click(h.remember, [a["about_text"], q, session], about, api_name="remember", **MODEL_EVENTS)
+        a["about_edit"].click(h.edit_memory, [a["about_ids"], a["about_text"], q, session], about,
+                              api_name="edit_memory", **MODEL_EVENTS)
+        a["about_delete"].click(h.forget_memories, [a["about_ids"], q, session], about, api_name="forget_memories")
+        a["about_all"].click(h.forget_everything, [q, session], about, api_name="forget_all_memories")
+        a["about_export"].click(h.export_memories, session, [a["about_file"], status], api_name="export_memories")
+        a["about_import"].upload(h.import_memories, [a["about_import"], q, session], about, api_name="import_memories",
+                                 **MODEL_EVENTS)
+        sent.then(lambda s, query: h.about_view(s, query)[:2], [session, q], about[:2],  # what the message wrote
+                  api_visibility="private", queue=False)
+        demo.load(h.on_load, session, bank_outputs, api_visibility="private", **MODEL_EVENTS).then(
+            lambda s: h.about_view(s)[:2], session, about[:2], api_visibility="private", queue=False)
         demo.unload(h.unload)
     return demo

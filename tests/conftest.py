@@ -10,6 +10,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ["XDG_DATA_HOME"] = __import__("tempfile").mkdtemp(prefix="recall-chat-tests-")  # users' memories
 
 import sys
 from pathlib import Path

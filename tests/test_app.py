@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -326,3 +327,37 @@ def test_mixture_answers_from_q_star_and_draws_alpha(client, server):
     plain = client.predict(message=message("hi"), seed=None, max_new_tokens=2, api_name="/chat")
     assert "done" in plain[STATUS] and "q*" not in plain[STATUS] and plain[4]["visible"] is False
     assert adapter_merged(server.service.lm.model)  # the mixture mixed with a base copy: θ stayed merged
+
+
+def test_about_you_lists_edits_deletes_exports_and_imports_your_memories(client, tmp_path):
+    client.predict("", api_name="/forget_all_memories")
+    md, table, status = client.predict("my dog is a beagle called Pocket", "", api_name="/remember")
+    assert "Remembered: The user's dog is a beagle called Pocket." in status and "**About you**: 1 memories" in md
+    client.predict("I live in Porto", "", api_name="/remember")
+    md, table, status = client.predict("I live in Porto", "", api_name="/remember")  # the same again: kept once
+    assert "Already remembered" in status and "2 memories" in md
+    assert [row[2] for row in table["data"]] == ["The user lives in Porto.", "The user's dog is a beagle called Pocket."]
+    porto, dog = (row[0] for row in table["data"])
+    _, found, _ = client.predict("porto", api_name="/my_memories")  # the search box
+    assert [row[0] for row in found["data"]] == [porto]
+
+    _, table, status = client.predict(porto, "I live in Lisbon", "", api_name="/edit_memory")
+    assert [row[2] for row in table["data"]][0] == "The user lives in Lisbon." and porto not in status
+    assert porto not in [row[0] for row in table["data"]] and len(table["data"]) == 2
+    _, table, status = client.predict("m-000000000000", "", api_name="/forget_memories")
+    assert "no such memory of yours" in status and len(table["data"]) == 2  # nothing deleted
+
+    path, _ = client.predict(api_name="/export_memories")
+    exported = json.loads(Path(path).read_text())
+    assert sorted(m["text"] for m in exported["memories"]) == ["The user lives in Lisbon.",
+                                                               "The user's dog is a beagle called Pocket."]
+    _, table, status = client.predict(dog, "", api_name="/forget_memories")
+    assert [row[2] for row in table["data"]] == ["The user lives in Lisbon."]
+    md, table, status = client.predict(handle_file(path), "", api_name="/import_memories")
+    assert "imported 1 new memories" in status and len(table["data"]) == 2  # Lisbon was there: written once
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"memories": [1, 2]}')
+    md, table, status = client.predict(handle_file(str(bad)), "", api_name="/import_memories")
+    assert "expected" in status and "nothing was written" in status and len(table["data"]) == 2
+    md, table, status = client.predict("", api_name="/forget_all_memories")
+    assert "forgot all 2 memories" in status and table["data"] in ([], [["", "", ""]])

@@ -174,3 +174,73 @@ def test_entropy_and_mixture_pictures_show_in_the_page(page, smollm2):
         page.wait_for_function("document.querySelector('#status').innerText.includes('tokens per verify')")
         page.wait_for_selector("#decoding-plot img", state="visible")
         page.screenshot(path=str(ARTIFACTS / "mixture.png"), full_page=True)
+
+
+def login(page, url: str, name: str, password: str) -> None:
+    page.goto(url)
+    page.get_by_label("username").fill(name)
+    page.get_by_label("password").fill(password)
+    page.get_by_role("button", name="Login").click()
+    page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
+
+
+def say(page, text: str, until: str) -> str:
+    """Send a message; the status line once the status shows `until` and done."""
+    page.locator("#message textarea").fill(text)
+    page.locator("#message textarea").press("Enter")
+    page.wait_for_function(f"document.querySelector('#status').innerText.includes({until!r}) && "
+                           "document.querySelector('#status').innerText.includes('done')")
+    return page.inner_text("#status")
+
+
+def test_a_person_is_remembered_across_a_restart_and_sees_only_their_own(page, default_lm, tmp_path):
+    """Log in, tell three things (each "Remembered: ..."), restart the server, ask in a new conversation, see,
+    edit and delete the memories in "About you"; another user sees none of them."""
+    from chat import users
+
+    path = tmp_path / "users.json"
+    users.add(path, "ada", "ada-password")
+    users.add(path, "bob", "bob-password")
+    overrides = ("generation.max_new_tokens=40", f"app.users_file={path}", f"memory.user_dir={tmp_path / 'mem'}")
+    told = {"my dog is a beagle called Pocket": "The user's dog is a beagle called Pocket.",
+            "my sister is called Lena": "The user's sister is called Lena.",
+            "my favourite colour is green": "The user's favourite colour is green."}
+    with serve(default_lm, *overrides) as server:
+        login(page, server.url, "ada", "ada-password")
+        for fact, memory in told.items():
+            page.get_by_role("tab", name="Conversation").click()
+            say(page, f"Remember that {fact}.", f"Remembered: {memory}")
+    with serve(default_lm, *overrides) as server:  # a restart; a new page, a new conversation
+        login(page, server.url, "ada", "ada-password")
+        for question, value in [("What is my dog's name?", "Pocket"), ("What is my sister's name?", "Lena")]:
+            page.get_by_role("tab", name="Conversation").click()
+            page.locator("#clear").click()
+            page.wait_for_function("!document.querySelector('#answer').innerText.includes('⟨memory')")
+            page.locator("#message textarea").fill(question)
+            page.locator("#message textarea").press("Enter")
+            page.wait_for_function("document.querySelector('#answer').innerText.includes('⟨memory') && "
+                                   "document.querySelector('#status').innerText.includes('done')")
+            answer = page.inner_text("#answer")
+            assert "⟨memory" in answer and value in answer[answer.index("⟩") + 1:], answer
+        page.get_by_role("tab", name="Memory").click()
+        page.wait_for_function("document.querySelector('#about-info').innerText.includes('3 memories')")
+        listed = page.inner_text("#about-list")
+        assert all(memory in listed for memory in told.values()), listed
+        dog = re.search(r"(m-[0-9a-f]{12})\s+\S+ \S+\s+The user's dog", listed)[1]
+        page.locator("#about-ids textarea").fill(dog)
+        page.locator("#about-delete").click()
+        page.wait_for_function("document.querySelector('#about-info').innerText.includes('2 memories')")
+        assert "Pocket" not in page.inner_text("#about-list")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "about_you.png"), full_page=True)
+
+        page.context.clear_cookies()  # bob, on the same server
+        login(page, server.url, "bob", "bob-password")
+        page.get_by_role("tab", name="Memory").click()
+        page.wait_for_function("document.querySelector('#about-info').innerText.includes('0 memories')")
+        page.get_by_role("tab", name="Conversation").click()
+        page.locator("#message textarea").fill("What is my sister's name?")
+        page.locator("#message textarea").press("Enter")
+        page.wait_for_function("document.querySelectorAll('#chatbot .bot').length > 0 && "
+                               "document.querySelector('#status').innerText.includes('done')")
+        assert "Lena" not in page.inner_text("#chatbot")

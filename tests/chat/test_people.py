@@ -1,0 +1,115 @@
+"""Each user's own memory through the user's own path: a users file made with `recall-users`, the real server on
+the default model, the `openai` client for chat with two keys, plain HTTP for `/v1/memories`, and a restart."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from chat import users
+from chat.people import about_the_user, decide
+from test_app import serve
+
+pytestmark = pytest.mark.slow
+DOG = "The user's dog is a beagle called Pocket."
+
+
+@pytest.fixture(scope="module")
+def people(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("people")
+    path = folder / "users.json"
+    keys = {name: users.add(path, name, f"{name}-password") for name in ("ada", "bob")}
+    return folder, path, keys
+
+
+def client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "v1", api_key=key, max_retries=0, timeout=300)
+
+
+def ask(api: openai.OpenAI, text: str):
+    return api.chat.completions.create(model="recall-chat", messages=[{"role": "user", "content": text}],
+                                       temperature=0, max_tokens=40)
+
+
+def memories(url: str, key: str) -> httpx.Response:
+    return httpx.get(url + "v1/memories", headers={"Authorization": f"Bearer {key}"}, timeout=300)
+
+
+def test_each_user_remembers_their_own_and_keeps_it_across_a_restart(default_lm, people):
+    folder, path, keys = people
+    overrides = (f"app.users_file={path}", f"memory.user_dir={folder / 'memories'}")
+    with serve(default_lm, *overrides) as server:
+        url = server.url
+        assert httpx.get(url + "v1/models").status_code == 401  # no key
+        for key in ("rc-000000000000-" + "x" * 43, "not-a-key"):  # an unknown one, a malformed one
+            assert httpx.get(url + "v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 401
+            assert memories(url, key).status_code == 401
+        ada, bob = client(url, keys["ada"]), client(url, keys["bob"])
+
+        told = ask(ada, "Remember that my dog is a beagle called Pocket.")
+        (written,) = told.model_extra["remembered"]
+        assert written["text"] == DOG and written["id"].startswith("m-")
+        assert [m["text"] for m in memories(url, keys["ada"]).json()["data"]] == [DOG]
+        assert memories(url, keys["bob"]).json() == {"object": "list", "data": []}  # never another user's
+
+        answer = ask(ada, "What is my dog's name?")
+        assert "Pocket" in answer.choices[0].message.content
+        assert [(r["text"], r["source"]) for r in answer.model_extra["recalls"]] == [(DOG, "yours")]
+        assert "Pocket" not in ask(bob, "What is my dog's name?").choices[0].message.content
+
+        # bob cannot delete ada's memory: 404, and it is still hers
+        gone = httpx.delete(url + f"v1/memories/{written['id']}", headers={"Authorization": f"Bearer {keys['bob']}"})
+        assert gone.status_code == 404 and "no such memory of yours" in gone.text
+        assert len(memories(url, keys["ada"]).json()["data"]) == 1
+
+        added = httpx.post(url + "v1/memories", json={"text": "My sister is called Lena."},
+                           headers={"Authorization": f"Bearer {keys['bob']}"}, timeout=300)
+        assert added.status_code == 201 and added.json()["text"] == "The user's sister is called Lena."
+        again = httpx.post(url + "v1/memories", json={"text": "My sister is called Lena."},
+                           headers={"Authorization": f"Bearer {keys['bob']}"}, timeout=300)
+        assert again.status_code == 200 and again.json()["duplicate"] is True  # not written twice
+        bad = httpx.post(url + "v1/memories", json={"txt": "x"}, headers={"Authorization": f"Bearer {keys['bob']}"})
+        assert bad.status_code == 400 and "text" in bad.text
+
+    with serve(default_lm, *overrides) as server:  # a restart: a new server over the same folder
+        url = server.url
+        assert [m["text"] for m in memories(url, keys["ada"]).json()["data"]] == [DOG]
+        assert "Pocket" in ask(client(url, keys["ada"]), "What is my dog's name?").choices[0].message.content
+        forgot = ask(client(url, keys["ada"]), "Forget about my dog.")
+        assert [m["text"] for m in forgot.model_extra["forgotten"]] == [DOG]
+        assert memories(url, keys["ada"]).json()["data"] == []
+        cleared = httpx.delete(url + "v1/memories", headers={"Authorization": f"Bearer {keys['bob']}"})
+        assert cleared.json()["deleted"] == 1 and memories(url, keys["bob"]).json()["data"] == []
+
+
+def test_without_a_users_file_there_is_one_local_user_and_the_shared_key_still_works(default_lm, tmp_path):
+    with serve(default_lm, "app.api_key=shared-secret", f"memory.user_dir={tmp_path}") as server:
+        url = server.url
+        assert memories(url, "wrong-key").status_code == 401
+        told = ask(client(url, "shared-secret"), "Remember that I live in Porto.")
+        assert [m["text"] for m in told.model_extra["remembered"]] == ["The user lives in Porto."]
+        assert len(list((tmp_path / "local").glob("*.safetensors"))) == 1  # the local user's, for this model
+
+
+@pytest.mark.parametrize("said,written", [
+    ("Remember that my sister is called Lena", "The user's sister is called Lena."),
+    ("please remember: I live in Porto.", "The user lives in Porto."),
+    ("Remember I really like jazz", "The user really likes jazz."),
+    ("remember that I\u2019ve got two cats", "The user has got two cats."),
+    ("Remember that the ferry leaves at seven", "The ferry leaves at seven."),
+])
+def test_remember_writes_what_follows_about_the_user(said, written):
+    assert decide(said, "explicit").write == written
+    assert decide(said, "off").write is None
+
+
+@pytest.mark.parametrize("said", ["What is my sister's name?", "remember me?", "Do you remember Lena?",
+                                  "I live in Porto.", "Hello!"])
+def test_questions_and_chit_chat_write_nothing(said):
+    assert decide(said, "explicit") == decide("", "explicit")
+
+
+def test_forget_names_what_to_forget():
+    assert decide("Forget about my dog.", "explicit").forget == "my dog"
+    assert about_the_user("my dog") == "The user's dog."
