@@ -75,7 +75,15 @@ class Handlers:
                 plot = gr.Plot(answer_figure(state.plot), visible=state.plot is not None)
             yield chatbot, answer, log if fresh else gr.skip(), status, plot  # the log changes only with a recall
 
-    async def chat(self, message: dict | None, recall_first: bool, s: Session, **values):
+    def bind(self, s: Session, request: gr.Request | None) -> None:
+        """With a users file, the session is its login's: every event that reads or writes a memory says whose,
+        so a tab's answers are never another user's whatever Gradio does with its state."""
+        if self.service.users is not None and request is not None and request.username:
+            s.user = request.username
+
+    async def chat(self, message: dict | None, recall_first: bool, s: Session, request: gr.Request = None,
+                   **values):
+        self.bind(s, request)
         try:
             settings, recall = controls.settings(self.cfg, values)
             turn = self.service.chat(s, (message or {}).get("text", ""), (message or {}).get("files", []),
@@ -88,7 +96,8 @@ class Handlers:
             yield *update, (gr.skip() if cleared else gr.MultimodalTextbox(value=None))
             cleared = True
 
-    async def regenerate(self, s: Session, **values):
+    async def regenerate(self, s: Session, request: gr.Request = None, **values):
+        self.bind(s, request)
         try:
             turn = self.service.regenerate(s, *controls.settings(self.cfg, values))
         except ValueError as e:
@@ -190,8 +199,9 @@ class Handlers:
 
     # ----------------------------------------------------------------- about you: the user's own memory
 
-    def about_view(self, s: Session, query: str = "", note: str = "") -> tuple:
+    def about_view(self, s: Session, query: str = "", note: str = "", request: gr.Request = None) -> tuple:
         """how many memories, the list (those containing `query`), status."""
+        self.bind(s, request)
         try:
             entries = self.service.run(ops.my_memories, s)
         except ValueError as e:
@@ -207,15 +217,22 @@ class Handlers:
         except ValueError as e:
             return self.about_view(s, query, _warn(e))
 
-    async def remember(self, text: str, query: str, s: Session) -> tuple:
+    def about_list(self, s: Session, query: str = "", request: gr.Request = None) -> tuple:
+        """how many memories and the list (after a page load, or an answer that may have written one)."""
+        return self.about_view(s, query, request=request)[:2]
+
+    async def remember(self, text: str, query: str, s: Session, request: gr.Request = None) -> tuple:
+        self.bind(s, request)
         return await self._about_job(s, query, lambda: self.service.run(ops.remember, s, text, "page"),
                                      lambda r: r.describe())
 
-    async def edit_memory(self, memory_id: str, text: str, query: str, s: Session) -> tuple:
+    async def edit_memory(self, memory_id: str, text: str, query: str, s: Session, request: gr.Request = None) -> tuple:
+        self.bind(s, request)
         return await self._about_job(s, query, lambda: self.service.run(ops.edit_memory, s, memory_id.strip(), text),
                                      lambda r: r.describe())
 
-    def forget_memories(self, ids: str, query: str, s: Session) -> tuple:
+    def forget_memories(self, ids: str, query: str, s: Session, request: gr.Request = None) -> tuple:
+        self.bind(s, request)
         try:
             gone = self.service.run(ops.forget_memories, s, [i for i in ids.replace(",", " ").split() if i])
             return self.about_view(s, query, "Forgot: " + " · ".join(e["text"] for e in gone))
@@ -224,19 +241,22 @@ class Handlers:
         except ValueError as e:
             return self.about_view(s, query, _warn(e))
 
-    def forget_everything(self, query: str, s: Session) -> tuple:
+    def forget_everything(self, query: str, s: Session, request: gr.Request = None) -> tuple:
+        self.bind(s, request)
         try:
             return self.about_view(s, query, f"forgot all {self.service.run(ops.forget_all_memories, s)} memories")
         except ValueError as e:
             return self.about_view(s, query, _warn(e))
 
-    def export_memories(self, s: Session) -> tuple[str | None, str]:
+    def export_memories(self, s: Session, request: gr.Request = None) -> tuple[str | None, str]:
+        self.bind(s, request)
         try:
             return str(self.service.run(ops.export_memories, s)), self.status(s, "your memories: download them below")
         except ValueError as e:
             return None, self.status(s, _warn(e))
 
-    async def import_memories(self, path: str | None, query: str, s: Session) -> tuple:
+    async def import_memories(self, path: str | None, query: str, s: Session, request: gr.Request = None) -> tuple:
+        self.bind(s, request)
         if not path:
             return self.about_view(s, query)
         return await self._about_job(s, query, lambda: self.service.run(ops.import_memories, s, path),
@@ -250,8 +270,7 @@ class Handlers:
 
     async def on_load(self, s: Session, request: gr.Request, progress=gr.Progress(track_tqdm=True)) -> tuple:
         self.pages[request.session_hash] = s
-        if self.service.users is not None:  # the login's user owns the tab's memory
-            s.user = request.username
+        self.bind(s, request)
         note = ""
         try:
             if self.service.lm is None:

@@ -154,7 +154,7 @@ def build_demo(service: ChatService) -> gr.Blocks:
                                 api_name="download_bank")
         about = [a["about_md"], a["about"], status]
         q = a["about_query"]
-        q.change(h.about_view, [session, q], about, api_name="my_memories", queue=False)
+        q.change(h.about_view, [session, q], about, api_name="my_memories")
         a["about_add"].click(h.remember, [a["about_text"], q, session], about, api_name="remember", **MODEL_EVENTS)
         a["about_edit"].click(h.edit_memory, [a["about_ids"], a["about_text"], q, session], about,
                               api_name="edit_memory", **MODEL_EVENTS)
@@ -163,9 +163,8 @@ def build_demo(service: ChatService) -> gr.Blocks:
         a["about_export"].click(h.export_memories, session, [a["about_file"], status], api_name="export_memories")
         a["about_import"].upload(h.import_memories, [a["about_import"], q, session], about, api_name="import_memories",
                                  **MODEL_EVENTS)
-        sent.then(lambda s, query: h.about_view(s, query)[:2], [session, q], about[:2],  # what the message wrote
-                  api_visibility="private", queue=False)
+        sent.then(h.about_list, [session, q], about[:2], api_visibility="private")  # what the message wrote
         demo.load(h.on_load, session, bank_outputs, api_visibility="private", **MODEL_EVENTS).then(
-            lambda s: h.about_view(s)[:2], session, about[:2], api_visibility="private", queue=False)
+            h.about_list, session, about[:2], api_visibility="private")
         demo.unload(h.unload)
     return demo

@@ -218,10 +218,10 @@ def test_a_person_is_remembered_across_a_restart_and_sees_only_their_own(page, d
             page.wait_for_function("!document.querySelector('#answer').innerText.includes('⟨memory')")
             page.locator("#message textarea").fill(question)
             page.locator("#message textarea").press("Enter")
-            page.wait_for_function("document.querySelector('#answer').innerText.includes('⟨memory') && "
+            page.wait_for_function("document.querySelectorAll('#chatbot .bot').length > 0 && "
                                    "document.querySelector('#status').innerText.includes('done')")
             answer = page.inner_text("#answer")
-            assert "⟨memory" in answer and value in answer[answer.index("⟩") + 1:], answer
+            assert "⟨memory" in answer and value in answer[answer.index("⟩") + 1:], (answer, page.inner_text("#status"))
         page.get_by_role("tab", name="Memory").click()
         page.wait_for_function("document.querySelector('#about-info').innerText.includes('3 memories')")
         listed = page.inner_text("#about-list")
