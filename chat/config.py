@@ -82,7 +82,7 @@ class MemoryConfig:
     milvus_uri: str | None = None  # a local path (milvus-lite, one machine) or http://host:19530 (a Milvus server)
     milvus_collection: str = "memories"
     user_dir: str | None = None  # each user's own memories (null: $XDG_DATA_HOME/recall-chat/users, or ~/.local/share/...)
-    remember: str = "explicit"  # what a message writes to its author's memory: explicit ("remember ...", "forget ...") | off
+    remember: str = "auto"  # what a message writes to its author's memory: auto (what tells about them) | explicit | off
 
     def __post_init__(self):
         _check(self.index in ("flat", "hnsw", "ivf"), "index", self.index, "flat, hnsw, ivf")
@@ -92,7 +92,7 @@ class MemoryConfig:
         _check(isinstance(self.milvus_collection, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,200}",
                self.milvus_collection) is not None, "milvus_collection", self.milvus_collection,
                "a name of letters, digits and _ (not starting with a digit)")
-        _check(self.remember in ("explicit", "off"), "remember", self.remember, "explicit, off")
+        _check(self.remember in ("auto", "explicit", "off"), "remember", self.remember, "auto, explicit, off")
         _check(self.user_dir is None or (isinstance(self.user_dir, str) and self.user_dir.strip() != ""), "user_dir",
                self.user_dir, "null or a folder")
         if self.values != "auto":

@@ -7,7 +7,11 @@ the model worker (encoding needs the model). What a message asks of the memory i
 - "Remember (that) ..." writes what follows, in the third person ("my dog is Pocket" -> "The user's dog is
   Pocket."), the form the memory is read in as being about the person the model talks to;
 - "Forget (that / about) ..." removes the memory of theirs that reads closest to what follows;
-- anything else writes nothing (`memory.remember: explicit`).
+- with `memory.remember: auto` (the default), any other message that tells something worth keeping about the
+  person or their world (facts, preferences, plans, people: `models.remember.WriteDecision`, a small model over
+  the key encoder's embedding of the message, which the memory head computes anyway) is written the same way;
+  questions, requests and chit-chat are not;
+- with `explicit`, only "remember ..." and "forget ..." change the memory; `off`, nothing does.
 
 A write is a `Remembered` event of the turn: the page shows it under the message, `/v1` answers carry it.
 """
@@ -18,6 +22,7 @@ import hashlib
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +31,7 @@ from chat.worker import ServiceError
 from memory import BankError
 from memory.personal import PersonalMemory, Similar
 from models import LoadedModel
+from models.remember import WriteDecision
 
 REMEMBER = re.compile(r"^\s*(?:please\s*,?\s+)?(?:remember|note|keep in mind)(?:\s+that)?\s*[,:]?\s+(?P<what>.+?)\s*$",
                       re.I | re.S)
@@ -93,14 +99,17 @@ class Decision:
     forget: str | None = None  # what to forget
 
 
-def decide(text: str, mode: str) -> Decision:
-    """The write decision of `memory.remember` (explicit: only "remember ..." and "forget ...")."""
+def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> Decision:
+    """The write decision of `memory.remember`: "forget ..." and "remember ..." always (unless `off`); with `auto`,
+    any other message `wants` (the write decision model) says is worth keeping."""
     if mode == "off" or not text:
         return Decision()
     if m := FORGET.match(text):
         return Decision(forget=m["what"].rstrip(".!"))
     if (m := REMEMBER.match(text)) and len(m["what"].split()) >= 2 and not m["what"].endswith("?"):
         return Decision(write=about_the_user(m["what"]))
+    if mode == "auto" and wants is not None and wants(text):
+        return Decision(write=about_the_user(text))
     return Decision()
 
 
@@ -136,6 +145,7 @@ class People:
     cfg: Config
     similar: Similar = Similar()
     _open: dict[str, PersonalMemory] = field(default_factory=dict)
+    _writer: WriteDecision | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -144,6 +154,16 @@ class People:
             return Path(self.cfg.memory.user_dir).expanduser()
         data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
         return Path(data) / "recall-chat" / "users"
+
+    def decide(self, lm: LoadedModel, text: str) -> Decision:
+        """What `text` asks of its author's memory, per `memory.remember` (auto needs a key encoder: a model that
+        writes one hidden-state vector a memory decides as `explicit`)."""
+        wants = None
+        if self.cfg.memory.remember == "auto" and lm.encoder.keys is not None:
+            if self._writer is None:
+                self._writer = WriteDecision.load()
+            wants = lambda t: self._writer.wants(t, lm.encoder.query(t))  # noqa: E731
+        return decide(text, self.cfg.memory.remember, wants)
 
     def path(self, lm: LoadedModel, user: str) -> Path:
         """`user`'s memory file for this model: a memory is written by one model's encoder and read by it alone, so

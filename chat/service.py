@@ -18,7 +18,7 @@ from chat.banks import Banks
 from chat.config import Config, load_options
 from chat.janitor import Janitor
 from chat.operations import operation_of
-from chat.people import Decision, People, Remembered, decide
+from chat.people import Decision, People, Remembered
 from chat.session import Conversation, Session, text_only_message
 from chat.state import SessionState, bank_state, message_states
 from chat.textsearch import TextSearch
@@ -179,7 +179,7 @@ class Service(SessionService):
             with s.lock:
                 conv = self.conversation(s)
                 try:
-                    if changed := self.remember(s, decide(text, self.cfg.memory.remember)):
+                    if changed := self.remember(s, self.people.decide(conv.lm, text)):
                         yield changed
                     bank = self.recall_bank(s)
                 except ServiceError as e:  # (a memory file that cannot be read: said, and the answer goes on)

@@ -250,8 +250,14 @@ class MemoryEncoder:
         return keys, values
 
     def query(self, text: str) -> torch.Tensor:
-        """The memory head's query for a user message: its text encoder embedding [D_key]."""
-        return torch.from_numpy(self.keys.encode([text])[0])
+        """The memory head's query for a user message: its text encoder embedding [D_key] (the last few are kept:
+        the write decision and the memory head of one turn embed the same message once)."""
+        cache = self.__dict__.setdefault("_queries", {})
+        if text not in cache:
+            if len(cache) >= 16:
+                cache.pop(next(iter(cache)))
+            cache[text] = torch.from_numpy(self.keys.encode([text])[0])
+        return cache[text]
 
     # ----------------------------------------------------------------- files
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,7 +40,9 @@ def launch(demo, service) -> int:
 
 @contextmanager
 def serve(lm, *overrides: str):
-    cfg = load_config(overrides=["generation.max_new_tokens=12", *overrides], environ={})
+    memories = tempfile.mkdtemp(prefix="recall-chat-users-")  # each server its own users' memories (unless given)
+    cfg = load_config(overrides=["generation.max_new_tokens=12", f"memory.user_dir={memories}", *overrides],
+                      environ={})
     service = Service(cfg, lm)
     demo = build_demo(service)
     port = launch(demo, service)
