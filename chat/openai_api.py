@@ -210,7 +210,8 @@ class OpenAIRoutes:
     # ------------------------------------------------------------------ the caller's own memory
 
     async def _on_memory(self, request: Request, op, *args: Any) -> Any:
-        """Run a memory operation for the request's user (waiting for a queued one)."""
+        """Run a memory operation for the request's user (waiting for a queued one); its refusal as an `APIError`
+        (an id that is not the caller's: 404)."""
         user = await self.user_of(request)
         svc = self.service
         await svc.wait_for(svc.ready())
@@ -218,6 +219,10 @@ class OpenAIRoutes:
         try:
             value = await asyncio.to_thread(svc.run, op, s, *args)
             return await svc.wait_for(value) if isinstance(value, WorkerRequest) else value
+        except KeyError as e:
+            raise APIError(404, str(e.args[0]), code="memory_not_found") from None
+        except (ValueError, ServiceError) as e:
+            raise APIError(400, str(e)) from None
         finally:
             svc.end_session(s)
 
@@ -226,8 +231,6 @@ class OpenAIRoutes:
             return {"object": "list", "data": await self._on_memory(request, ops.my_memories)}
         except APIError as e:
             return e.response()
-        except ServiceError as e:
-            return APIError(400, str(e)).response()
 
     async def add_memory(self, request: Request):
         try:
@@ -242,8 +245,6 @@ class OpenAIRoutes:
             return JSONResponse({"object": "memory", "text": body.text, "duplicate": True, "note": done.note})
         except APIError as e:
             return e.response()
-        except ServiceError as e:
-            return APIError(400, str(e)).response()
 
     async def delete_memory(self, request: Request, memory_id: str):
         try:
@@ -251,18 +252,12 @@ class OpenAIRoutes:
             return {"id": gone[0]["id"], "object": "memory", "deleted": True}
         except APIError as e:
             return e.response()
-        except KeyError as e:
-            return APIError(404, str(e.args[0]), code="memory_not_found").response()
-        except ServiceError as e:
-            return APIError(400, str(e)).response()
 
     async def delete_memories(self, request: Request):
         try:
             return {"object": "list", "deleted": await self._on_memory(request, ops.forget_all_memories)}
         except APIError as e:
             return e.response()
-        except ServiceError as e:
-            return APIError(400, str(e)).response()
 
     @staticmethod
     def files(s: Session, images: list[bytes]) -> list[str]:
