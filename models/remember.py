@@ -8,12 +8,66 @@ not tell.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "remember-decision.safetensors"
+
+
+# first person -> the user, word by word (the verb right after "I" takes the third person: I live -> the user lives)
+_WORDS = {"my": "the user's", "mine": "the user's", "myself": "the user", "me": "the user", "i'm": "the user is",
+          "i've": "the user has", "i'd": "the user would", "i'll": "the user will", "our": "the user's", "ours": "the user's",
+          "we're": "the user is", "we've": "the user has", "we'd": "the user would", "we'll": "the user will"}
+_KEEP_AFTER_I = {"was", "will", "would", "can", "could", "should", "shall", "might", "must", "may", "had", "did"}
+_ADVERBS = {"never", "also", "still", "really", "just", "always", "usually", "often", "recently", "once", "sometimes",
+            "mostly", "only", "truly", "absolutely", "rarely", "seldom", "actually", "currently", "now"}
+_IRREGULAR = {"am": "is", "have": "has", "do": "does", "go": "goes", "was": "was", "were": "was"}
+
+
+def _third_person(verb: str) -> str:
+    low = verb.lower()
+    if low in _IRREGULAR:
+        return _IRREGULAR[low]
+    if low in _KEEP_AFTER_I or low.endswith("ed") or not low.isalpha():
+        return verb
+    if re.search(r"(s|sh|ch|x|z|o)$", low):
+        return verb + "es"
+    if re.search(r"[^aeiou]y$", low):
+        return verb[:-1] + "ies"
+    return verb + "s"
+
+
+def about_the_user(text: str) -> str:
+    """A first-person statement as a memory about the user: "my sister is called Lena" -> "The user's sister is
+    called Lena."; "I live in Porto" -> "The user lives in Porto."; a text in the third person stays as it is."""
+    words = re.split(r"(\s+)", text.strip().replace("\u2019", "'"))
+    out, after_i = [], False
+    for w in words:
+        if not w or w.isspace():
+            out.append(w)
+            continue
+        core = re.match(r"^([\w']+)(.*)$", w)
+        word, tail = (core[1], core[2]) if core else (w, "")
+        low = word.lower()
+        if after_i and low in _ADVERBS:
+            out.append(w)
+            after_i = not tail
+        elif after_i:
+            out.append(_third_person(word) + tail)
+            after_i = False
+        elif low in ("i", "we"):
+            out.append("the user" + tail)
+            after_i = not tail
+        elif low in _WORDS:
+            out.append(_WORDS[low] + tail)
+        else:
+            out.append(w)
+    sentence = "".join(out).strip()
+    sentence = sentence[:1].upper() + sentence[1:]
+    return sentence if sentence.endswith((".", "!", "?")) else sentence + "."
 
 
 def is_question(text: str) -> bool:
