@@ -21,10 +21,11 @@ SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "remember-decision
 _WORDS = {"my": "the user's", "mine": "the user's", "myself": "the user", "me": "the user", "i'm": "the user is",
           "i've": "the user has", "i'd": "the user would", "i'll": "the user will", "our": "the user's", "ours": "the user's",
           "we're": "the user is", "we've": "the user has", "we'd": "the user would", "we'll": "the user will"}
-_KEEP_AFTER_I = {"was", "will", "would", "can", "could", "should", "shall", "might", "must", "may", "had", "did"}
+_KEEP_AFTER_I = {"was", "will", "would", "can", "could", "should", "shall", "might", "must", "may", "had", "did",
+                 "got", "went", "made", "saw", "took", "came", "bought", "left", "met", "found", "grew", "began", "knew"}
 _ADVERBS = {"never", "also", "still", "really", "just", "always", "usually", "often", "recently", "once", "sometimes",
             "mostly", "only", "truly", "absolutely", "rarely", "seldom", "actually", "currently", "now"}
-_IRREGULAR = {"am": "is", "have": "has", "do": "does", "go": "goes", "was": "was", "were": "was"}
+_IRREGULAR = {"am": "is", "have": "has", "do": "does", "go": "goes", "was": "was", "were": "was", "are": "is"}
 
 
 def _third_person(verb: str) -> str:
