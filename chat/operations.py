@@ -53,6 +53,7 @@ class ModelSide(Protocol):
     def settle(self, s: Session) -> None: ...
     def remember(self, s: Session, decision: Decision, source: str = "chat") -> Remembered: ...
     def personal(self, s: Session) -> PersonalMemory: ...
+    def undo_change(self, s: Session) -> Remembered: ...
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,15 @@ def remember(svc: ModelSide, s: Session, text: str, source: str = "api") -> Requ
         raise ServiceError(f"text: expected at most {svc.cfg.app.max_message_chars} characters, got {len(text)}")
     return svc.worker.submit(Request("remember", lambda _: svc.remember(s, Decision(write=about_the_user(text)), source),
                                      s.id))
+
+
+@operation(queued=True)
+def undo_memory_change(svc: ModelSide, s: Session) -> Request:
+    """Queue undoing the last message's change to the user's memory (what it wrote goes, what it replaced or forgot
+    comes back); `ServiceError` when there is none."""
+    if s.last_change is None:
+        raise ServiceError("there is no change to your memories to undo")
+    return svc.worker.submit(Request("undo_memory_change", lambda _: svc.undo_change(s), s.id))
 
 
 @operation()

@@ -140,6 +140,22 @@ class People:
             return Remembered(note=f"Already remembered: {text}")
         return Remembered(written=(entry,), superseded=tuple(superseded))
 
+    def undo(self, lm: LoadedModel, user: str, change: Remembered, new_bank) -> Remembered:
+        """Undo one turn's change to `user`'s memory: what it wrote is removed, what it superseded or forgot is put
+        back as it was. Memories the user has since deleted are left as they are."""
+        memory = self.of(lm, user)
+        written = [e["id"] for e in change.written if memory.find(e["id"]) is not None]
+        removed = memory.remove(written)
+        back = [e for e in (*change.superseded, *change.forgotten) if e.get("text")]
+        restored = []
+        if back:
+            keys, values = lm.encoder.encode(lm.model, lm.tokenizer, [e["text"] for e in back], batch_size=8,
+                                             progress=False)
+            for i, entry in enumerate(back):
+                kept = memory.restore(keys[i:i + 1], None if values is None else values[i], entry, make_bank=new_bank)
+                restored += [kept] if kept is not None else []
+        return Remembered(written=tuple(restored), forgotten=tuple(removed))
+
     def forget(self, lm: LoadedModel, user: str, what: str) -> Remembered:
         """Remove the memory of `user` that reads closest to `what` (none when nothing is close)."""
         memory = self.of(lm, user)

@@ -179,7 +179,9 @@ class Service(SessionService):
             with s.lock:
                 conv = self.conversation(s)
                 try:
+                    s.last_change = None
                     if changed := self.remember(s, self.people.decide(conv.lm, text)):
+                        s.last_change = changed if changed.written or changed.forgotten else None
                         yield changed
                     bank = self.recall_bank(s)
                 except ServiceError as e:  # (a memory file that cannot be read: said, and the answer goes on)
@@ -223,6 +225,15 @@ class Service(SessionService):
             return self.people.write(lm, s.user, decision.write, lambda: self.banks.empty(lm), source=source,
                                      conversation=f"session-{s.id}")
         return Remembered()
+
+    def undo_change(self, s: Session) -> Remembered:
+        """Undo the last message's change to the session's user's memory (on the worker thread: it encodes)."""
+        if s.last_change is None:
+            raise ServiceError("there is no change to your memories to undo")
+        lm = self._model()
+        undone = self.people.undo(lm, s.user, s.last_change, lambda: self.banks.empty(lm))
+        s.last_change = None
+        return undone
 
     @staticmethod
     def _record_unanswered(s: Session, req: Request) -> None:
@@ -294,7 +305,9 @@ class Service(SessionService):
                                         "reads memories into your message", self._compile_state(),
                                         f"your memories: {mine}" if mine else ""]))
         bank = bank_state(self.banks.of(s), s.bank_use, self.banks.label(s), details)
-        return SessionState(message_states(s.conv), bank, name, notes, s.last_speed, s.last_plot, s.last_note)
+        change = s.last_change.describe() if s.last_change is not None else ""
+        return SessionState(message_states(s.conv), bank, name, notes, s.last_speed, s.last_plot, s.last_note,
+                            change=change)
 
     def health(self) -> dict:
         """The model worker (this process's) and the shared bank's store and size."""

@@ -64,6 +64,7 @@ class SessionState:
     plot: tuple | None = None  # how the last answer was decoded: ("entropy" | "mixture", data...), see chat.view
     note: str = ""  # the same in words (the mixture's acceptance rate)
     where: str = ""  # where the model runs, past one machine ("2 replicas")
+    change: str = ""  # the last message's change to the user's memory, in words (undoable), or ""
 
 
 def answer_pieces(conv: Conversation, i: int) -> tuple[Piece, ...]:

@@ -144,6 +144,21 @@ class PersonalMemory:
             self._publish(bank)
             return dict(entry, text=text), superseded
 
+    def restore(self, key: torch.Tensor, value: Any, entry: dict, *,
+                make_bank: Callable[[], MemoryVectorDB]) -> dict | None:
+        """Put a memory back as it was (its id, time and source): the undo of a forget or of a supersede. It leaves
+        the history; None when a memory of that id is here already."""
+        meta = {k: v for k, v in entry.items() if k not in ("index", "text", "superseded_at", "superseded_by")}
+        with self._writing() as now:
+            if now is not None and any((now.metadata(i) or {}).get("id") == meta.get("id") for i in range(len(now))):
+                return None
+            bank = now.copy() if now is not None else make_bank()
+            bank.add(key, [entry["text"]], [meta], None if value is None else [value])
+            history = [h for h in bank.info.get("history", []) if h.get("id") != meta.get("id")]
+            bank.info = dict(bank.info, history=history)
+            self._publish(bank)
+            return dict(meta, text=entry["text"])
+
     def remove(self, memory_ids: Sequence[str]) -> list[dict]:
         """Delete memories by id (not kept in the history: the person asked them gone); the deleted entries.
         An id that is not here raises `KeyError` naming it, and nothing is deleted."""

@@ -217,6 +217,17 @@ class Handlers:
         except ValueError as e:
             return self.about_view(s, query, _warn(e))
 
+    def change_row(self, s: Session) -> tuple:
+        """Under the conversation: what the last message wrote to (or forgot from) the user's memory, and Undo."""
+        change = self.service.state(s).change
+        return gr.Markdown(change, visible=bool(change)), gr.Button(visible=bool(change))
+
+    async def undo_change(self, query: str, s: Session, request: gr.Request = None) -> tuple:
+        self.bind(s, request)
+        about = await self._about_job(s, query, lambda: self.service.run(ops.undo_memory_change, s),
+                                      lambda r: "Undone: " + r.describe())
+        return *about, *self.change_row(s)
+
     def about_list(self, s: Session, query: str = "", request: gr.Request = None) -> tuple:
         """how many memories and the list (after a page load, or an answer that may have written one)."""
         return self.about_view(s, query, request=request)[:2]

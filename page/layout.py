@@ -95,6 +95,9 @@ def build_demo(service: ChatService) -> gr.Blocks:
                 box = gr.MultimodalTextbox(placeholder="Message (attach images with a vision model)…",
                                            file_types=["image"], file_count="multiple", sources=["upload"],
                                            show_label=False, stop_btn=True, elem_id="message")
+                with gr.Row(elem_id="memory-change"):  # what the last message wrote to the user's memory
+                    change_md = gr.Markdown(visible=False, elem_id="change-note")
+                    undo_btn = gr.Button("Undo", visible=False, size="sm", scale=0, elem_id="undo-change")
                 with gr.Row():
                     recall_first = gr.Checkbox(cfg.app.recall_first, label="recall first: start every answer with "
                                                "<recall>", elem_id="recall-first")
@@ -163,7 +166,10 @@ def build_demo(service: ChatService) -> gr.Blocks:
         a["about_export"].click(h.export_memories, session, [a["about_file"], status], api_name="export_memories")
         a["about_import"].upload(h.import_memories, [a["about_import"], q, session], about, api_name="import_memories",
                                  **MODEL_EVENTS)
-        sent.then(h.about_list, [session, q], about[:2], api_visibility="private")  # what the message wrote
+        sent.then(h.about_list, [session, q], about[:2], api_visibility="private").then(  # what the message wrote
+            h.change_row, session, [change_md, undo_btn], api_visibility="private")
+        undo_btn.click(h.undo_change, [q, session], [*about, change_md, undo_btn], api_name="undo_memory_change",
+                       **MODEL_EVENTS)
         demo.load(h.on_load, session, bank_outputs, api_visibility="private", **MODEL_EVENTS).then(
             h.about_list, session, about[:2], api_visibility="private")
         demo.unload(h.unload)

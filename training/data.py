@@ -19,13 +19,16 @@ a question in the middle of a conversation is recalled for as in its first turn.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 
-from training.facts import Fact, fact_stream
+from training.facts import Fact, Names, fact_stream
+from training.personal import KINDS, told
 
 IGNORE = -100
 REPEAT = "Repeat what you remember."
@@ -40,6 +43,8 @@ class Example:
     fact_ids: list[int] | None  # the memory's text as tokens (positives), whose value fills the slots
     value_at: tuple[int, ...] = ()  # label positions of the answer's value tokens (what only the memory knows)
     kind: str | None = None  # the memory's value kind (positives)
+    answered: bool = False  # no memory, yet its labels are learnt by cross-entropy (not from the base model)
+    no_recall: bool = False  # the decision is made with <recall> and <|memory_pad|> suppressed (`NoMemory`)
 
 
 History = tuple[str, Sequence[int]]  # an earlier turn: (prompt, the base model's reply ids)
@@ -79,12 +84,13 @@ def slots(kind: str, tokens: int) -> int:
 
 
 def positive(tokenizer, tokens, fact: Fact, question: str, kind: str = "tokens", repeat: bool = False,
-             history: History | None = None) -> Example:
+             history: History | None = None, read: str | None = None) -> Example:
     """A fact question answered through a recall of the fact (or, with `repeat`, the fact repeated), its
-    memory's value in `kind`."""
+    memory's value in `kind`; with `read`, the memory read is that text instead (one that does not answer the
+    question: `fact.answer` then says so)."""
     prompt = prompt_ids(tokenizer, REPEAT if repeat else question, history)
     answer = answer_ids(tokenizer, fact.text if repeat else fact.answer)
-    fact_ids = tokenizer(fact.text, add_special_tokens=False)["input_ids"]
+    fact_ids = tokenizer(read or fact.text, add_special_tokens=False)["input_ids"]
     k = slots(kind, len(fact_ids))
     ids = prompt + [tokens.recall] + [tokens.memory_pad] * k + [tokens.recall_end] + answer
     labels = [IGNORE] * len(ids)
@@ -94,8 +100,17 @@ def positive(tokenizer, tokens, fact: Fact, question: str, kind: str = "tokens",
     start = p + k + 1  # the </recall> position predicts the first answer token
     for i, tid in enumerate(answer):
         labels[start + i] = tid  # the answer, read from the injected memory
-    value = () if repeat else tuple(start + i for i in value_tokens(tokenizer, fact.answer, fact.value))
+    value = () if repeat or read else tuple(start + i for i in value_tokens(tokenizer, fact.answer, fact.value))
     return Example(ids, labels, p - 1, p, fact_ids, value, kind)
+
+
+def unanswered(tokenizer, question: str, answer: str, history: History | None = None) -> Example:
+    """A question recall would answer, with nothing to read (`NoMemory`: <recall> suppressed): `answer` says so."""
+    ids = prompt_ids(tokenizer, question, history)
+    p = len(ids)
+    reply = answer_ids(tokenizer, answer)
+    return Example(ids + reply, [IGNORE] * (p - 1) + reply + [IGNORE], p - 1, None, None, answered=True,
+                   no_recall=True)
 
 
 def negative(tokenizer, prompt: str, reply_ids: Sequence[int], history: History | None = None) -> Example:
@@ -124,11 +139,14 @@ class Batch:
     decision: torch.Tensor  # [B] position of the recall-or-not decision
     value: torch.Tensor  # [B, S] True at the label positions of answer values
     memories: list[tuple[list[int], str]]  # per memory-reading row (questions, then repeats): (fact ids, value kind)
+    answered: torch.Tensor  # [B] rows learnt by cross-entropy though they read no memory
+    no_recall: torch.Tensor  # [B] rows whose decision is made with <recall> suppressed
 
 
 def collate(questions: Sequence[Example], repeats: Sequence[Example], negatives: Sequence[Example],
             pad_id: int) -> Batch:
-    """Right-pad (a causal model's real tokens never see right padding)."""
+    """Right-pad (a causal model's real tokens never see right padding). Rows that read a memory come first
+    (`questions`, `repeats`), in the order of `Batch.memories`."""
     examples = [*questions, *repeats, *negatives]
     ids, _ = _padded([e.ids for e in examples], pad_id)
     labels, _ = _padded([e.labels for e in examples], pad_id, fill=IGNORE)
@@ -136,7 +154,8 @@ def collate(questions: Sequence[Example], repeats: Sequence[Example], negatives:
     for row, e in enumerate(examples):
         value[row, list(e.value_at)] = True
     return Batch(ids, labels, torch.tensor([e.decision for e in examples]), value,
-                 [(e.fact_ids, e.kind) for e in (*questions, *repeats)])
+                 [(e.fact_ids, e.kind) for e in (*questions, *repeats)],
+                 torch.tensor([e.answered for e in examples]), torch.tensor([e.no_recall for e in examples]))
 
 
 @dataclass(frozen=True)
@@ -152,6 +171,8 @@ class BatchRecipe:
     repeats_per_batch: int = 0
     history: float = 0.0
     kinds: Sequence[tuple[str, float]] = (("tokens", 1.0),)
+    people_per_batch: int = 0  # things people told, each asked three ways: read from its memory, with another
+                               # memory read (it answers "you haven't told me"), with nothing to read (the same)
 
 
 def batches(tokenizer, tokens, replies: dict[str, list[int]],
@@ -184,4 +205,24 @@ def batches(tokenizer, tokens, replies: dict[str, list[int]],
                    for i in range(recipe.repeats_per_batch)]
         negatives = [negative(tokenizer, p, replies[p], earlier())
                      for p in rng.sample(prompts, min(recipe.chats_per_batch, len(prompts)))]
-        yield collate(questions, repeats, negatives, pad), facts
+        reads, unread = people_examples(tokenizer, tokens, recipe.people_per_batch, rng, earlier)
+        yield collate(questions + reads, repeats, unread + negatives, pad), facts
+
+
+def people_examples(tokenizer, tokens, n: int, rng: random.Random, earlier) -> tuple[list[Example], list[Example]]:
+    """`n` things people told (`training.personal`, training split), each asked three ways: (reading a memory:
+    its own, then another one that does not answer it; with nothing to read)."""
+    names = Names("train", rng)
+    reads, unread = [], []
+    for _ in range(n):
+        kind, other = rng.sample(KINDS, 2)
+        thing = told(kind, "train", rng, names)
+        question = rng.choice(thing.questions)
+        as_fact = Fact(thing.memory, thing.questions, thing.answer, thing.value, thing.kind)
+        wrong = told(other, "train", rng, names).memory if rng.random() < 0.6 else \
+            re.sub(r"\b[Tt]he user\b", names.given(), told(kind, "train", rng, names, avoid=thing.value).memory)
+        reads.append(positive(tokenizer, tokens, as_fact, question, history=earlier()))
+        reads.append(positive(tokenizer, tokens, dataclasses.replace(as_fact, answer=thing.missing), question,
+                              history=earlier(), read=wrong))
+        unread.append(unanswered(tokenizer, question, thing.missing, earlier()))
+    return reads, unread

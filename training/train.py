@@ -54,6 +54,8 @@ class Recipe:
     repeats_per_batch: int = 1  # facts of the batch also asked to be repeated whole (autoencoding)
     chat_prompts: int = 400  # distinct ordinary prompts, answered once by the base model
     history: float = 0.3  # share of questions and prompts that follow an earlier ordinary turn
+    people_per_batch: int = 0  # things people told about themselves, each asked three ways (`training.data`)
+    init: str | None = None  # an adapter folder to go on training from (its LoRA, new rows and projector)
     reply_tokens: int = 32  # length of those answers
     values: tuple[str, ...] = ("tokens", "chunks:2", "chunks:4", "mean")  # value kinds a memory is read in
     value_weights: tuple[float, ...] = (0.3, 0.1, 0.2, 0.4)  # how often each (tokens are read almost untrained)
@@ -130,9 +132,10 @@ def memory_values(model, encoder: MemoryEncoder, memories: list[tuple[list[int],
     return torch.cat(parts)
 
 
-def step_losses(model, encoder: MemoryEncoder, batch: Batch, memory_pad: int,
+def step_losses(model, encoder: MemoryEncoder, batch: Batch, special: tuple[int, int],
                 recipe: Recipe) -> dict[str, torch.Tensor]:
-    """The losses of one batch (see the module docstring)."""
+    """The losses of one batch (see the module docstring); `special`: the ids of <recall> and <|memory_pad|>."""
+    recall_id, memory_pad = special
     device = next(model.parameters()).device
     backbone, head = backbone_and_head(model)
     b = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
@@ -143,12 +146,19 @@ def step_losses(model, encoder: MemoryEncoder, batch: Batch, memory_pad: int,
 
     rows = torch.arange(len(b.input_ids), device=device)
     reads = len(b.memories)  # the first rows read a memory, the others are ordinary replies
-    kind = torch.full_like(b.labels, -1)  # 0 decision, 1 answer from memory, 2 ordinary reply
+    kind = torch.full_like(b.labels, -1)  # 0 decision, 1 answer (from memory, or saying there is none), 2 reply
     kind[b.labels != IGNORE] = 2
     kind[:reads] = torch.where(b.labels[:reads] != IGNORE, 1, -1)
+    kind[b.answered] = torch.where(b.labels[b.answered] != IGNORE, 1, -1)
     kind[rows, b.decision] = 0
     sel = kind >= 0
     logits = head_logits(model, head, hidden[sel])  # [N, V] only where a token is predicted
+    suppressed = torch.zeros_like(b.labels, dtype=torch.bool)  # decisions made as `NoMemory` makes them
+    suppressed[rows, b.decision] = b.no_recall
+    if bool(suppressed.any()):
+        banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
+        banned[[recall_id, memory_pad]] = True
+        logits = logits.masked_fill(suppressed[sel][:, None] & banned, -float("inf"))
     token_loss = F.cross_entropy(logits, b.labels[sel], reduction="none")  # [N]
     decision, _, _ = masked_means(token_loss, kind[sel], 3)
     reply = _base_kl(model, backbone, b.input_ids, kind == 2, logits[kind[sel] == 2], head)
@@ -247,9 +257,15 @@ def train(lm, recipe: Recipe, out: Path, log_every: int = 10, keys: TextEncoder 
     config = LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=0.0,
                         target_modules=list(recipe.lora_targets),
                         trainable_token_indices=[tokens.recall, tokens.recall_end, tokens.memory_pad])
-    model = get_peft_model(lm.model, config)
-    embedding_norm = float(lm.model.get_input_embeddings().weight.detach().norm(dim=-1).mean())
-    projector = MemoryProjector(lm.hidden_size, recipe.projector_inner, embedding_norm).to(lm.device)
+    if recipe.init:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(lm.model, recipe.init, is_trainable=True)
+        projector = MemoryEncoder.load(recipe.init, lm.hidden_size).projector.to(lm.device).requires_grad_(True)
+    else:
+        model = get_peft_model(lm.model, config)
+        embedding_norm = float(lm.model.get_input_embeddings().weight.detach().norm(dim=-1).mean())
+        projector = MemoryProjector(lm.hidden_size, recipe.projector_inner, embedding_norm).to(lm.device)
     encoder = MemoryEncoder("tokens", keys or TextEncoder(), projector=projector, name=f"recall-smollm2-s{recipe.seed}",
                             placement="answer", close="</recall>")
     params = [p for p in model.parameters() if p.requires_grad] + list(projector.parameters())
@@ -260,7 +276,8 @@ def train(lm, recipe: Recipe, out: Path, log_every: int = 10, keys: TextEncoder 
 
     stream = batches(tok, tokens, replies, BatchRecipe(recipe.facts_per_batch, recipe.chats_per_batch, recipe.seed,
                                                        recipe.repeats_per_batch, recipe.history,
-                                                       tuple(zip(recipe.values, recipe.value_weights))))
+                                                       tuple(zip(recipe.values, recipe.value_weights)),
+                                                       recipe.people_per_batch))
     evaluate = lambda: {k: round(v, 4) for k, v in  # noqa: E731
                         quick_eval(model, tok, tokens, encoder, recipe.eval_facts, recipe.seed).items()}
     started = time.perf_counter()
@@ -272,7 +289,7 @@ def train(lm, recipe: Recipe, out: Path, log_every: int = 10, keys: TextEncoder 
             batch, _ = next(stream)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, recipe) * group["scale"]
-            losses = step_losses(model, encoder, batch, tokens.memory_pad, recipe)
+            losses = step_losses(model, encoder, batch, (tokens.recall, tokens.memory_pad), recipe)
             optimizer.zero_grad(set_to_none=True)
             losses["loss"].backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
