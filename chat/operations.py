@@ -30,7 +30,7 @@ from chat.session import Conversation, Session
 from chat.worker import Request, ServiceError, Worker, describe
 from decoding.settings import GenerationSettings, RecallSettings
 from memory.files import atomic_write
-from memory.personal import PersonalMemory
+from memory.personal import Personal
 from models import LoadedModel
 
 MEMORIES_FORMAT = "recall-chat-memories-1"
@@ -52,7 +52,7 @@ class ModelSide(Protocol):
     def stop(self, s: Session) -> list[Request]: ...
     def settle(self, s: Session) -> None: ...
     def remember(self, s: Session, decision: Decision, source: str = "chat") -> Remembered: ...
-    def personal(self, s: Session) -> PersonalMemory: ...
+    def personal(self, s: Session) -> Personal: ...
 
 
 @dataclass(frozen=True)
