@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from chat.config import Config
+from chat.config import Config, MemoryConfig
 from chat.session import Session
 from chat.textsearch import TextSearch
 from chat.worker import Request, ServiceError, Worker, describe
@@ -51,6 +51,14 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
+def store_layout(lm: LoadedModel, mem: MemoryConfig) -> StoreLayout:
+    """The Milvus collection this model's encoder writes (keys, and values of their own or token ids)."""
+    keyed, tokens = lm.encoder.values.keyed, lm.encoder.values.kind == "tokens"
+    return StoreLayout(lm.encoder.keys.dim if keyed else lm.hidden_size,
+                       value_dim=lm.hidden_size if keyed and not tokens else None, value_dtype=mem.value_dtype,
+                       token_values=tokens, info=lm.encoder.describe())
+
+
 class Banks:
     """The banks of every session. Thread-safe; model work is queued on `worker`."""
 
@@ -80,14 +88,11 @@ class Banks:
     def _open_store(self, lm: LoadedModel) -> MilvusBank:
         """The shared bank in Milvus: the collection as it is, or made for this model's encoder (and filled from
         `memory.bank` when one is set) when it does not exist yet. Its writes reach every session and replica."""
-        mem, keyed, tokens = self.cfg.memory, lm.encoder.values.keyed, lm.encoder.values.kind == "tokens"
+        mem = self.cfg.memory
         client = MilvusBank.connect(mem.milvus_uri)
         if mem.bank is not None and not client.has_collection(mem.milvus_collection):
             load_into(self._load(lm, mem.bank), mem.milvus_uri, mem.milvus_collection, index=mem.index, client=client)
-        layout = StoreLayout(lm.encoder.keys.dim if keyed else lm.hidden_size,
-                             value_dim=lm.hidden_size if keyed and not tokens else None,
-                             value_dtype=mem.value_dtype, token_values=tokens, info=lm.encoder.describe())
-        return MilvusBank.open(mem.milvus_uri, mem.milvus_collection, create=layout, index=mem.index,
+        return MilvusBank.open(mem.milvus_uri, mem.milvus_collection, create=store_layout(lm, mem), index=mem.index,
                                hnsw_ef_search=mem.hnsw_ef_search, check=lm.bank_check(), client=client)
 
     def empty(self, lm: LoadedModel) -> MemoryVectorDB:

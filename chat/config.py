@@ -78,9 +78,10 @@ class MemoryConfig:
     max_upload_mb: int = 64  # any upload (bank, conversation, image): refused before it is stored
     max_memories_per_session: int = 50_000  # a session's own bank (50k x 576 floats x 2 copies = 230 MB)
     autoregressive_recall: RecallSettings = field(default_factory=RecallSettings)
-    store: str = "faiss"  # where the shared bank lives: faiss (in this process, from `bank`) | milvus (`milvus_uri`)
+    store: str = "faiss"  # where the shared bank and the users' memories live: faiss (in this process, from `bank`;
+                          # each user's a file in `user_dir`) | milvus (`milvus_uri`)
     milvus_uri: str | None = None  # a local path (milvus-lite, one machine) or http://host:19530 (a Milvus server)
-    milvus_collection: str = "memories"
+    milvus_collection: str = "memories"  # the shared bank's; every user's own memories are in `<name>_people`
     user_dir: str | None = None  # each user's own memories (null: $XDG_DATA_HOME/recall-chat/users, or ~/.local/share/...)
     remember: str = "auto"  # what a message writes to its author's memory: auto (what tells about them) | explicit | off
 

@@ -1,8 +1,11 @@
 """Each person's own memory: what they tell the chat, kept across conversations and restarts, theirs alone.
 
-`People` opens one `memory.personal.PersonalMemory` a user, in `memory.user_dir` (`<user>/<encoder>.safetensors`:
-written by the model's own encoder and checked against it on load like any bank), and writes and forgets on
-the model worker (encoding needs the model). What a message asks of the memory is `decide(text)`:
+`People` opens one `memory.personal.Personal` a user: a `PersonalMemory` in `memory.user_dir`
+(`<user>/<encoder>.safetensors`: written by the model's own encoder and checked against it on load like any bank),
+or with `memory.store: milvus` a `MilvusPersonal` in the collection `<memory.milvus_collection>_people` (one for
+every user, the user its partition key, each search filtered by user in Milvus; checked against the encoder as the
+shared collection is). It writes and forgets on the model worker (encoding needs the model). What a message asks
+of the memory is `decide(text)`:
 
 - "Remember (that) ..." writes what follows, in the third person ("my dog is Pocket" -> "The user's dog is
   Pocket."), the form the memory is read in as being about the person the model talks to;
@@ -26,10 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chat.banks import store_layout
 from chat.config import Config
 from chat.worker import ServiceError
 from memory import BankError
-from memory.personal import PersonalMemory, Similar
+from memory.milvus import MilvusBank
+from memory.personal import Personal, PersonalMemory, Similar
+from memory.personal_milvus import MilvusPersonal, open_people
 from models import LoadedModel
 from models.remember import WriteDecision, about_the_user
 
@@ -92,7 +98,8 @@ class People:
 
     cfg: Config
     similar: Similar = Similar()
-    _open: dict[str, PersonalMemory] = field(default_factory=dict)
+    _open: dict[str, Personal] = field(default_factory=dict)
+    _store: MilvusBank | None = None  # the collection of every user's memories (memory.store: milvus)
     _writer: WriteDecision | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -120,16 +127,24 @@ class People:
         slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")[:60]
         return self.folder / user / f"{slug}-{hashlib.sha256(name.encode()).hexdigest()[:8]}.safetensors"
 
-    def of(self, lm: LoadedModel, user: str) -> PersonalMemory:
-        """`user`'s memory, opened from its file on first use (checked against this model's encoder)."""
+    def of(self, lm: LoadedModel, user: str) -> Personal:
+        """`user`'s memory, opened on first use (checked against this model's encoder)."""
         with self._lock:
             if user not in self._open:
                 try:
-                    self._open[user] = PersonalMemory(self.path(lm, user), check=lm.bank_check(),
-                                                      vocab_size=len(lm.tokenizer))
-                except BankError as e:
+                    self._open[user] = self._open_one(lm, user)
+                except (BankError, ValueError) as e:
                     raise ServiceError(f"the memories of {user!r} cannot be read: {e}") from None
             return self._open[user]
+
+    def _open_one(self, lm: LoadedModel, user: str) -> Personal:
+        mem = self.cfg.memory
+        if mem.store != "milvus":
+            return PersonalMemory(self.path(lm, user), check=lm.bank_check(), vocab_size=len(lm.tokenizer))
+        if self._store is None:
+            self._store = open_people(mem.milvus_uri, f"{mem.milvus_collection}_people", store_layout(lm, mem),
+                                      index=mem.index, hnsw_ef_search=mem.hnsw_ef_search, check=lm.bank_check())
+        return MilvusPersonal(self._store, user)
 
     def write(self, lm: LoadedModel, user: str, text: str, new_bank, **meta) -> Remembered:
         """Encode and keep one memory of `user` (not twice; a newer value of the same thing supersedes the older)."""

@@ -29,7 +29,7 @@ from decoding.mixture import MixtureResult
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import BankError
 from memory.milvus import MilvusBank
-from memory.personal import Joined, PersonalMemory
+from memory.personal import Joined, Personal
 from models import EMBEDDED_NAME, LoadedModel, load_model
 from models.spec import COMPILE
 
@@ -184,7 +184,7 @@ class Service(SessionService):
                         s.last_change = changed if changed.written or changed.forgotten else None
                         yield changed
                     bank = self.recall_bank(s)
-                except ServiceError as e:  # (a memory file that cannot be read: said, and the answer goes on)
+                except (ServiceError, BankError) as e:  # (a memory that cannot be read: said, and the answer goes on)
                     yield Notice(f"{e}; answering without your memories")
                     bank = self.banks.of(s)
                 if images and not conv.lm.is_vision:
@@ -212,7 +212,7 @@ class Service(SessionService):
             return bank
         return Joined([("yours", mine.bank), (self.banks.label(s), bank)])
 
-    def personal(self, s: Session) -> PersonalMemory:
+    def personal(self, s: Session) -> Personal:
         """The session's user's own memory."""
         return self.people.of(self.wait_model(), s.user)
 
@@ -253,7 +253,7 @@ class Service(SessionService):
             with s.lock:
                 try:
                     bank = self.recall_bank(s)
-                except ServiceError as e:
+                except (ServiceError, BankError) as e:
                     yield Notice(f"{e}; answering without your memories")
                     bank = self.banks.of(s)
                 yield from self._noted(s, conv.regenerate(settings, recall, bank, interrupt))
@@ -299,7 +299,7 @@ class Service(SessionService):
             name = lm.name
             try:
                 mine = len(self.people.of(lm, s.user))
-            except ServiceError:
+            except (ServiceError, BankError):  # (a store gone: the page goes on rendering)
                 mine = 0
             notes = tuple(filter(None, [str(lm.device), "" if lm.recall_trained else "recall untrained: recall first "
                                         "reads memories into your message", self._compile_state(),

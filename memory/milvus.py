@@ -16,6 +16,8 @@ Layout, all through `pymilvus.MilvusClient` (a local path runs milvus-lite in th
   A bank of token values keeps a memory's token ids in its own row instead (`tokens`, an INT64 array of
   at most 4096), so it has no second collection.
 - bank-level `info` (the encoder stamp, value kind, dtype) is a collection property.
+- every user's own memories (`StoreLayout(people=True)`, `memory.personal_milvus`): two more fields, `user` (the
+  partition key) and `live` (False: history, never recalled), read through views (`scoped`) that filter in Milvus.
 
 A memory's values are written before its key, under a random group id, so any memory a search finds
 is whole; `remove` deletes keys before values. Reads are strongly consistent (the collections'
@@ -25,6 +27,7 @@ Every failure of the store raises `StoreError` naming the URI.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -60,6 +63,7 @@ class StoreLayout:
     value_dtype: str = "float32"
     token_values: bool = False
     info: dict = field(default_factory=dict)
+    people: bool = False  # every user's memories: `user` (the partition key) and `live` fields
 
 
 def _group() -> int:
@@ -77,8 +81,20 @@ class MilvusBank(BankShape):
         _, _, search = _INDEX[index]
         self._params = {"metric_type": "COSINE", "params": {k: v or hnsw_ef_search for k, v in search.items()}}
         self.info = info
+        self._where, self._fields = "", {}  # a view's filter and the fields of the rows it writes (`scoped`)
 
-    # ----------------------------------------------------------------------- opening
+    def scoped(self, where: str, **fields: Any) -> "MilvusBank":
+        """A view of the memories `where` selects (a Milvus filter expression): every search, count and read of it
+        passes `where` to Milvus, and every memory it adds carries `fields`. It shares this bank's client."""
+        view = copy.copy(self)
+        view._where, view._fields = where, dict(fields)
+        return view
+
+    def _filter(self, expr: str = "") -> str:
+        """`expr` and this view's filter, as one Milvus filter expression (empty: every row)."""
+        return " and ".join(f"({e})" for e in (expr, self._where) if e)
+
+    # ----------------------------------------------------------------------- opening, size
 
     @classmethod
     def connect(cls, uri: str) -> Any:
@@ -88,7 +104,6 @@ class MilvusBank(BankShape):
         except ImportError:
             raise StoreError(f"memory.milvus_uri={uri!r} needs pymilvus and milvus-lite: "
                              'pip install -e ".[scale]"') from None
-
         try:
             return MilvusClient(uri)
         except Exception as e:  # noqa: BLE001 - pymilvus raises several kinds; all mean the same here
@@ -152,6 +167,9 @@ class MilvusBank(BankShape):
         schema.add_field("grp", DataType.INT64)
         if token_values:
             schema.add_field("tokens", DataType.ARRAY, element_type=DataType.INT64, max_capacity=MAX_TOKENS)
+        if layout.people:
+            schema.add_field("user", DataType.VARCHAR, max_length=64, is_partition_key=True)
+            schema.add_field("live", DataType.BOOL)
         params = client.prepare_index_params()
         params.add_index("key", index_type=kind, metric_type="COSINE", params=build)
         if value_dim is not None:  # the values first: a key never exists without them
@@ -173,25 +191,20 @@ class MilvusBank(BankShape):
             raise StoreError(f"the memory store at memory.milvus_uri={self.uri!r} failed to {what}: "
                              f"{_message(e)}") from None
 
-    # ----------------------------------------------------------------------- properties
-
     def __len__(self) -> int:
-        rows = self._call("count memories", self._client.query, self.name, filter="", output_fields=["count(*)"])
+        rows = self._call("count memories", self._client.query, self.name, filter=self._filter(),
+                          output_fields=["count(*)"])
         return int(rows[0]["count(*)"])
 
     def bytes_per_memory(self) -> float:
-        """Bytes a memory holds in the store: its key, and its values as stored (float32, or int64 token ids,
-        averaged over up to 1000 memories)."""
+        """Bytes a memory holds in the store: its key, and its values as stored (float32 vectors, or int64 token
+        ids; their number averaged over up to 1000 memories)."""
         if not self.has_values:
             return 4 * self._dim
-        if self._tokens:
-            rows = self._call("read memories", self._client.query, self.name, filter="id >= 0", limit=_PAGE,
-                              output_fields=["slots"])
-            return 4 * self._dim + (8 * sum(r["slots"] for r in rows) / len(rows) if rows else 0)
-        rows = self._call("count values", self._client.query, f"{self.name}_values", filter="",
-                          output_fields=["count(*)"])
-        n = len(self)
-        return 4 * self._dim + (4 * self._value_dim * int(rows[0]["count(*)"]) / n if n else 0)
+        rows = self._call("read memories", self._client.query, self.name, filter=self._filter("id >= 0"),
+                          limit=_PAGE, output_fields=["slots"])
+        per_slot = 8 if self._tokens else 4 * self._value_dim
+        return 4 * self._dim + (per_slot * sum(r["slots"] for r in rows) / len(rows) if rows else 0)
 
     def __repr__(self) -> str:
         values = "token values" if self._tokens else f"value_dim={self._value_dim}"
@@ -225,7 +238,7 @@ class MilvusBank(BankShape):
                 self._call("write values", self._client.insert, f"{self.name}_values", rows[start:start + _PAGE])
         rows = [{"key": raw[i], "text": (texts or [None] * len(raw))[i],
                  "metadata": (metadata or [None] * len(raw))[i], "slots": slots[i], "grp": groups[i],
-                 **({"tokens": tokens[i]} if self._tokens else {})} for i in range(len(raw))]
+                 **({"tokens": tokens[i]} if self._tokens else {}), **self._fields} for i in range(len(raw))]
         ids: list[int] = []
         for start in range(0, len(rows), _PAGE):
             ids += self._call("write memories", self._client.insert, self.name, rows[start:start + _PAGE])["ids"]
@@ -246,10 +259,19 @@ class MilvusBank(BankShape):
                 self._call("remove values", self._client.delete, f"{self.name}_values", filter=f"grp in [{groups}]")
         return len(self)
 
+    def update(self, rows: Sequence[dict]) -> None:
+        """Set fields of memories of this view in place (each row: its "id" and the fields to set, not its key or
+        values); `KeyError` naming an id that is not here, and nothing is changed."""
+        if missing := sorted({int(r["id"]) for r in rows} - set(self._rows([r["id"] for r in rows], ["id"]))):
+            raise KeyError(f"memory ids {missing[:5]} are not in the bank")
+        if rows:
+            self._call("update memories", self._client.upsert, self.name, list(rows), partial_update=True)
+
     # ----------------------------------------------------------------------- reading
 
     def _rows(self, ids: Sequence[int], fields: list[str]) -> dict[int, dict]:
-        rows = self._call("read memories", self._client.get, self.name, ids=list(ids), output_fields=fields)
+        where = self._filter(f"id in [{', '.join(str(int(i)) for i in ids)}]")
+        rows = self._call("read memories", self._client.query, self.name, filter=where, output_fields=fields)
         return {int(r["id"]): r for r in rows}
 
     def _row(self, i: int, fields: list[str]) -> dict:
@@ -266,7 +288,7 @@ class MilvusBank(BankShape):
         q = as_query(query, self._dim)
         limit = min(k if k is not None else MAX_TOPK, MAX_TOPK)
         hits = self._call("search", self._client.search, self.name, [q], limit=limit, anns_field="key",
-                          search_params=self._params)[0] if limit else []
+                          filter=self._filter(), search_params=self._params)[0] if limit else []
         scores = torch.tensor([h["distance"] for h in hits], dtype=torch.float32)
         return scores, torch.tensor([int(h["id"]) for h in hits], dtype=torch.int64)
 
@@ -316,8 +338,8 @@ class MilvusBank(BankShape):
         out: list[dict[str, Any]] = []
         while len(out) < count:
             size = min(_PAGE, count - len(out))
-            rows = self._call("read memories", self._client.query, self.name, filter="id >= 0", offset=start + len(out),
-                              limit=size, output_fields=["key", "text", "metadata", "slots"])
+            rows = self._call("read memories", self._client.query, self.name, filter=self._filter("id >= 0"),
+                              offset=start + len(out), limit=size, output_fields=["key", "text", "metadata", "slots"])
             out += [{"index": int(r["id"]), "text": r.get("text"), "metadata": r.get("metadata"),
                      "norm": float(np.linalg.norm(np.asarray(r["key"], np.float64))), "slots": int(r["slots"])}
                     for r in sorted(rows, key=lambda r: r["id"])]
@@ -333,8 +355,8 @@ class MilvusBank(BankShape):
         db = MemoryVectorDB(self._dim, value_dim=self._value_dim, value_dtype=dtype, token_values=self._tokens)
         n = len(self)
         for start in range(0, n, _PAGE):
-            rows = self._call("read memories", self._client.query, self.name, filter="id >= 0", offset=start,
-                              limit=_PAGE, output_fields=["key", "text", "metadata"])
+            rows = self._call("read memories", self._client.query, self.name, filter=self._filter("id >= 0"),
+                              offset=start, limit=_PAGE, output_fields=["key", "text", "metadata"])
             rows.sort(key=lambda r: r["id"])
             values = [self.values(r["id"]).numpy() for r in rows] if self.has_values else None
             db.add(np.asarray([r["key"] for r in rows], np.float32), [r.get("text") for r in rows],

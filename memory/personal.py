@@ -1,11 +1,13 @@
-"""One person's memories, kept: a bank file of their own, rewritten atomically after every change; and the union
-of banks the memory head searches (the person's and the shared one).
+"""One person's memories, kept: `Personal`, what every store of them offers (a bank file of their own here,
+`PersonalMemory`; a Milvus collection of everyone's in `memory.personal_milvus`), with the rules both follow
+(`judge`, `new_entry`, `retired`, `chosen`); and the union of banks the memory head searches (the person's and
+the shared one).
 
 A change (`add`, `remove`, `clear`) is made on a copy, written to the file (`memory.files.atomic_write`: a
 temporary, fsync, rename) and only then published, so a crash or `kill -9` at any point leaves the file, and
 the memories in use, as they were before or as they are after. Each memory has a stable id (`m-` and 12 hex
 digits, in its metadata, kept across restarts) and the time it was written. A memory that supersedes another
-(a newer value of the same thing) moves the older one to the bank's history (`info["history"]`: its text, when
+(a newer value of the same thing: `judge`) moves the older one to the bank's history (`info["history"]`: its text, when
 it was written and when it was superseded, by which id); the history is kept, never recalled. Deleting a
 person's last memory deletes the file, history included.
 """
@@ -19,16 +21,19 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from memory.bank import MemoryVectorDB
 from memory.shape import BankShape, Memory
+
+
+CLOSEST = 8  # how many of the memories nearest a new one's key it is judged against (`judge`)
 
 
 def normalise_text(text: str) -> str:
@@ -49,7 +54,74 @@ class Similar:
                              f"duplicate={self.duplicate}")
 
 
-class PersonalMemory:
+def judge(closest: Sequence[dict], text: str, similar: Similar) -> list[dict] | None:
+    """What a new memory of `text` is to the kept ones closest to its key (a bank's `search`: {"score", "index",
+    "text", "metadata"}, at most `CLOSEST`): None when it is one of them again (a key as good as the same, or the
+    same words), else those it supersedes."""
+    words = normalise_text(text)
+    if any(f["score"] >= similar.duplicate or normalise_text(f.get("text") or "") == words for f in closest):
+        return None
+    return [f for f in closest if f["score"] >= similar.supersede]
+
+
+def as_entry(found: dict) -> dict:
+    """A memory of `search` ({"text", "metadata", ...}) as its entry: {"text", "id", "created_at", ...}."""
+    return {"text": found.get("text"), **(found.get("metadata") or {})}
+
+
+def chosen(entries: Iterable[dict], memory_ids: Sequence[str]) -> list[dict]:
+    """The entries of `memory_ids`, in that order; `KeyError` naming the first id that is not among them."""
+    by_id = {e.get("id"): e for e in entries}
+    if missing := [i for i in memory_ids if i not in by_id]:
+        raise KeyError(f"memory {missing[0]!r}: no such memory of yours")
+    return [by_id[i] for i in memory_ids]
+
+
+def new_entry(**meta: Any) -> dict:
+    """A new memory's metadata: a stable id (`m-` and 12 hex digits) and the time it is written, with `meta`."""
+    return {"id": f"m-{secrets.token_hex(6)}", "created_at": time.time(), **meta}
+
+
+def retired(superseded: Iterable[dict], by: dict) -> list[dict]:
+    """Superseded memories ({"text", "id", "created_at", ...}) as the history keeps them: when, and by which."""
+    now = time.time()
+    return [dict(old, superseded_at=now, superseded_by=by["id"]) for old in superseded]
+
+
+def as_restored(entry: dict) -> dict:
+    """A memory's metadata as it was before it was superseded or forgotten (for `restore`)."""
+    return {k: v for k, v in entry.items() if k not in ("index", "text", "superseded_at", "superseded_by")}
+
+
+def newest_first(entries: Iterable[dict]) -> list[dict]:
+    """Entries ({"index", "created_at", ...}) newest first (the later written first among those of one time)."""
+    return sorted(entries, key=lambda e: (-e.get("created_at", 0.0), -e["index"]))
+
+
+class Personal(Protocol):
+    """One person's memories, whichever store keeps them. `entries` are {"index" (the id of the memory in `bank`),
+    "id", "text", "created_at", "source", "conversation"}, newest first; `bank` is what the memory head searches
+    (None while there is nothing to search); `add` gives (the new entry, or None for a duplicate of one kept; the
+    entries it superseded, now in `history`); `remove` raises `KeyError` naming an id that is not theirs."""
+
+    @property
+    def bank(self) -> BankShape | None: ...
+    @property
+    def history(self) -> list[dict]: ...
+    def __len__(self) -> int: ...
+    def entries(self) -> list[dict]: ...
+    def add(self, key: torch.Tensor, value: Any, text: str, *, similar: Similar = Similar(),
+            make_bank: Callable[[], MemoryVectorDB] | None = None, **meta: Any) -> tuple[dict | None, list[dict]]: ...
+    def restore(self, key: torch.Tensor, value: Any, entry: dict, *,
+                make_bank: Callable[[], MemoryVectorDB] | None = None) -> dict | None: ...
+    def remove(self, memory_ids: Sequence[str]) -> list[dict]: ...
+    def clear(self) -> int: ...
+
+    def find(self, memory_id: str) -> dict | None:
+        return next((e for e in self.entries() if e.get("id") == memory_id), None)
+
+
+class PersonalMemory(Personal):
     """A person's memories in one bank file (checked on every read as any bank file: `MemoryVectorDB.load`'s
     `checks`). Thread- and process-safe: a change holds a lock on the file (replicas on one machine share it) and
     starts from the file as it is; `bank` is re-read when another process has changed the file."""
@@ -99,12 +171,8 @@ class PersonalMemory:
         bank = self.bank
         if bank is None:
             return []
-        rows = bank.entries(0, len(bank))
-        return sorted(({"index": r["index"], "text": r["text"], **(r["metadata"] or {})} for r in rows),
-                      key=lambda e: (-e.get("created_at", 0.0), -e["index"]))
-
-    def find(self, memory_id: str) -> dict | None:
-        return next((e for e in self.entries() if e.get("id") == memory_id), None)
+        return newest_first({"index": r["index"], "text": r["text"], **(r["metadata"] or {})}
+                            for r in bank.entries(0, len(bank)))
 
     # ------------------------------------------------------------------ changes
 
@@ -119,36 +187,31 @@ class PersonalMemory:
         self._bank, self._stamp = bank, (st.st_mtime_ns, st.st_size, st.st_ino)
 
     def add(self, key: torch.Tensor, value: Any, text: str, *, similar: Similar = Similar(),
-            make_bank: Callable[[], MemoryVectorDB], **meta: Any) -> tuple[dict | None, list[dict]]:
+            make_bank: Callable[[], MemoryVectorDB] | None = None, **meta: Any) -> tuple[dict | None, list[dict]]:
         """Write one memory (key [1, D], its value as `MemoryVectorDB.add` takes it, or None for a bank whose values
-        are its keys); (the new entry, or None for a duplicate of one kept; the entries it superseded)."""
+        are its keys; `make_bank` makes the first bank); (the new entry, or None for a duplicate of one kept; the
+        entries it superseded)."""
         with self._writing() as now:
+            if now is None and make_bank is None:
+                raise ValueError(f"{self.path}: expected make_bank to make the first bank, got None")
             bank = now.copy() if now is not None else make_bank()
-            if len(bank):
-                scores, ids = bank.topk(key[0], min(len(bank), 8))
-                for score, i in zip(scores.tolist(), ids.tolist()):
-                    if score >= similar.duplicate or normalise_text(bank.text(i) or "") == normalise_text(text):
-                        return None, []
-                old = [i for score, i in zip(scores.tolist(), ids.tolist()) if score >= similar.supersede]
-            else:
-                old = []
-            entry = {"id": f"m-{secrets.token_hex(6)}", "created_at": time.time(), **meta}
+            old = judge(bank.search(key[0], CLOSEST), text, similar)
+            if old is None:
+                return None, []
+            entry = new_entry(**meta)
             bank.add(key, [text], [entry], None if value is None else [value])
-            superseded = [{"text": bank.text(i), **(bank.metadata(i) or {})} for i in old]
+            superseded = [as_entry(f) for f in old]
             if old:
-                now = time.time()
-                history = list(bank.info.get("history", []))
-                history += [dict(s, superseded_at=now, superseded_by=entry["id"]) for s in superseded]
-                bank.info = dict(bank.info, history=history)
-                bank.remove(old)
+                bank.info = dict(bank.info, history=list(bank.info.get("history", [])) + retired(superseded, entry))
+                bank.remove([f["index"] for f in old])
             self._publish(bank)
             return dict(entry, text=text), superseded
 
     def restore(self, key: torch.Tensor, value: Any, entry: dict, *,
-                make_bank: Callable[[], MemoryVectorDB]) -> dict | None:
+                make_bank: Callable[[], MemoryVectorDB] | None = None) -> dict | None:
         """Put a memory back as it was (its id, time and source): the undo of a forget or of a supersede. It leaves
         the history; None when a memory of that id is here already."""
-        meta = {k: v for k, v in entry.items() if k not in ("index", "text", "superseded_at", "superseded_by")}
+        meta = as_restored(entry)
         with self._writing() as now:
             if now is not None and any((now.metadata(i) or {}).get("id") == meta.get("id") for i in range(len(now))):
                 return None
@@ -163,16 +226,12 @@ class PersonalMemory:
         """Delete memories by id (not kept in the history: the person asked them gone); the deleted entries.
         An id that is not here raises `KeyError` naming it, and nothing is deleted."""
         with self._writing() as now:
-            by_id = {e.get("id"): e for e in self.entries()}
-            missing = [i for i in memory_ids if i not in by_id]
-            if missing:
-                raise KeyError(f"memory {missing[0]!r}: no such memory of yours")
-            if not memory_ids:
-                return []
-            bank = now.copy()
-            bank.remove([by_id[i]["index"] for i in memory_ids])
-            self._publish(bank)
-            return [by_id[i] for i in memory_ids]
+            gone = chosen(self.entries(), memory_ids)
+            if gone:
+                bank = now.copy()
+                bank.remove([e["index"] for e in gone])
+                self._publish(bank)
+            return gone
 
     def clear(self) -> int:
         """Delete every memory and the history; how many memories there were."""

@@ -1,4 +1,5 @@
-"""A person's memories in their own file: duplicates, supersede and history, deletes by id, restarts, `kill -9`."""
+"""A person's memories in their own file, or in a Milvus collection of everyone's (the same rules: duplicates,
+supersede and history, deletes by id, restarts); a file under `kill -9`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 from memory import MemoryVectorDB
+from memory.milvus import MilvusBank, StoreLayout
 from memory.personal import Joined, PersonalMemory, Similar
+from memory.personal_milvus import MilvusPersonal, open_people
 
 ROOT = Path(__file__).resolve().parents[2]
 DIM = 16
@@ -30,8 +33,27 @@ def empty() -> MemoryVectorDB:
     return MemoryVectorDB(DIM)
 
 
-def test_a_memory_is_kept_once_and_a_newer_value_supersedes_the_older(tmp_path):
-    mine = PersonalMemory(tmp_path / "ada.safetensors")
+@pytest.fixture(params=["file", "milvus"])
+def stores(request, tmp_path):
+    """`open(user)`: a person's memory in the store; `open(user, restart=True)`: the same after a restart (a new
+    client of the same Milvus file)."""
+    if request.param == "file":
+        yield lambda user, restart=False: PersonalMemory(tmp_path / f"{user}.safetensors")
+        return
+    uri, clients = str(tmp_path / "people.db"), []
+
+    def open_(user: str, restart: bool = False):
+        if restart or not clients:
+            clients.append(MilvusBank.connect(uri))
+        return MilvusPersonal(open_people(uri, "people", StoreLayout(DIM), client=clients[-1]), user)
+
+    yield open_
+    for client in clients:
+        client.close()
+
+
+def test_a_memory_is_kept_once_and_a_newer_value_supersedes_the_older(stores):
+    mine = stores("ada")
     assert len(mine) == 0 and mine.entries() == []
     first, gone = mine.add(key(1, 0, 0), None, "The user's dog is called Rex.", make_bank=empty, source="chat")
     assert first["id"].startswith("m-") and gone == []
@@ -47,22 +69,42 @@ def test_a_memory_is_kept_once_and_a_newer_value_supersedes_the_older(tmp_path):
     assert old["text"] == "The user's dog is called Rex." and old["superseded_by"] == newer["id"]
     assert old["superseded_at"] >= old["created_at"]
 
-    again = PersonalMemory(tmp_path / "ada.safetensors")  # a restart: the same memories, ids, times, history
+    again = stores("ada", restart=True)  # a restart: the same memories, ids, times, history
     ids = lambda m: [{k: v for k, v in e.items() if k != "index"} for e in m.entries()]  # noqa: E731 (rows renumber)
     assert ids(again) == ids(mine) and again.history == mine.history
     assert again.find(other["id"])["source"] == "api"
 
 
-def test_deletes_are_by_id_and_an_unknown_id_deletes_nothing(tmp_path):
-    mine = PersonalMemory(tmp_path / "ada.safetensors")
+def test_deletes_are_by_id_and_an_unknown_id_deletes_nothing(stores):
+    mine = stores("ada")
     a, _ = mine.add(key(1), None, "The user is a nurse.", make_bank=empty)
     b, _ = mine.add(key(0, 1), None, "The user has two cats.", make_bank=empty)
     with pytest.raises(KeyError, match="m-000000000000"):
         mine.remove([b["id"], "m-000000000000"])
     assert len(mine) == 2
     assert [e["id"] for e in mine.remove([a["id"]])] == [a["id"]]
-    assert [e["id"] for e in PersonalMemory(tmp_path / "ada.safetensors").entries()] == [b["id"]]
-    assert mine.clear() == 1 and len(PersonalMemory(tmp_path / "ada.safetensors")) == 0
+    assert [e["id"] for e in stores("ada", restart=True).entries()] == [b["id"]]
+    assert mine.clear() == 1 and len(stores("ada", restart=True)) == 0
+
+
+def test_restore_puts_a_superseded_or_forgotten_memory_back_as_it_was(stores):
+    mine = stores("ada")
+    rex, _ = mine.add(key(1, 0, 0), None, "The user's dog is called Rex.", make_bank=empty, source="chat")
+    porto, _ = mine.add(key(0, 0, 1), None, "The user lives in Porto.", make_bank=empty, source="api")
+    pocket, (superseded,) = mine.add(key(1, 0.5, 0), None, "The user's dog is called Pocket.", make_bank=empty)
+    (forgotten,) = mine.remove([porto["id"]])
+    # the undo of the supersede: the newer goes, the older is recalled again and leaves the history
+    mine.remove([pocket["id"]])
+    back = mine.restore(key(1, 0, 0), None, superseded, make_bank=empty)
+    assert back == rex and mine.history == []
+    assert mine.restore(key(1, 0, 0), None, superseded, make_bank=empty) is None  # there already: not twice
+    # the undo of a forget: the same id, time and source
+    assert mine.restore(key(0, 0, 1), None, forgotten, make_bank=empty) == porto
+    again = stores("ada", restart=True)
+    assert sorted((e["id"], e["text"], e["created_at"]) for e in again.entries()) == sorted(
+        (e["id"], e["text"], e["created_at"]) for e in (rex, porto))
+    scores, ids = again.bank.topk(key(1, 0, 0)[0], 1)  # recalled again
+    assert float(scores[0]) > 0.99 and again.bank.text(int(ids[0])) == rex["text"]
 
 
 def test_a_change_made_by_another_process_is_seen(tmp_path):

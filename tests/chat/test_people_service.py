@@ -1,0 +1,136 @@
+"""Each user's memory through the service's own conversation path, on a tiny random model (fast), in either store:
+8 users at once never see one another's memories and lose none; with `memory.store: milvus` the people's memories
+live in one Milvus collection, the user its partition key, kept across a restart."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from chat.config import load_config
+from chat.operations import forget_memories, my_memories, remember
+from chat.people import Remembered
+from chat.service import Service
+from decoding.events import RecallEvent
+from decoding.settings import GenerationSettings, RecallSettings
+from memory.milvus import MilvusBank
+from memory.personal import PersonalMemory, Similar
+from memory.personal_milvus import MilvusPersonal
+from tests_helpers import drain, result
+
+SHORT = GenerationSettings(max_new_tokens=4)
+RECALL = RecallSettings(top_k=1)
+# the tiny random model's keys of any two sentences have cosines of 0.92-0.96: the app's thresholds would take a new
+# fact for a newer value of the last one
+TINY = Similar(duplicate=0.99, supersede=0.985)
+NAMES = ["Pocket", "Rex", "Mira", "Lena", "Otto", "Juno", "Kai", "Zed"]
+
+
+def config(tmp_path, store: str, *more: str):
+    where = [f"memory.user_dir={tmp_path / 'users'}"]
+    if store == "milvus":
+        where += ["memory.store=milvus", f"memory.milvus_uri={tmp_path / 'memories.db'}"]
+    return load_config(overrides=["model.compile=false", *where, *more], environ={})
+
+
+def started(cfg, lm) -> Service:
+    svc = Service(cfg, lm)
+    svc.people.similar = TINY
+    return svc
+
+
+def told(name: str) -> tuple[str, str]:
+    """What user `name` says (a chat message and an API write), as their memories read."""
+    return f"The user's dog is called {name}.", f"The user's boat is called {name}-{len(name)}."
+
+
+def one_user(svc: Service, user: str, name: str, start: threading.Barrier) -> dict:
+    """A user's turns: tell a fact in the chat, write one through the API, ask; what they saw of their memory."""
+    s = svc.new_session(user)
+    seen = {"recalls": [], "remembered": [], "listings": []}
+    start.wait()
+    for event in drain(svc.chat(s, f"Remember that my dog is called {name}.", [], SHORT, RECALL, True).request):
+        seen["recalls" if isinstance(event, RecallEvent) else "remembered"].append(event)
+    seen["listings"].append(svc.run(my_memories, s))
+    seen["remembered"].append(result(svc.run(remember, s, f"My boat is called {name}-{len(name)}.")))
+    seen["listings"].append(svc.run(my_memories, s))
+    events = drain(svc.chat(s, "What is my dog's name?", [], SHORT, RECALL, True).request)
+    seen["recalls"] += [e for e in events if isinstance(e, RecallEvent)]
+    seen["listings"].append(svc.run(my_memories, s))
+    seen["remembered"] = [e for e in seen["remembered"] if isinstance(e, Remembered)]
+    return seen
+
+
+@pytest.mark.parametrize("store", ["faiss", "milvus"])
+def test_eight_users_at_once_never_see_each_others_memories_and_lose_none(tiny_llama, tmp_path, store):
+    svc = started(config(tmp_path, store), tiny_llama)
+    users = {f"user{i}": NAMES[i] for i in range(8)}
+    seen, start = {}, threading.Barrier(len(users))
+
+    def run(user: str) -> None:
+        seen[user] = one_user(svc, user, users[user], start)
+
+    threads = [threading.Thread(target=run, args=(u,)) for u in users]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert sorted(seen) == sorted(users)  # every user's turns ran to the end
+        ids = {}
+        for user, name in users.items():
+            mine, got = set(told(name)), seen[user]
+            written = [e for r in got["remembered"] for e in r.written]
+            assert {e["text"] for e in written} == mine  # both written, as theirs
+            assert got["recalls"] and all(r.source == "yours" and r.text in mine for r in got["recalls"])
+            for listing in got["listings"]:
+                assert {m["text"] for m in listing} <= mine
+            assert {m["text"] for m in got["listings"][-1]} == mine  # none lost
+            ids[user] = {e["id"] for e in written}
+            assert {m["id"] for m in svc.run(my_memories, svc.new_session(user))} == ids[user]
+        assert len(set().union(*ids.values())) == 2 * len(users)  # no memory is two users'
+    finally:
+        svc.close()
+
+
+def test_with_milvus_each_users_memory_is_theirs_in_one_collection_across_a_restart(tiny_llama, tmp_path):
+    cfg = config(tmp_path, "milvus")
+    svc = started(cfg, tiny_llama)
+    try:
+        ada, bob = svc.new_session("ada"), svc.new_session("bob")
+        (written,) = result(svc.run(remember, ada, "My dog is a beagle called Pocket.")).written
+        assert isinstance(svc.personal(ada), MilvusPersonal) and svc.run(my_memories, bob) == []
+        with pytest.raises(KeyError, match="no such memory of yours"):
+            svc.run(forget_memories, bob, [written["id"]])
+        recalls = [e for e in drain(svc.chat(bob, "What is my dog's name?", [], SHORT, RECALL, True).request)
+                   if isinstance(e, RecallEvent)]
+        assert recalls == []  # bob has no memory, and ada's is not his to recall
+        assert not (tmp_path / "users").exists()  # no user's memory is a file
+    finally:
+        svc.close()
+
+    client = MilvusBank.connect(str(tmp_path / "memories.db"))
+    user = next(f for f in client.describe_collection("memories_people")["fields"] if f["name"] == "user")
+    assert user.get("is_partition_key") is True
+    client.close()
+
+    svc = started(cfg, tiny_llama)  # a restart: the same collection
+    try:
+        ada = svc.new_session("ada")
+        assert [m["text"] for m in svc.run(my_memories, ada)] == ["The user's dog is a beagle called Pocket."]
+        recalls = [e for e in drain(svc.chat(ada, "What is my dog's name?", [], SHORT, RECALL, True).request)
+                   if isinstance(e, RecallEvent)]
+        assert [(r.text, r.source) for r in recalls] == [("The user's dog is a beagle called Pocket.", "yours")]
+        assert svc.run(forget_memories, ada, [written["id"]])[0]["id"] == written["id"]
+        assert svc.run(my_memories, ada) == []
+    finally:
+        svc.close()
+
+
+def test_without_milvus_each_users_memory_is_a_file(tiny_llama, tmp_path):
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    try:
+        assert isinstance(svc.personal(svc.new_session("ada")), PersonalMemory)
+    finally:
+        svc.close()
