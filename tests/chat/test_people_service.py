@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from chat.config import load_config
-from chat.operations import forget_memories, my_memories, remember
+from chat.operations import forget_memories, my_memories, remember, undo_memory_change
 from chat.people import Remembered
 from chat.service import Service
 from decoding.events import RecallEvent
@@ -132,5 +132,35 @@ def test_without_milvus_each_users_memory_is_a_file(tiny_llama, tmp_path):
     svc = started(config(tmp_path, "faiss"), tiny_llama)
     try:
         assert isinstance(svc.personal(svc.new_session("ada")), PersonalMemory)
+    finally:
+        svc.close()
+
+
+@pytest.mark.parametrize("store", ["faiss", "milvus"])
+def test_undo_takes_back_what_the_last_message_wrote_replaced_or_forgot(tiny_llama, tmp_path, store):
+    svc = started(config(tmp_path, store), tiny_llama)
+    svc.people.similar = Similar(duplicate=0.999, supersede=0.9)  # (tiny keys: any two facts are close: a newer value)
+    s = svc.new_session("ada")
+    texts = lambda: [m["text"] for m in svc.run(my_memories, s)]  # noqa: E731
+    say = lambda text: drain(svc.chat(s, text, [], SHORT, RECALL).request)  # noqa: E731
+    try:
+        with pytest.raises(ValueError, match="no change to your memories to undo"):
+            svc.run(undo_memory_change, s)
+        say("Remember that my dog is called Rex.")
+        rex = svc.run(my_memories, s)[0]
+        say("Remember that my dog is called Pocket.")  # supersedes Rex
+        assert texts() == ["The user's dog is called Pocket."]
+        assert "Remembered: The user's dog is called Pocket." in svc.state(s).change
+        undone = result(svc.run(undo_memory_change, s))
+        assert [e["text"] for e in undone.forgotten] == ["The user's dog is called Pocket."]
+        assert svc.run(my_memories, s) == [rex] and svc.personal(s).history == []  # Rex as it was: id, time
+        assert svc.state(s).change == ""  # undone once
+        say("Forget my dog.")
+        assert texts() == []
+        result(svc.run(undo_memory_change, s))
+        assert svc.run(my_memories, s) == [rex]
+        say("Hello there.")  # a message that changes nothing: nothing left to undo
+        with pytest.raises(ValueError, match="no change"):
+            svc.run(undo_memory_change, s)
     finally:
         svc.close()
