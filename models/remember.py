@@ -41,6 +41,14 @@ def _third_person(verb: str) -> str:
     return verb + "s"
 
 
+_FIRST_PERSON = re.compile(r"\b(?:i|me|my|mine|myself|i'm|i've|i'd|i'll|we|our|ours|us)\b", re.I)
+
+
+def mentions_the_user(text: str) -> bool:
+    """Whether a message speaks of its author ("What is my dog's name?", "Where do I live?")."""
+    return _FIRST_PERSON.search(text.replace("\u2019", "'")) is not None
+
+
 def about_the_user(text: str) -> str:
     """A first-person statement as a memory about the user: "my sister is called Lena" -> "The user's sister is
     called Lena."; "I live in Porto" -> "The user lives in Porto."; a text in the third person stays as it is."""
