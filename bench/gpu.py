@@ -29,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
@@ -205,14 +206,13 @@ def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.d
             raise RuntimeError("the graph step did not compile: no recall measure")
         step_ms = run.results["models"][name]["graph step"]["ms_per_token"]
         out = {}
-        for size in args.memories:
+        db = MemoryVectorDB(hidden, token_values=True)  # grown from one size to the next
+        g, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
+        for size in sorted(args.memories):
             t = time.perf_counter()
-            db = MemoryVectorDB(hidden, token_values=True)
-            g = torch.Generator().manual_seed(size)
-            for start in range(0, size, 20_000):
+            for start in range(len(db), size, 20_000):
                 k = min(20_000, size - start)
-                db.add(torch.randn(k, hidden, generator=g),
-                       values=[torch.randint(3, 40000, (SLOTS,), generator=g) for _ in range(k)])
+                db.add(torch.randn(k, hidden, generator=g), values=list(rng.integers(3, 40000, (k, SLOTS), np.int32)))
             built = time.perf_counter() - t
             rec = Recall(recall_id, pad_id, db, RecallSettings(), suffix=(end_id,)).with_tokens(model.get_input_embeddings())
             selector = MemorySelector.of(rec)
@@ -240,8 +240,7 @@ def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.d
                               "span_ms": span_s * 1e3, "slots": memory.slots,
                               "decode_steps": (head + span_s) * 1e3 / step_ms,
                               "recalled_through_the_decoder": bool(full.recalls)}
-            del db, selector, rec
-            gc.collect()
+            del selector, rec
         return out
 
     def rows(kind: str, b: int):
@@ -263,7 +262,7 @@ def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.d
     run.measure(name, "transformers static generate", 60, hf_static)
     run.measure(name, "transformers eager generate", eager_cost, hf_eager)
     run.measure(name, "our eager loop", eager_cost, ours_eager)
-    run.measure(name, "recall", 25, recall)
+    run.measure(name, "recall", 40, recall)
     for b in args.rows:
         run.measure(name, f"our eager loop, {b} rows", eager_cost, rows("eager", b))
     for b in args.graph_rows:
