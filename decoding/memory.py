@@ -180,9 +180,10 @@ class MemorySelector:
         return cls(recall.bank, recall.settings, generator, recall.query)
 
     def scores(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scores [k], memory ids [k]) best first, from the bank's search."""
+        """(scores [k], memory ids [k]) on the CPU, best first, from the bank's search (a query on an accelerator
+        is searched there when the search is exact: only the k scores and ids come back)."""
         query = hidden if self.query is None else self.query(hidden)
-        return self.db.topk(query.detach().float().cpu(), self.recall.top_k or None)
+        return self.db.topk(query.detach().float(), self.recall.top_k or None)
 
     def choose(self, hidden: torch.Tensor) -> Memory:
         scores, ids = self.scores(hidden)  # [k], [k]

@@ -8,7 +8,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-import faiss
 import numpy as np
 
 from memory.validate import BankError
@@ -91,6 +90,8 @@ class AnnIndex:
         self._params: faiss.SearchParameters | None = None
 
     def _build(self, train: np.ndarray) -> faiss.Index:
+        import faiss  # here, not at the top: exact search (and a machine without faiss) never needs it
+
         c = self.config
         if c.kind == "hnsw":
             self._params = faiss.SearchParametersHNSW(efSearch=c.hnsw_ef_search)
@@ -119,6 +120,8 @@ class AnnIndex:
 
     def search(self, query: np.ndarray, k: int, visible: int) -> tuple[np.ndarray, np.ndarray]:
         """(scores [<=k], rows [<=k]) best first for a unit query [D]; rows >= `visible` are dropped."""
+        import faiss
+
         with self.lock.read():
             params = self._params
             if isinstance(params, faiss.SearchParametersHNSW) and params.efSearch < k:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from memory.ann import INDEXES, AnnConfig, AnnIndex
+from memory.device import DeviceKeys
 from memory.files import BankData, read_bank, write_bank
 from memory.shape import BankShape, Memory, pack_values
 from memory.validate import (TOKEN_DTYPE, VALUE_DTYPES, BankCheck, BankError, as_query, check_labels, normalise,
@@ -98,6 +99,7 @@ class MemoryVectorDB(BankShape):
         self._raw_buf, self._normed_buf, self._ids_buf = empty, empty, np.empty(0, np.int64)
         self._snap = _Snapshot(0, self._ids_buf, empty, empty, [], [], None, self._val_buf, self._off_buf)
         self.info: dict[str, Any] = {}  # bank-level JSON-compatible notes (e.g. how it was built), saved with it
+        self._on_device: dict[str, DeviceKeys] = {}  # device -> the keys of one state there (exact device search)
 
     # ----------------------------------------------------------------------- properties
 
@@ -246,18 +248,32 @@ class MemoryVectorDB(BankShape):
 
         Through the approximate index (HNSW/IVF) when the bank has one and 0 < k < len: its k
         candidates are then the only ones returned. Otherwise exact cosine over all entries (one
-        BLAS matrix-vector product). query: tensor (any dtype/device) or array, [D] or [1, D];
+        BLAS matrix-vector product; for a query on an accelerator, one product there with the keys copied
+        to it once per bank state, `device_keys`). query: tensor (any dtype/device) or array, [D] or [1, D];
         k=None (or k >= len) means all, exactly.
         """
         snap = self._snap
-        q = as_query(query, self._dim)
         if k is not None and k < 0:
             raise ValueError(f"k must be >= 0 or None, got {k}")
-        if snap.ann is not None and k is not None and 0 < k < snap.n:
+        approximate = snap.ann is not None and k is not None and 0 < k < snap.n
+        if isinstance(query, torch.Tensor) and query.device.type != "cpu" and not approximate and snap.n:
+            scores, ids = self.device_keys(query.device).topk(query, k)  # the query stays on its device
+            return scores.cpu(), ids.cpu()
+        q = as_query(query, self._dim)
+        if approximate:
             scores, rows = snap.ann.search(q, k, snap.n)
         else:
             scores, rows = exact_topk(snap.normed, q, k)
         return torch.from_numpy(np.ascontiguousarray(scores, np.float32)), torch.from_numpy(snap.ids[rows])
+
+    def device_keys(self, device: torch.device | str) -> DeviceKeys:
+        """The current state's unit keys on `device`, copied there once per state (`memory/device.py`)."""
+        snap, key = self._snap, str(torch.device(device))
+        held = self._on_device.get(key)
+        if held is None or held.state is not snap:
+            held = DeviceKeys.of(snap, snap.normed, snap.ids, torch.device(device))
+            self._on_device = {**self._on_device, key: held}  # one reference swap, as the snapshots
+        return held
 
     def search(self, query_vector: Any, top_k: int, debug: bool = False) -> list[dict[str, Any]]:
         """Best `top_k` entries (clamped to the bank size), best first, as dicts.

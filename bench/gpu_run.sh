@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU check in one command, from the repository root on the GPU machine (issue 32):
+#     bash bench/gpu_run.sh            # results and logs into $OUT (the run tool's folder; else artifacts/gpu-run)
+# 1. the `gpu` tests of tests/decoding/test_graph.py (no host sync in a decode step, a recall replayed exactly,
+#    batched = alone), 2. bench/gpu.py (SmolLM2-1.7B and -135M shapes, random weights, bf16).
+# Installs nothing from the network: pytest comes from artifacts/gpu/wheels when the machine lacks it, the
+# tokenizer from artifacts/gpu/tokenizer (both made by bench/gpu_prepare.sh; carry "artifacts/gpu").
+# About 6-7 minutes on an H200; each part has its own timeout, and the bench skips what its budget cannot fit.
+set -uo pipefail
+OUT=${OUT:-artifacts/gpu-run}
+mkdir -p "$OUT"
+PY=${PY:-python}
+command -v "$PY" >/dev/null || PY=python3
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
+BENCH_BUDGET=${BENCH_BUDGET:-300}
+{
+  echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)"
+  "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'gpu', torch.cuda.is_available())"
+  if ! "$PY" -c "import pytest" 2>/dev/null; then
+    if ls artifacts/gpu/wheels/*.whl >/dev/null 2>&1; then
+      for w in artifacts/gpu/wheels/*.whl; do "$PY" -m zipfile -e "$w" /tmp/gpu-site; done  # pure-python wheels
+      export PYTHONPATH="$PYTHONPATH:/tmp/gpu-site"
+      echo "pytest from artifacts/gpu/wheels"
+    else
+      echo "!! no pytest and no artifacts/gpu/wheels: the gpu tests cannot run (bash bench/gpu_prepare.sh here first)"
+    fi
+  fi
+  echo "== 1. gpu tests (timeout ${TESTS_TIMEOUT} s)"
+  t0=$(date +%s)
+  timeout "$TESTS_TIMEOUT" "$PY" -m pytest -p no:cacheprovider -o addopts="" --noconftest -m gpu -rA -q \
+    --junitxml="$OUT/gpu_tests.xml" tests/decoding/test_graph.py
+  echo "== gpu tests: exit $? in $(( $(date +%s) - t0 )) s"
+  echo "== 2. bench/gpu.py (budget ${BENCH_BUDGET} s)"
+  t0=$(date +%s)
+  timeout $(( BENCH_BUDGET + 90 )) "$PY" bench/gpu.py --out "$OUT" --budget "$BENCH_BUDGET" "$@"
+  echo "== bench: exit $? in $(( $(date +%s) - t0 )) s"
+} 2>&1 | tee -a "$OUT/gpu_run.log"

@@ -1,0 +1,256 @@
+"""The buffer-injection decode step (`decoding/graph.py`): the loop's tokens, logits and recalls on a CPU; no host
+sync, exact recalls and batched = alone on a GPU (`-m gpu`, skipped without CUDA).
+
+Self-contained (a tiny random Llama without a tokenizer, no fixture of conftest.py), so the GPU machine runs it
+with `--noconftest`: it has no Pillow, faiss or the embedded model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from decoding.graph import Decoded, GraphDecoder
+from decoding.loop import generate
+from decoding.memory import Recall
+from decoding.processors import build_logits_processor
+from decoding.request import Controls
+from decoding.sampling import draw
+from decoding.settings import GenerationSettings, RecallSettings
+from memory.bank import MemoryVectorDB
+from memory.device import DeviceKeys
+
+VOCAB, RECALL, PAD, END, EOS = 512, 500, 501, 502, 2
+KEY_DIM = 24
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def tiny_llama(seed: int = 0, device: str = "cpu") -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval().to(device)
+
+
+def prompt(seed: int = 0, length: int = 12, rows: int = 1) -> torch.Tensor:
+    return torch.randint(3, 400, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def kv_recall(model, n: int = 12, max_slots: int = 5) -> Recall:
+    """Key/value memories of 1..`max_slots` slots, `</recall>` after them; the query a fixed projection of the
+    `<recall>` state, computed on the state's device."""
+    g = torch.Generator().manual_seed(0)
+    h, scale = model.config.hidden_size, float(model.get_input_embeddings().weight.detach().std()) * 3
+    db = MemoryVectorDB(KEY_DIM, value_dim=h)
+    slots = torch.randint(1, max_slots + 1, (n,), generator=g).tolist()
+    db.add(torch.randn(n, KEY_DIM, generator=g), [f"fact {i}" for i in range(n)],
+           values=[torch.randn(k, h, generator=g) * scale for k in slots])
+    proj = torch.randn(h, KEY_DIM, generator=torch.Generator().manual_seed(7))
+    return Recall(RECALL, PAD, db, RecallSettings(), query=lambda hidden: hidden.float() @ proj.to(hidden.device),
+                  suffix=(END,))
+
+
+def loop_run(model, ids, settings, recall=None):
+    return generate(model, {"input_ids": ids.to(model.device)}, settings, recall=recall,
+                    controls=Controls(output_logits=True, eos_token_id=None))
+
+
+def assert_same_as_loop(got, ref, ids, atol=1e-5):
+    assert got.tokens[0] == ref.sequences[0, ids.shape[1]:].tolist()
+    assert [(r.position, r.memory_index, r.length) for r in got.recalls] == \
+        [(r.position, r.memory_index, r.length) for r in ref.injections]
+    steps = ref.logits.shape[1]
+    torch.testing.assert_close(torch.stack(got.logits[:steps], 1), ref.logits, atol=atol, rtol=atol)
+
+
+# --------------------------------------------------------------------------- CPU
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3)
+
+
+@pytest.fixture(scope="module")
+def eager(model):
+    return GraphDecoder(model, max_len=256, compile=False)
+
+
+@pytest.mark.parametrize("settings", [GenerationSettings(max_new_tokens=24),
+                                      GenerationSettings(max_new_tokens=24, repetition_penalty=1.3)],
+                         ids=["greedy", "penalty"])
+def test_the_buffer_step_equals_the_loop(model, eager, settings):
+    ids = prompt()
+    assert_same_as_loop(eager.generate(ids, settings, keep_logits=True), loop_run(model, ids, settings), ids)
+
+
+def test_an_injected_memory_equals_the_loop(model, eager):
+    """Recalls at the prompt's end and in the middle of the answer: the same memories at the same positions,
+    the same tokens and logits (a memory's slots and `</recall>` in one wide step)."""
+    recall = kv_recall(model)
+    ids = torch.cat([prompt(1), torch.tensor([[RECALL]])], 1)
+    s = GenerationSettings(max_new_tokens=20)
+    got = eager.generate(ids, s, recall=recall, keep_logits=True)
+    assert got.recalls and got.tokens[0][:got.recalls[0].length] == [PAD] * got.recalls[0].length
+    assert_same_as_loop(got, loop_run(model, ids, s, recall), ids)
+    biased = GenerationSettings(max_new_tokens=30, sequence_bias=(((RECALL,), 4.0),))
+    got = eager.generate(prompt(2), biased, recall=recall, keep_logits=True)
+    assert len(got.recalls) >= 2 and max(r.length for r in got.recalls) > 1
+    assert_same_as_loop(got, loop_run(model, prompt(2), biased, recall), prompt(2))
+
+
+def test_batched_rows_equal_each_alone(model, eager):
+    ids, s = prompt(5, rows=2), GenerationSettings(max_new_tokens=16)
+    both = GraphDecoder(model, batch=2, max_len=256, compile=False).generate(ids, s)
+    assert both.tokens == [eager.generate(ids[r:r + 1], s).tokens[0] for r in range(2)]
+
+
+def test_a_stop_ends_within_one_step(model, eager):
+    """An interrupt after the k-th token read back ends the request with k tokens and k + 1 steps launched at
+    most (the step queued behind the read); EOS likewise."""
+    stop, got, k = threading.Event(), [], 5
+    record = Decoded([], "length")
+    for tokens in eager.stream(prompt(), GenerationSettings(max_new_tokens=50), interrupt=stop, out=record):
+        got.append(tokens)
+        if len(got) == k:
+            stop.set()
+    assert len(got) == k and record.finish == "interrupted" and record.steps <= k
+    free = eager.generate(prompt(), GenerationSettings(max_new_tokens=50)).tokens[0]
+    eos = free[6]
+    first = free.index(eos)
+    ended = eager.generate(prompt(), GenerationSettings(max_new_tokens=50), eos_token_id=eos)
+    assert ended.tokens[0] == free[:first + 1] and ended.finish == "stop" and ended.steps <= first + 1
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    stats = pytest.importorskip("scipy.stats")
+    keep = probs > 0
+    assert counts[~keep].sum() == 0  # nothing drawn where the reference has no mass
+    p = probs[keep].double()
+    expected = p / p.sum() * float(counts.sum())
+    return float(stats.chisquare(counts[keep].double().numpy(), expected.numpy()).pvalue)
+
+
+@pytest.mark.parametrize("settings", [GenerationSettings(do_sample=True),
+                                      GenerationSettings(do_sample=True, temperature=0.7, top_k=6, top_p=0.9),
+                                      GenerationSettings(do_sample=True, min_p=0.05, repetition_penalty=1.5)],
+                         ids=["plain", "top-k-top-p", "min-p-penalty"])
+def test_the_no_sync_draw_has_the_reference_distribution(settings):
+    """`draw` (argmax of p / Exponential noise) after the request's processors, against softmax of the processed
+    scores (what `torch.multinomial` draws from), by a chi-square test; a wrong law is rejected by the same test."""
+    n, rows = 10, 40_000
+    scores = torch.linspace(-2, 2, n)[None].expand(rows, -1).clone()  # [rows, n]
+    seen = torch.tensor([[n - 1, 3]]).expand(rows, -1)  # the sequence so far (the repetition penalty's input)
+    procs = build_logits_processor(settings, eos_token_id=None, prompt_ids=seen, vocab_size=n)
+    processed = procs(seen, scores)
+    tokens = draw(processed, True, torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=n)
+    probs = torch.softmax(processed[0], -1)
+    assert chi_square_p(counts, probs) > 1e-3
+    skewed = torch.softmax(processed[0] * 1.1, -1)  # a slightly different law: the test has the power to see it
+    assert chi_square_p(counts, skewed) < 1e-6 if (skewed > 0).sum() > 1 else True
+
+
+def test_the_device_search_ranks_as_the_bank():
+    g = torch.Generator().manual_seed(0)
+    db = MemoryVectorDB(32)
+    db.add(torch.randn(500, 32, generator=g))
+    query = torch.randn(32, generator=g)
+    snap = db._snap
+    scores, ids = DeviceKeys.of(snap, snap.normed, snap.ids, torch.device("cpu")).topk(query, 10)
+    want_scores, want_ids = db.topk(query, 10)
+    assert ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(scores, want_scores, atol=1e-5, rtol=1e-5)
+
+
+def test_the_compiled_step_equals_the_eager_one(model, eager):
+    """torch.compile of the same step (on a CPU: inductor without CUDA graphs) gives the eager step's tokens, logits and
+    recalls."""
+    fast = GraphDecoder(model, max_len=256)
+    fast.warm_up()
+    recall = kv_recall(model)
+    s = GenerationSettings(max_new_tokens=24, sequence_bias=(((RECALL,), 4.0),))
+    want = eager.generate(prompt(2), s, recall=recall, keep_logits=True)
+    got = fast.generate(prompt(2), s, recall=recall, keep_logits=True)
+    assert got.tokens == want.tokens and want.recalls
+    assert [(r.position, r.memory_index) for r in got.recalls] == [(r.position, r.memory_index) for r in want.recalls]
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@contextlib.contextmanager
+def no_sync():
+    """Any host sync of the CUDA stream raises (`.item()`, a blocking copy, `torch.multinomial`, ...)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.fixture(scope="module")
+def cuda_model():
+    return tiny_llama(seed=3, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def graphed(cuda_model):
+    dec = GraphDecoder(cuda_model, max_len=256)
+    dec.warm_up()
+    assert dec.graph.graphs
+    return dec
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("settings", [GenerationSettings(max_new_tokens=32),
+                                      GenerationSettings(max_new_tokens=32, do_sample=True, temperature=0.8, top_k=40,
+                                                         top_p=0.9, min_p=0.02, repetition_penalty=1.2, seed=3)],
+                         ids=["greedy", "sample"])
+def test_no_host_sync_in_a_decode_step(cuda_model, graphed, settings):
+    graphed.generate(prompt(), settings)  # (the first replays of a new path may record)
+    graphed.launch_guard = no_sync
+    try:
+        out = graphed.generate(prompt(), settings)
+    finally:
+        graphed.launch_guard = contextlib.nullcontext
+    assert len(out.tokens[0]) == 32 and out.steps == 31
+    if not settings.do_sample:
+        assert out.tokens[0] == loop_run(cuda_model, prompt(), settings).sequences[0, 12:].tolist()
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_recall_on_the_gpu_replays_exactly(cuda_model, graphed):
+    """CUDA graphs, the memory head on the device: the eager loop's tokens and recalls, and a full forward over the
+    final sequence with the memories' vectors in place gives each step's logits."""
+    recall = kv_recall(cuda_model)
+    s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),))
+    ids = prompt(2)
+    got = graphed.generate(ids, s, recall=recall, keep_logits=True)
+    assert len(got.recalls) >= 2
+    assert_same_as_loop(got, loop_run(cuda_model, ids, s, recall), ids, atol=1e-4)
+    seq = torch.cat([ids[0], torch.tensor(got.tokens[0])]).cuda()[None]
+    with torch.no_grad():
+        emb = cuda_model.get_input_embeddings()(seq).clone()
+        for pos, vec in got.memory_vectors.items():
+            emb[0, pos] = vec.cuda()
+        full = cuda_model(inputs_embeds=emb).logits[0].float()  # [L, V]
+    kept = torch.stack([lg[0] for lg in got.logits])  # [steps, V], each scored from got.positions
+    torch.testing.assert_close(kept, full[got.positions], atol=1e-3, rtol=1e-3)
+
+
+@gpu
+@pytest.mark.gpu
+def test_batched_equals_alone_on_the_gpu(cuda_model, graphed):
+    ids, s = prompt(5, rows=2), GenerationSettings(max_new_tokens=24)
+    both = GraphDecoder(cuda_model, batch=2, max_len=256)
+    both.warm_up()
+    assert both.generate(ids, s).tokens == [graphed.generate(ids[r:r + 1], s).tokens[0] for r in range(2)]
