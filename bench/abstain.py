@@ -8,6 +8,11 @@ the message): a question about a fact in the bank (the right memory should be fo
 about one of `--untold` other facts of the same kinds (nothing in the bank answers it: the best score), and an
 ordinary chat prompt (`--general`). For each threshold the table gives the told questions still answered from
 their own memory and the untold and general questions that recall nothing. Printed, and written as JSON.
+
+Then people (`--people`, the held-out split of `training.personal`): each tells 4 things, written as the chat writes
+them ("The user lives in Porto."), and asks about those and about 3 things never told ("Where do I live?"), with the
+query as the message alone and as the chat makes it for a message that speaks of its author (the mean of the
+message's embedding and that of its words about the user: "Where does the user live?").
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ def main() -> None:
     parser.add_argument("--told", type=int, default=500)
     parser.add_argument("--untold", type=int, default=500)
     parser.add_argument("--general", type=int, default=300)
+    parser.add_argument("--people", type=int, default=60)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
@@ -71,9 +77,53 @@ def main() -> None:
                  for name, s in (("told_right", told_scores[right]), ("untold", untold_scores),
                                  ("general", general_scores))}
     print("score quantiles (1, 5, 50, 95, 99 %):", json.dumps(quantiles))
+    people = personal(lm, args.people)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "quantiles": quantiles, "told": len(told),
-                                               "untold": len(untold), "general": args.general}, indent=1))
+                                               "untold": len(untold), "general": args.general, "people": people},
+                                              indent=1))
+
+
+def personal(lm, n: int) -> dict:
+    """Held-out people's own memories: the right one found (top-1 at a score >= min_score) for told things, nothing
+    over min_score for untold ones, with the message alone as the query and with the chat's query."""
+    import random
+
+    import torch
+    from torch.nn.functional import normalize
+
+    from models.remember import about_the_user
+    from training.facts import Names
+    from training.personal import person
+
+    rng = random.Random("abstain-people")
+    names = Names("eval", rng)
+    embed = lambda text: normalize(lm.encoder.query(text).float().reshape(-1), dim=-1)  # noqa: E731
+    queries = {"message": embed, "chat": lambda q: normalize(embed(q) + embed(about_the_user(q)), dim=-1)}
+    found: dict[str, list] = {name: [] for name in queries}
+    for _ in range(n):
+        things = person("eval", rng, names, 7)
+        told, untold = things[:4], things[4:]
+        keys = torch.stack([embed(t.memory) for t in told])
+        for name, query in queries.items():
+            for i, t in enumerate(told + untold):
+                scores = keys @ query(t.questions[0])
+                found[name].append((i < len(told), float(scores.max()), int(scores.argmax()) == i))
+    out = {}
+    print(f"\n{n} held-out people, 4 things told and 3 never told each: right memory found / nothing recalled")
+    print("| min_score | " + " | ".join(f"{q}: told found | {q}: untold nothing" for q in queries) + " |")
+    print("|---|" + "---|---|" * len(queries))
+    for tau in [round(0.05 * i, 2) for i in range(2, 13)]:
+        cells = []
+        for name in queries:
+            told_rows = [r for r in found[name] if r[0]]
+            untold_rows = [r for r in found[name] if not r[0]]
+            right = sum(r[2] and r[1] >= tau for r in told_rows) / len(told_rows)
+            nothing = sum(r[1] < tau for r in untold_rows) / len(untold_rows)
+            out.setdefault(name, []).append({"min_score": tau, "told_found": right, "untold_nothing": nothing})
+            cells += [f"{right:.3f}", f"{nothing:.3f}"]
+        print(f"| {tau:.2f} | " + " | ".join(cells) + " |")
+    return out
 
 
 if __name__ == "__main__":

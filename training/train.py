@@ -322,13 +322,20 @@ def train(lm, recipe: Recipe, out: Path, log_every: int = 10, keys: TextEncoder 
 
 def parse_fields(cls, items: list[str]):
     """A recipe dataclass `cls` with `--set KEY=VALUE` items (YAML values) over its defaults."""
-    fields = {f.name for f in dataclasses.fields(cls)}
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    fields = set(types)
     values = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or key not in fields:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(fields))}")
-        values[key] = yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
+        if isinstance(value, str) and types[key] in (float, "float"):  # YAML reads 4e-4 as a string (no dot)
+            try:
+                value = float(value)
+            except ValueError:
+                raise SystemExit(f"--set {item!r}: expected a number") from None
+        values[key] = value
     return cls(**values)
 
 
