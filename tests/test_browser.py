@@ -193,40 +193,62 @@ def say(page, text: str, until: str) -> str:
     return page.inner_text("#status")
 
 
+def ask(page, question: str) -> str:
+    """Ask in a new conversation; the last answer as the page shows it (memory markers included)."""
+    page.get_by_role("tab", name="Conversation").click()
+    page.locator("#clear").click()
+    page.wait_for_function("document.querySelectorAll('#chatbot .bot').length === 0")
+    page.locator("#message textarea").fill(question)
+    page.locator("#message textarea").press("Enter")
+    page.wait_for_function("document.querySelectorAll('#chatbot .bot').length > 0 && "
+                           "document.querySelector('#status').innerText.includes('done')")
+    return page.inner_text("#answer")
+
+
 def test_a_person_is_remembered_across_a_restart_and_sees_only_their_own(page, default_lm, tmp_path):
-    """Log in, tell three things (each "Remembered: ..."), restart the server, ask in a new conversation, see,
-    edit and delete the memories in "About you"; another user sees none of them."""
+    """Log in, tell three things in one conversation (each "Remembered: ...", one undone and told again), restart the
+    server, ask in new conversations (right, and "you haven't told me" for what was never told), see, edit and
+    delete the memories in "About you"; another user sees none of them."""
     from chat import users
 
     path = tmp_path / "users.json"
     users.add(path, "ada", "ada-password")
     users.add(path, "bob", "bob-password")
     overrides = ("generation.max_new_tokens=40", f"app.users_file={path}", f"memory.user_dir={tmp_path / 'mem'}")
-    told = {"my dog is a beagle called Pocket": "The user's dog is a beagle called Pocket.",
-            "my sister is called Lena": "The user's sister is called Lena.",
-            "my favourite colour is green": "The user's favourite colour is green."}
+    told = {"My dog is a beagle called Pocket.": "The user's dog is a beagle called Pocket.",
+            "My sister is called Lena.": "The user's sister is called Lena.",
+            "I live in Porto.": "The user lives in Porto."}
     with serve(default_lm, *overrides) as server:
         login(page, server.url, "ada", "ada-password")
-        for fact, memory in told.items():
-            page.get_by_role("tab", name="Conversation").click()
-            say(page, f"Remember that {fact}.", f"Remembered: {memory}")
-    with serve(default_lm, *overrides) as server:  # a restart; a new page, a new conversation
+        for fact, memory in told.items():  # told as one tells a friend: the write decision keeps them
+            say(page, fact, f"Remembered: {memory}")
+            page.wait_for_function(f"document.querySelector('#change-note').innerText.includes({memory!r})")
+        page.locator("#undo-change").click()  # the last one undone: gone from "About you"; told again
+        page.wait_for_function("document.querySelector('#status').innerText.includes('Undone')")
+        page.get_by_role("tab", name="Memory").click()
+        page.wait_for_function("document.querySelector('#about-info').innerText.includes('2 memories')")
+        assert "Porto" not in page.inner_text("#about-list")
+        page.get_by_role("tab", name="Conversation").click()
+        say(page, "I live in Porto.", "Remembered: The user lives in Porto.")
+    with serve(default_lm, *overrides) as server:  # a restart; a new page, new conversations
         login(page, server.url, "ada", "ada-password")
-        for question, value in [("What is my dog's name?", "Pocket"), ("What is my sister's name?", "Lena")]:
-            page.get_by_role("tab", name="Conversation").click()
-            page.locator("#clear").click()
-            page.wait_for_function("!document.querySelector('#answer').innerText.includes('⟨memory')")
-            page.locator("#message textarea").fill(question)
-            page.locator("#message textarea").press("Enter")
-            page.wait_for_function("document.querySelectorAll('#chatbot .bot').length > 0 && "
-                                   "document.querySelector('#status').innerText.includes('done')")
-            answer = page.inner_text("#answer")
+        for question, value in [("What is my dog's name?", "Pocket"), ("What is my sister's name?", "Lena"),
+                                ("Where do I live?", "Porto")]:
+            answer = ask(page, question)
             assert "⟨memory" in answer and value in answer[answer.index("⟩") + 1:], (answer, page.inner_text("#status"))
+        never = ask(page, "What is my brother's name?")  # never told
+        assert re.search(r"haven't told|have not told", never), never
         page.get_by_role("tab", name="Memory").click()
         page.wait_for_function("document.querySelector('#about-info').innerText.includes('3 memories')")
         listed = page.inner_text("#about-list")
         assert all(memory in listed for memory in told.values()), listed
-        dog = re.search(r"(m-[0-9a-f]{12})\s+\S+ \S+\s+The user's dog", listed)[1]
+        sister = re.search(r"(m-[0-9a-f]{12})\s+\S+ \S+\s+The user's sister", listed)[1]
+        page.locator("#about-ids textarea").fill(sister)  # edit: the sister is called Lina
+        page.locator("#about-text textarea").fill("My sister is called Lina.")
+        page.locator("#about-edit").click()
+        page.wait_for_function("document.querySelector('#about-list').innerText.includes('called Lina')")
+        assert "called Lena" not in page.inner_text("#about-list")
+        dog = re.search(r"(m-[0-9a-f]{12})\s+\S+ \S+\s+The user's dog", page.inner_text("#about-list"))[1]
         page.locator("#about-ids textarea").fill(dog)
         page.locator("#about-delete").click()
         page.wait_for_function("document.querySelector('#about-info').innerText.includes('2 memories')")
