@@ -93,6 +93,8 @@ class MemoryConfig:
         _check(isinstance(self.milvus_collection, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,200}",
                self.milvus_collection) is not None, "milvus_collection", self.milvus_collection,
                "a name of letters, digits and _ (not starting with a digit)")
+        if self.remember is False:  # YAML reads a bare `off` as false
+            object.__setattr__(self, "remember", "off")
         _check(self.remember in ("auto", "explicit", "off"), "remember", self.remember, "auto, explicit, off")
         _check(self.user_dir is None or (isinstance(self.user_dir, str) and self.user_dir.strip() != ""), "user_dir",
                self.user_dir, "null or a folder")

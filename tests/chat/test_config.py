@@ -65,3 +65,13 @@ def test_missing_or_broken_file(tmp_path):
         load_config(tmp_path / "nope.yaml", environ={})
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "generation: [unclosed\n"), environ={})
+
+
+def test_a_bare_off_is_off_wherever_it_is_written(tmp_path):
+    """YAML reads a bare `off` as false: memory.remember takes it as the `off` it was written as."""
+    (tmp_path / "c.yaml").write_text("memory:\n  remember: off\n")
+    assert load_config(tmp_path / "c.yaml", environ={}).memory.remember == "off"
+    assert load_config(overrides=["memory.remember=off"], environ={}).memory.remember == "off"
+    assert load_config(environ={"RECALL_CHAT__MEMORY__REMEMBER": "off"}).memory.remember == "off"
+    with pytest.raises(ConfigError, match="remember"):
+        load_config(overrides=["memory.remember=sometimes"], environ={})
