@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-from decoding.graph import SPAN, GraphDecoder  # noqa: E402
+from decoding.graph import GraphDecoder  # noqa: E402
 from decoding.loop import generate  # noqa: E402
 from decoding.memory import MemorySelector, Recall  # noqa: E402
 from decoding.processors import to_generation_config  # noqa: E402
@@ -174,12 +174,13 @@ def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.d
         return config
 
     def graph_step():
-        dec = GraphDecoder(model, max_len=args.max_len)
+        dec = GraphDecoder(model, max_len=args.max_len, spans=(SLOTS + 1,), graphs=args.graphs)
         compile_s = dec.warm_up()
         run_k = lambda k: dec.generate(ids, greedy(k))  # noqa: E731
         answers["graph"] = run_k(n).tokens[0]
         out = {"compile_s": compile_s, **per_token(run_k, n, repeats)}
         out["ttft_host_ms"] = run_k(1).ttft * 1e3
+        out["graphs"], out["fallback"] = dec.graph.mode, dec.graph.fallback
         graph_step.decoder = dec
         return out
 
@@ -247,10 +248,13 @@ def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.d
         def fn():
             batch_ids = dev_ids.expand(b, -1).contiguous()
             if kind == "graph":
-                dec = GraphDecoder(model, batch=b, max_len=args.max_len)
-                compile_s = dec.warm_up()
+                dec = GraphDecoder(model, batch=b, max_len=args.max_len, spans=(), graphs=args.graphs)
+                compile_s = dec.warm_up(spans=False)
                 res = per_token(lambda k: dec.generate(batch_ids, greedy(k)), n, repeats)
-                res["compile_s"] = compile_s
+                res["compile_s"], res["graphs"], res["fallback"] = compile_s, dec.graph.mode, dec.graph.fallback
+                one = run.results["models"][name].get("graph step", {}).get("ms_per_token")
+                if one:
+                    res["vs_1_row"] = b / res["ms_per_token"] * one
             else:
                 res = per_token(lambda k: generate(model, {"input_ids": batch_ids}, greedy(k)), n, repeats)
             res["tokens_per_s"] = b / res["ms_per_token"] * 1e3
@@ -258,15 +262,19 @@ def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.d
         return fn
 
     eager_cost = 2 * repeats * (n + 1) * (0.03 if device == "cuda" else 0.05) + 5
-    run.measure(name, "graph step", 100, graph_step)
-    run.measure(name, "transformers static generate", 60, hf_static)
-    run.measure(name, "transformers eager generate", eager_cost, hf_eager)
-    run.measure(name, "our eager loop", eager_cost, ours_eager)
-    run.measure(name, "recall", 40, recall)
-    for b in args.rows:
-        run.measure(name, f"our eager loop, {b} rows", eager_cost, rows("eager", b))
-    for b in args.graph_rows:
-        run.measure(name, f"graph step, {b} rows", 100, rows("graph", b))
+    run.measure(name, "graph step", 80, graph_step)
+    run.measure(name, "transformers static generate", 30, hf_static)
+    for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio is the target
+        run.measure(name, f"graph step, {b} rows", 30, rows("graph", b))
+        if b == max(args.graph_rows):
+            run.measure(name, "recall", 15, recall)
+    if not args.graph_rows:
+        run.measure(name, "recall", 15, recall)
+    if args.eager:  # measured in the first run (docs/gpu/results.md): behind --eager
+        run.measure(name, "transformers eager generate", eager_cost, hf_eager)
+        run.measure(name, "our eager loop", eager_cost, ours_eager)
+        for b in args.rows:
+            run.measure(name, f"our eager loop, {b} rows", eager_cost, rows("eager", b))
     if "hf" in answers:
         info["same_greedy_answer"] = {k: v == answers["hf"] for k, v in answers.items() if k != "hf"}
         info["same_prefix_tokens"] = {k: next((i for i, (a, b) in enumerate(zip(v, answers["hf"])) if a != b),
@@ -321,11 +329,13 @@ def table(results: dict) -> str:
                              f"{v['decode_steps']:.2f} |")
         else:
             lines.append(f"| {name} | — | {cell(r, 'x')} | | |")
-    lines += ["", "| model | path, rows | ms/step | aggregate tokens/s |", "|---|---|---|---|"]
+    lines += ["", "| model | path, rows | ms/step | aggregate tokens/s | rows / 1 row, aggregate tokens/s |",
+              "|---|---|---|---|---|"]
     for name, m in results.get("models", {}).items():
         for k, v in m.items():
             if "rows" in k:
-                lines.append(f"| {name} | {k} | {cell(v, 'ms_per_token')} | {cell(v, 'tokens_per_s', '{:.0f}')} |")
+                lines.append(f"| {name} | {k} | {cell(v, 'ms_per_token')} | {cell(v, 'tokens_per_s', '{:.0f}')} | "
+                             f"{cell(v, 'vs_1_row', '{:.1f}x')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -335,17 +345,21 @@ def main() -> None:
     ap.add_argument("--models", default="1.7b,135m", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--budget", type=float, default=330, help="seconds for the whole run; later measures are skipped")
-    ap.add_argument("--rows", default="8,32", help="rows of one request through our eager loop")
-    ap.add_argument("--graph-rows", default="", help="rows through the graph step (a compile each)")
-    ap.add_argument("--memories", default="10000,100000")
+    ap.add_argument("--budget", type=float, default=260, help="seconds for the whole run; later measures are skipped")
+    ap.add_argument("--eager", action="store_true", help="also transformers' eager generate and our eager loop "
+                    "(1 row and --rows rows; measured in the first run)")
+    ap.add_argument("--rows", default="8,32", help="rows of one request through our eager loop (with --eager)")
+    ap.add_argument("--graph-rows", default="8,32", help="rows through the graph step (a compile each)")
+    ap.add_argument("--graphs", default="manual", choices=["manual", "trees"],
+                    help="the step as one captured CUDA graph (manual) or torch.compile's CUDA graphs (trees)")
+    ap.add_argument("--memories", default="100000")
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--smoke", action="store_true", help="a tiny shape and a few tokens (runs on a CPU)")
     args = ap.parse_args()
     if args.smoke:
         args.models, args.tokens, args.repeats, args.memories = "smoke", 6, 1, "2000"
-        args.rows, args.max_len = "2", 128
+        args.rows, args.graph_rows, args.max_len, args.eager = "2", "2", 128, True
     as_ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     args.rows, args.graph_rows, args.memories = as_ints(args.rows), as_ints(args.graph_rows), as_ints(args.memories)
     transformers.logging.set_verbosity_error()  # (generate's notes on min_new_tokens, a line a call)
@@ -356,7 +370,7 @@ def main() -> None:
     tokenizer, where = load_tokenizer(args.tokenizer)
     run.results["env"] = {"date": time.strftime("%Y-%m-%d %H:%M"), "card": torch.cuda.get_device_name() if device ==
                           "cuda" else "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
-                          "dtype": str(dtype), "tokenizer": where or "none: fixed prompt ids", "span_width": SPAN,
+                          "dtype": str(dtype), "tokenizer": where or "none: fixed prompt ids", "span_width": SLOTS + 1,
                           "budget_s": args.budget}
     run.log(f"device {run.results['env']['card']}, tokenizer {where}, models {args.models}, budget {args.budget:.0f} s")
     for key in args.models.split(","):

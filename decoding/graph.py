@@ -1,86 +1,64 @@
-"""A decode step on fixed device buffers, replayed as a CUDA graph, and a host loop that never waits for it.
+"""A decode step on fixed device buffers, replayed as one CUDA graph, and a host loop that never waits for it.
 
 `GraphStep` holds one transformers `StaticCache` (B rows, `max_len` positions) and the step's inputs as
 preallocated device tensors: token ids [B, W], an injection vector [B, W, H] and a flag [B, W] (a
-`<|memory_pad|>` slot is `where(flag, vector, embed(id))`, so a memory is one more replay of the same
-graph), positions [B, W] and the column whose state is wanted [B]. The backbone and the head run inside
-the step: it returns that column's final state [B, H] and float32 logits [B, V]. It is compiled with
-`torch.compile(mode="reduce-overhead")` (inductor + CUDA graphs, as gpt-fast and transformers' static-cache
-`generate` do) for two widths: W = 1, a token a row, and W = `span`, a recalled memory's slots and its
-suffix in one forward (a shorter span is padded on the right and the cache's write position moved back
-over the padding; a longer one takes several). The cache and the input buffers are marked static
-addresses, so a replay copies nothing in. Outputs of a CUDA graph are overwritten by its next replay:
-whatever outlives a step is copied out first (the sampled token into the input buffer, a recall query
-cloned).
+`<|memory_pad|>` slot is `where(flag, vector, embed(id))`, so a memory is one more replay), positions [B, W],
+the column whose state is wanted [B] and the real width n. The forward is compiled by inductor for W = 1 and
+for each span bucket (`SPANS`: a memory's slots and its suffix, padded to the smallest bucket that holds
+them; a longer one takes several replays), and on CUDA the whole step is captured in one `torch.cuda.CUDAGraph`
+per width and sampler kind: the repetition penalty's count of the input tokens, the positions, the forward,
+the cache's padding forgotten, the request's processors and draw (`decoding.device_sampler`), the token
+written into the next replay's input and into a ring copied to pinned host memory. A step is one `replay()`;
+torch.compile's own CUDA graphs (`graphs="trees"`, the first run's path) are the fallback.
 
 `GraphDecoder.stream` is the host loop (gpt-fast's `decode_n_tokens` with the read-back of mlx-lm's
-`generate_step`): each step's processors (the request's transformers `LogitsProcessorList`, fed a device
-copy of the sequence) and the draw (`sampling.draw`: argmax, or the exponential race instead of
-`torch.multinomial`) run on the device; the sampled tokens are copied to pinned host memory without
-waiting, and the host reads step n's tokens only after step n+1 is queued, so the device never waits for
-the host, and a stop (EOS, the length, an interrupt) ends the request one step later at most. A recall
-(batch 1) is the one exception: the read-back shows `<recall>` while the step that took it as input is
-already queued; that step's final state is the memory head's query (exact search on the device,
-`MemoryVectorDB.topk`), its sampled token is dropped, and choosing the memory reads its k scores back
-(the host needs the memory's slot count).
+`generate_step`): it launches step n + 1 before it reads step n's tokens, so the device never waits for the
+host, and a stop (EOS, the length, an interrupt) ends the request one step later at most. Processors without
+a tensor form run as transformers' processors after the replay (`DeviceSampler.configure`). A recall (batch
+1): the read-back shows `<recall>` while the step that took it as input is already queued; that step's final
+state is the memory head's query (exact search on the device, `MemoryVectorDB.topk`), its token is dropped,
+and choosing the memory reads its k scores back (the host needs the memory's slot count).
 
-What stays out: Qwen3-VL's mRoPE positions, padded batches, rows recalling in a batch, stop strings and
-the processors that synchronise (`NoRepeatNGram...`, `PrefixConstrained...`: they run, but wait for the
-device). This decoder is the standalone engine of `bench/gpu.py` and `tests/decoding/test_graph.py`; the
-chat's loop (`decoding/loop.py`) does not use it yet.
+What stays out: Qwen3-VL's mRoPE positions, padded batches, rows recalling in a batch and stop strings. This
+decoder is the standalone engine of `bench/gpu.py` and `tests/decoding/test_graph.py`; the chat's loop
+(`decoding/loop.py`) does not use it yet.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator
 
 import torch
-from transformers import LogitsProcessorList, StaticCache
+from transformers import StaticCache
 
 from decoding.memory import MemorySelector, Recall, recall_step
 from decoding.processors import build_logits_processor
+from decoding.device_sampler import FULL, DeviceSampler, Kind, ReadBack
+from decoding.graph_inputs import Inputs
 from decoding.sampling import draw
 from decoding.settings import GenerationSettings
 from models.modeling import backbone_and_head, head_logits, unwrap_model
 
-SPAN = 32  # positions of the wide graph: a recalled memory's slots and its suffix in one replay
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """One graph's input buffers (device tensors, written in place between replays)."""
-
-    ids: torch.Tensor  # [B, W] int64
-    vector: torch.Tensor  # [B, W, H] model dtype: what a flagged position gets instead of its token's embedding
-    flag: torch.Tensor  # [B, W] bool
-    position: torch.Tensor  # [B, W] int64
-    last: torch.Tensor  # [B] int64: the column whose state and logits come out
-
-    @classmethod
-    def zeros(cls, batch: int, width: int, hidden: int, device, dtype) -> "Inputs":
-        made = cls(torch.zeros((batch, width), dtype=torch.long, device=device),
-                   torch.zeros((batch, width, hidden), dtype=dtype, device=device),
-                   torch.zeros((batch, width), dtype=torch.bool, device=device),
-                   torch.zeros((batch, width), dtype=torch.long, device=device),
-                   torch.zeros(batch, dtype=torch.long, device=device))
-        for t in made.tensors():
-            torch._dynamo.mark_static_address(t)  # replayed in place: never copied into the graph's own inputs
-        return made
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.ids, self.vector, self.flag, self.position, self.last
+SPANS = (17, 33)  # widths of the wide graphs: a recalled memory's slots and its suffix in one replay (16 + 1, 32 + 1)
 
 
 class GraphStep:
     """The step on one static cache of `batch` rows and `max_len` positions; `compile=False` runs it eagerly
-    (the same code: what the CPU tests compare against the loop)."""
+    (the same code: what the CPU tests compare against the loop).
 
-    def __init__(self, model: torch.nn.Module, *, batch: int = 1, max_len: int = 1024, span: int = SPAN,
-                 compile: bool = True, mode: str = "reduce-overhead"):
+    `graphs`: "manual" (on CUDA: the forward compiled by inductor without CUDA graphs, and the whole step, the
+    sampler's operations and the commit of the token included, captured in one `torch.cuda.CUDAGraph` per width
+    and sampler kind: a step is one `replay()`), "trees" (torch.compile's own CUDA graphs of the forward,
+    `mode="reduce-overhead"`; the sampler runs eagerly around it: the first run's path) or "none". A manual
+    capture that fails falls back to "trees" (logged in `fallback`)."""
+
+    def __init__(self, model: torch.nn.Module, *, batch: int = 1, max_len: int = 1024,
+                 spans: tuple[int, ...] = SPANS, compile: bool = True, graphs: str = "manual"):
         self.model = model
         self.backbone, self.head = backbone_and_head(model)
         if hasattr(self.backbone, "get_rope_index"):
@@ -91,16 +69,27 @@ class GraphStep:
         param = next(base.parameters())
         self.device, self.dtype = param.device, param.dtype
         config = base.config.get_text_config(decoder=True)
-        self.batch, self.max_len, self.span = batch, max_len, span
+        self.batch, self.max_len, self.spans = batch, max_len, tuple(sorted(spans))
         self.cache = StaticCache(config=config, max_cache_len=max_len)
         self.one = Inputs.zeros(batch, 1, config.hidden_size, self.device, self.dtype)
-        self.wide = Inputs.zeros(batch, span, config.hidden_size, self.device, self.dtype)
-        self.offsets = torch.arange(span, device=self.device)  # [W]
+        self.wide = {w: Inputs.zeros(batch, w, config.hidden_size, self.device, self.dtype) for w in self.spans}
+        self.offsets = {w: torch.arange(w, device=self.device) for w in (1, *self.spans)}  # [W]
+        self.sampler = DeviceSampler(batch, self.embed.weight.shape[0], self.device)
         self.length = 0  # positions the cache holds (counted on the host)
         self.compiled = compile
-        self.graphs = compile and self.device.type == "cuda"
-        self._fn = torch.compile(self._forward, mode=mode, dynamic=False) if compile else self._forward
+        cuda = self.device.type == "cuda"
+        self.mode = graphs if compile and cuda else "none"
+        self.graphs = self.mode != "none"
+        self.fallback: str | None = None
+        self._fn = self._compile()
+        self._captured: dict = {}  # (width, kind) -> (CUDAGraph, (hidden, logits))
         self.compile_seconds: float | None = None
+
+    def _compile(self):
+        if not self.compiled:
+            return self._forward
+        return torch.compile(self._forward, dynamic=False,
+                             mode="reduce-overhead" if self.mode == "trees" else None)
 
     def _forward(self, ids: torch.Tensor, vector: torch.Tensor, flag: torch.Tensor, position: torch.Tensor,
                  last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,11 +99,46 @@ class GraphStep:
         hidden = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [B, H]
         return hidden, head_logits(self.model, self.head, hidden)
 
-    @torch.no_grad()
-    def _run(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.graphs:
+    def _body(self, inputs: Inputs, kind: Kind | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything one replay does: count the input tokens (repetition penalty), set the positions, the forward,
+        forget the padding's cache positions, advance the position, and (with a kind) choose and commit the
+        token."""
+        width = inputs.ids.shape[1]
+        if kind is not None and kind.penalty:
+            self.sampler.see(inputs.ids, None if width == 1 else (self.offsets[width] < inputs.n).expand_as(inputs.ids))
+        if width > 1:
+            torch.add(self.one.position, self.offsets[width], out=inputs.position)  # [B, W]: this span's positions
+        if self.mode == "trees":
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are dead (copied out)
-        return self._fn(*inputs.tensors())
+        hidden, logits = self._fn(*inputs.tensors())
+        if width > 1:
+            pad = width - inputs.n  # the padding's keys are overwritten before they are read
+            for layer in self.cache.layers:
+                layer.cumulative_length.sub_(pad[0])
+        self.one.position.add_(inputs.n if width > 1 else 1)
+        if kind is not None and kind.commit:
+            self.sampler.commit(self.sampler.choose(logits, kind), self.one.ids, kind.masked)
+        return hidden, logits
+
+    @torch.no_grad()
+    def _run(self, inputs: Inputs, kind: Kind | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mode != "manual":
+            return self._body(inputs, kind)
+        key = (inputs.ids.shape[1], kind)
+        if key not in self._captured:
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    outs = self._body(inputs, kind)
+                self._captured[key] = graph, outs
+            except Exception as e:  # noqa: BLE001 - the proven path instead of none
+                self.fallback = f"manual capture failed ({type(e).__name__}: {e}); torch.compile's CUDA graphs"
+                self.mode, self._captured = "trees", {}
+                self._fn = self._compile()
+                return self._body(inputs, kind)
+        graph, outs = self._captured[key]
+        graph.replay()
+        return outs
 
     @torch.no_grad()
     def prefill(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,53 +158,69 @@ class GraphStep:
         self.one.position.fill_(n)
         return hidden, head_logits(self.model, self.head, hidden)
 
-    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, kind: Kind | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One position a row: the token in `one.ids` at `one.position` -> (state [B, H], logits [B, V]), the
-        graph's own output buffers (valid until the next replay)."""
+        graph's own output buffers (valid until its next replay); with a `kind`, the next token is chosen and
+        committed in the same replay."""
         if self.length + 1 > self.max_len:
             raise ValueError(f"the static cache is full ({self.max_len} positions)")
-        out = self._run(self.one)
-        self.one.position.add_(1)
+        out = self._run(self.one, kind)
         self.length += 1
         return out
 
-    def forward_span(self, tokens: list[int], vectors: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_span(self, tokens: list[int], vectors: dict[int, torch.Tensor],
+                     kind: Kind | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forced positions from `one.position` on, the same for every row: `tokens`, with `vectors[i]` [H] (model
-        dtype, on the device) in place of token i's embedding; (the last one's state [B, H], logits [B, V])."""
-        if self.length + self.span > self.max_len:  # the padded width is written before it is cropped
-            raise ValueError(f"no room for a span of {len(tokens)} in the static cache ({self.length} of "
-                             f"{self.max_len} positions held)")
-        out = None
-        for start in range(0, len(tokens), self.span):
-            part = tokens[start:start + self.span]
-            n, w = len(part), self.wide
-            w.ids.zero_()
-            w.ids[:, :n] = torch.tensor(part, device=self.device)
-            w.flag.zero_()
-            for i in range(n):
-                if start + i in vectors:
-                    w.flag[:, i] = True
-                    w.vector[:, i] = vectors[start + i]
-            torch.add(self.one.position, self.offsets, out=w.position)  # [B, W]: this span's positions
-            w.last.fill_(n - 1)
-            out = self._run(w)
-            for layer in self.cache.layers:  # forget the padding: its keys are overwritten before they are read
-                layer.cumulative_length.sub_(self.span - n)
-            self.one.position.add_(n)
+        dtype, on the device) in place of token i's embedding; (the last one's state [B, H], logits [B, V]), in the
+        smallest span graph that holds them (several replays of the widest for a longer span)."""
+        if not self.spans:
+            raise ValueError("this step was built without span graphs (spans=())")
+        out, start = None, 0
+        while start < len(tokens):
+            width = next((w for w in self.spans if w >= len(tokens) - start), self.spans[-1])
+            if self.length + width > self.max_len:  # the padded width is written before it is cropped
+                raise ValueError(f"no room for a span of {len(tokens)} in the static cache ({self.length} of "
+                                 f"{self.max_len} positions held)")
+            part, w = tokens[start:start + width], self.wide[width]
+            n = len(part)
+            staged = torch.zeros(2 * width + 1, dtype=torch.long)  # ids, flags and n in one copy
+            staged[:n] = torch.tensor(part)
+            here = [i for i in range(n) if start + i in vectors]
+            staged[width + torch.tensor(here, dtype=torch.long)] = 1
+            staged[-1] = n
+            staged = staged.to(self.device, non_blocking=True)
+            w.ids.copy_(staged[:width].expand(self.batch, -1))
+            w.flag.copy_((staged[width:2 * width] > 0).expand(self.batch, -1))
+            w.n.copy_(staged[-1:])
+            w.last.copy_((staged[-1] - 1).expand(self.batch))
+            if here:
+                w.vector[:, here] = torch.stack([vectors[start + i] for i in here]).to(w.vector.dtype)
+            last = start + n >= len(tokens)
+            out = self._run(w, kind if last or kind is None else dataclasses.replace(kind, commit=False))
             self.length += n
+            start += n
         return out
 
-    def warm_up(self, prompt: int = 4) -> float:
-        """Compile and record both graphs on a dummy prompt (three calls each: warm-up, record, replay); the
-        cache is left empty. Returns the seconds it took."""
+    def warm_up(self, prompt: int = 4, spans: bool = True) -> float:
+        """Compile the forward for each width, run every sampler operation once, and capture the greedy graphs on a
+        dummy prompt; the cache is left empty. Returns the seconds it took."""
         t0 = time.perf_counter()
+        greedy = Kind()
         with torch.no_grad():
             self.prefill(self.embed(torch.zeros((self.batch, prompt), dtype=torch.long, device=self.device)))
-            for _ in range(3):
-                self.step()
-            for _ in range(3):
-                self.forward_span([0, 0], {0: torch.zeros(self.embed.weight.shape[1], device=self.device,
-                                                          dtype=self.dtype)})
+            widths = self.spans if spans else ()
+            for _ in range(3 if self.mode == "trees" else 2):  # compile (and, for trees, record and replay)
+                self._body(self.one, None) if self.mode == "manual" else self.step(greedy)
+                for w in widths:
+                    self.forward_span([0, 0], {0: torch.zeros(self.embed.weight.shape[1], device=self.device,
+                                                              dtype=self.dtype)}) if self.mode != "manual" else \
+                        self._body(self.wide[w], None)
+            self.sampler.choose(torch.zeros((self.batch, self.sampler.vocab), device=self.device), FULL)
+            if self.mode == "manual":
+                self.length = 0
+                self.step(greedy)
+                for w in widths:
+                    self._run(self.wide[w], greedy)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
         self.length = 0
@@ -188,29 +228,6 @@ class GraphStep:
             layer.cumulative_length.zero_()
         self.compile_seconds = time.perf_counter() - t0
         return self.compile_seconds
-
-
-class ReadBack:
-    """Each step's tokens [B] copied to pinned host memory without waiting; read (waiting for that copy
-    alone) a step later. Two slots: the token being read and the one queued behind it."""
-
-    def __init__(self, rows: int, device: torch.device):
-        cuda = device.type == "cuda"
-        self.host = torch.zeros((2, rows), dtype=torch.long, pin_memory=cuda)
-        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self.next = 0
-
-    def push(self, tokens: torch.Tensor) -> int:
-        slot, self.next = self.next, 1 - self.next
-        self.host[slot].copy_(tokens, non_blocking=True)
-        if self.events[slot] is not None:
-            self.events[slot].record()
-        return slot
-
-    def read(self, slot: int) -> list[int]:
-        if self.events[slot] is not None:
-            self.events[slot].synchronize()
-        return self.host[slot].tolist()
 
 
 @dataclass
@@ -234,15 +251,17 @@ class GraphDecoder:
         self.graph = GraphStep(model, **step_options)
         self.launch_guard: Callable[[], ContextManager] = contextlib.nullcontext  # around each step's launch (tests)
 
-    def warm_up(self) -> float:
-        return self.graph.warm_up()
+    def warm_up(self, spans: bool = True) -> float:
+        return self.graph.warm_up(spans=spans)
 
     def stream(self, input_ids: torch.Tensor, settings: GenerationSettings = GenerationSettings(), *,
                recall: Recall | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
                interrupt: threading.Event | None = None, keep_logits: bool = False,
                out: Decoded | None = None) -> Iterator[list[int]]:
         """Yield each position's tokens [B] (host ints) as the host reads them back, a step behind the device;
-        forced span tokens as soon as they are known. `out` (a `Decoded`) collects recalls, logits and counts."""
+        forced span tokens as soon as they are known. `out` (a `Decoded`) collects recalls, logits and counts.
+        The request's processors and draw run inside the step's graph when `DeviceSampler.configure` has a tensor
+        form for all of them, else (the fallback) as transformers' processors and `sampling.draw` after it."""
         g, out = self.graph, out if out is not None else Decoded([], "length")
         t0 = time.perf_counter()
         rows, length = input_ids.shape
@@ -251,38 +270,46 @@ class GraphDecoder:
         recall_on = recall is not None and recall.active
         if recall_on and rows != 1:
             raise ValueError(f"recall in the graph decoder takes one row, got {rows} (decode them with decoding.loop)")
-        seq = torch.zeros((rows, g.max_len), dtype=torch.long, device=g.device)  # the processors' input_ids
-        seq[:, :length] = input_ids.to(g.device)
-        cur = length  # columns of `seq` written
+        prompt = input_ids.to(g.device)
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        processors = build_logits_processor(settings, eos_token_id=eos or None, prompt_ids=seq[:, :length],
+        processors = build_logits_processor(settings, eos_token_id=eos or None, prompt_ids=prompt,
                                             vocab_size=g.embed.weight.shape[0])
+        seed = settings.seed if settings.seed is not None else int(torch.randint(1 << 31, ()))
+        kind = g.sampler.configure(processors, do_sample=settings.do_sample, seed=seed, eos=eos, pad=pad_token_id,
+                                   masked=rows > 1 and bool(eos))
+        if kind is not None and kind.penalty:
+            g.sampler.see(prompt)
+        host_side = kind is None  # the fallback: processors and draw after the replay, on the host's queue
+        seq = torch.zeros((rows, g.max_len), dtype=torch.long, device=g.device) if host_side else None
+        if host_side:
+            seq[:, :length] = prompt
+        cur = length  # positions of the sequence so far
         generator = None if settings.seed is None else torch.Generator(g.device).manual_seed(settings.seed)
         selector = MemorySelector.of(recall, None if settings.seed is None else
                                      torch.Generator().manual_seed(settings.seed)) if recall_on else None
-        masked = rows > 1 and bool(eos)  # finished rows of a batch go on with padding, decided on the device
-        eos_t = torch.tensor(eos or [-1], device=g.device)
-        unfinished = torch.ones(rows, dtype=torch.bool, device=g.device)
-        readback = ReadBack(rows, g.device)
+        masked = rows > 1 and bool(eos)
+        readback = ReadBack(g.sampler)
 
-        def pick(logits: torch.Tensor, processors: LogitsProcessorList = processors) -> torch.Tensor:
-            nonlocal unfinished
+        def keep(logits: torch.Tensor) -> None:
             if keep_logits:
                 out.logits.append(logits.clone())
                 out.positions.append(cur - 1)
-            scores = processors(seq[:, :cur], logits) if processors else logits
-            tokens = draw(scores, settings.do_sample, generator)  # [B]
-            if masked:
-                tokens = torch.where(unfinished, tokens, pad_token_id)
-                unfinished = unfinished & ~torch.isin(tokens, eos_t)
-            return tokens
 
-        def commit(tokens: torch.Tensor) -> int:
+        def pick(logits: torch.Tensor) -> torch.Tensor:  # the fallback's choice (host side)
+            keep(logits)
+            return draw(processors(seq[:, :cur], logits) if processors else logits, settings.do_sample, generator)
+
+        def advance(logits: torch.Tensor) -> int:
+            """A replay was queued whose logits score position `cur - 1` (its token chosen in the graph, or here):
+            the token's read-back slot."""
             nonlocal cur
-            g.one.ids.copy_(tokens[:, None])
-            seq[:, cur].copy_(tokens)
+            if host_side:
+                g.sampler.commit(pick(logits), g.one.ids, masked)
+                seq[:, cur].copy_(g.one.ids[:, 0])
+            else:
+                keep(logits)
             cur += 1
-            return readback.push(tokens)
+            return readback.pushed()
 
         def recall_span(hidden: torch.Tensor) -> tuple[list[int], int]:
             """Recall at the newest position (its final state `hidden` [1, H]); forward the memory's slots and
@@ -291,35 +318,38 @@ class GraphDecoder:
             tokens, vectors, event = recall_step(selector, recall, hidden[0], 0, cur)
             out.recalls.append(event)
             out.memory_vectors.update(vectors)
-            seq[:, cur:cur + len(tokens)] = torch.tensor(tokens, device=g.device)
+            if host_side:
+                seq[:, cur:cur + len(tokens)] = torch.tensor(tokens, device=g.device)
             cur += len(tokens)
             slots = {p - event.position: v for p, v in vectors.items()}
             embedded = recall.embed(torch.stack([slots[i] for i in sorted(slots)]), g.device, g.dtype)  # [k, H]
-            _, logits = g.forward_span(tokens, dict(zip(sorted(slots), embedded)))
+            _, logits = g.forward_span(tokens, dict(zip(sorted(slots), embedded)), kind)
             out.steps += 1
-            return tokens, commit(pick(logits))
+            return tokens, advance(logits)
 
         out.tokens = [[] for _ in range(rows)]
         done = [False] * rows
         with torch.no_grad():
-            hidden, logits = g.prefill(g.embed(seq[:, :length]))
+            hidden, logits = g.prefill(g.embed(prompt))
             if recall_on and int(input_ids[0, -1]) == recall.recall_id:  # the prompt ends with <recall>
-                pick(logits)  # drawn and dropped, as the loop draws a token and forces the span instead
+                pick(logits) if host_side else keep(logits)  # drawn and dropped, as the loop forces the span instead
                 forced, pending = recall_span(hidden)
                 for t in forced:
                     out.tokens[0].append(t)
                     yield [t]
                 made = len(forced)
             else:
-                pending, made = commit(pick(logits)), 0
+                if not host_side:
+                    g.sampler.commit(g.sampler.choose(logits, kind), g.one.ids, kind.masked)
+                pending, made = advance(logits), 0
             while True:
                 queued = None
                 if made + 1 < settings.max_new_tokens and g.length + 1 < g.max_len:
                     with self.launch_guard():
-                        hidden, logits = g.step()  # input: the pending token, already in `one.ids`
+                        hidden, logits = g.step(kind)  # input: the pending token, already in `one.ids`
                         if recall_on:
                             hidden = hidden.clone()
-                        queued = commit(pick(logits))
+                        queued = advance(logits)
                     out.steps += 1
                 tokens = readback.read(pending)  # the device is already busy with the step queued behind it
                 if not out.ttft:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from decoding.device_sampler import DeviceSampler
 from decoding.graph import Decoded, GraphDecoder
 from decoding.loop import generate
 from decoding.memory import Recall
@@ -41,13 +42,13 @@ def prompt(seed: int = 0, length: int = 12, rows: int = 1) -> torch.Tensor:
     return torch.randint(3, 400, (rows, length), generator=torch.Generator().manual_seed(seed))
 
 
-def kv_recall(model, n: int = 12, max_slots: int = 5) -> Recall:
+def kv_recall(model, n: int = 12, max_slots: int = 5, min_slots: int = 1) -> Recall:
     """Key/value memories of 1..`max_slots` slots, `</recall>` after them; the query a fixed projection of the
     `<recall>` state, computed on the state's device."""
     g = torch.Generator().manual_seed(0)
     h, scale = model.config.hidden_size, float(model.get_input_embeddings().weight.detach().std()) * 3
     db = MemoryVectorDB(KEY_DIM, value_dim=h)
-    slots = torch.randint(1, max_slots + 1, (n,), generator=g).tolist()
+    slots = torch.randint(min_slots, max_slots + 1, (n,), generator=g).tolist()
     db.add(torch.randn(n, KEY_DIM, generator=g), [f"fact {i}" for i in range(n)],
            values=[torch.randn(k, h, generator=g) * scale for k in slots])
     proj = torch.randn(h, KEY_DIM, generator=torch.Generator().manual_seed(7))
@@ -156,6 +157,78 @@ def test_the_no_sync_draw_has_the_reference_distribution(settings):
     assert chi_square_p(counts, skewed) < 1e-6 if (skewed > 0).sum() > 1 else True
 
 
+SAMPLED = [GenerationSettings(do_sample=True),
+           GenerationSettings(do_sample=True, temperature=0.7, top_k=6, top_p=0.9),
+           GenerationSettings(do_sample=True, min_p=0.05, repetition_penalty=1.5, sequence_bias=(((4,), 1.5),)),
+           GenerationSettings(do_sample=True, temperature=1.3, top_k=0, top_p=0.6, min_p=0.1)]
+
+
+def configured(settings, rows: int, n: int = 10):
+    seen = torch.tensor([[n - 1, 3]]).expand(rows, -1)
+    procs = build_logits_processor(settings, eos_token_id=None, prompt_ids=seen, vocab_size=n)
+    sampler = DeviceSampler(rows, n, torch.device("cpu"))
+    kind = sampler.configure(procs, do_sample=settings.do_sample, seed=5, eos=[], pad=0, masked=False)
+    assert kind is not None
+    if kind.penalty:
+        sampler.see(seen)
+    return seen, procs, sampler, kind
+
+
+@pytest.mark.parametrize("settings", SAMPLED + [GenerationSettings(repetition_penalty=0.8)],
+                         ids=["plain", "top-k-top-p", "min-p-penalty-bias", "temp-top-p-min-p", "greedy-penalty"])
+def test_the_graph_sampler_processes_as_transformers(settings):
+    """The in-graph processors' scores are transformers' processors' scores (the same -inf, the same floats)."""
+    scores = torch.randn(6, 10, generator=torch.Generator().manual_seed(1)) * 2
+    seen, procs, sampler, kind = configured(settings, 6)
+    torch.testing.assert_close(sampler.scores(scores, kind), procs(seen, scores.clone()), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("settings", SAMPLED, ids=["plain", "top-k-top-p", "min-p-penalty-bias", "temp-top-p-min-p"])
+def test_the_graph_draw_has_the_reference_distribution(settings):
+    """The in-graph draw (Gumbel-max over hashed uniforms): across rows at one step, and across steps of one row,
+    the law of softmax(processed scores), by the chi-square test that rejects a slightly different law."""
+    n, rows = 10, 40_000
+    scores = torch.linspace(-2, 2, n)[None].expand(rows, -1).clone()
+    seen, procs, sampler, kind = configured(settings, rows)
+    probs = torch.softmax(procs(seen[:1], scores[:1].clone())[0], -1)
+    counts = torch.bincount(sampler.choose(scores, kind), minlength=n)
+    assert chi_square_p(counts, probs) > 1e-3
+    skewed = torch.softmax(procs(seen[:1], scores[:1].clone())[0] * 1.1, -1)
+    assert chi_square_p(counts, skewed) < 1e-6 if (skewed > 0).sum() > 1 else True
+    seen, procs, one, kind = configured(settings, 1)
+    draws = []
+    for _ in range(20_000):
+        draws.append(one.choose(scores[:1], kind))
+        one.step.add_(1)
+    assert chi_square_p(torch.bincount(torch.cat(draws), minlength=n), probs) > 1e-3
+
+
+def test_a_seeded_graph_draw_repeats_and_a_fallback_equals_the_loop(model, eager):
+    """The same seed, the same sampled tokens (no generator state); processors without a tensor form (n-gram
+    bans) run on the host after the replay and still give the loop's tokens and logits."""
+    s = GenerationSettings(max_new_tokens=16, do_sample=True, top_k=20, repetition_penalty=1.2, seed=11)
+    first = eager.generate(prompt(), s).tokens
+    assert eager.generate(prompt(), s).tokens == first
+    assert eager.generate(prompt(), GenerationSettings(**{**s.__dict__, "seed": 12})).tokens != first
+    ngram = GenerationSettings(max_new_tokens=24, no_repeat_ngram_size=2)
+    procs = build_logits_processor(ngram, eos_token_id=None, prompt_ids=prompt(), vocab_size=VOCAB)
+    assert DeviceSampler(1, VOCAB, torch.device("cpu")).configure(procs, do_sample=False, seed=0, eos=[], pad=0,
+                                                                  masked=False) is None
+    ids = prompt()
+    assert_same_as_loop(eager.generate(ids, ngram, keep_logits=True), loop_run(model, ids, ngram), ids)
+
+
+def test_a_long_memory_takes_the_span_buckets(model):
+    """Memories of 35-40 slots: two replays (33 wide, then the rest in the 17-wide graph), the loop's tokens and logits
+    with the repetition penalty counting the forced tokens."""
+    dec = GraphDecoder(model, max_len=256, compile=False)
+    recall = kv_recall(model, max_slots=40, min_slots=35)
+    s = GenerationSettings(max_new_tokens=120, sequence_bias=(((RECALL,), 4.0),), repetition_penalty=1.1)
+    got = dec.generate(prompt(2), s, recall=recall, keep_logits=True)
+    assert len(got.recalls) >= 2 and min(r.length for r in got.recalls) > 34  # 33 + a 17-wide rest
+    assert_same_as_loop(got, loop_run(model, prompt(2), s, recall), prompt(2))
+
+
 def test_the_device_search_ranks_as_the_bank():
     g = torch.Generator().manual_seed(0)
     db = MemoryVectorDB(32)
@@ -202,10 +275,17 @@ def cuda_model():
 
 @pytest.fixture(scope="module")
 def graphed(cuda_model):
-    dec = GraphDecoder(cuda_model, max_len=256)
+    dec = GraphDecoder(cuda_model, max_len=256, spans=(17,))  # (the recalls here are at most 6 wide)
     dec.warm_up()
     assert dec.graph.graphs
     return dec
+
+
+@gpu
+@pytest.mark.gpu
+def test_the_step_is_one_captured_graph(graphed):
+    """The manual capture worked (no fall back to torch.compile's CUDA graphs)."""
+    assert graphed.graph.mode == "manual" and graphed.graph.fallback is None, graphed.graph.fallback
 
 
 @gpu
@@ -251,6 +331,6 @@ def test_a_recall_on_the_gpu_replays_exactly(cuda_model, graphed):
 @pytest.mark.gpu
 def test_batched_equals_alone_on_the_gpu(cuda_model, graphed):
     ids, s = prompt(5, rows=2), GenerationSettings(max_new_tokens=24)
-    both = GraphDecoder(cuda_model, batch=2, max_len=256)
-    both.warm_up()
+    both = GraphDecoder(cuda_model, batch=2, max_len=256, spans=())
+    both.warm_up(spans=False)
     assert both.generate(ids, s).tokens == [graphed.generate(ids[r:r + 1], s).tokens[0] for r in range(2)]
