@@ -31,6 +31,7 @@ from memory import BankError
 from memory.milvus import MilvusBank
 from memory.personal import Joined, Personal
 from models import EMBEDDED_NAME, LoadedModel, load_model
+from models.remember import mentions_the_user
 from models.spec import COMPILE
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -178,15 +179,14 @@ class Service(SessionService):
             nonlocal recall_first, images
             with s.lock:
                 conv = self.conversation(s)
+                s.last_change = None
                 try:
-                    s.last_change = None
                     if changed := self.remember(s, self.people.decide(conv.lm, text)):
                         s.last_change = changed if changed.written or changed.forgotten else None
                         yield changed
-                    bank = self.recall_bank(s)
                 except (ServiceError, BankError) as e:  # (a memory that cannot be read: said, and the answer goes on)
                     yield Notice(f"{e}; answering without your memories")
-                    bank = self.banks.of(s)
+                bank = yield from self.recall_bank(s, text)
                 if images and not conv.lm.is_vision:
                     message = text_only_message(conv.lm, len(images))
                     if not text:
@@ -204,13 +204,20 @@ class Service(SessionService):
         req.on_withdraw = lambda: self._record_unanswered(s, req)
         return self._start(s, req)
 
-    def recall_bank(self, s: Session) -> Any:
-        """What the memory head searches for this session: its user's own memories and the session's bank, as one
-        (each recall names the bank it came from), or the session's bank alone while the user has none."""
-        mine, bank = self.people.of(self._model(), s.user), self.banks.of(s)
-        if not len(mine):
+    def recall_bank(self, s: Session, text: str) -> Iterator[Notice]:
+        """What the memory head searches for a message of this session (the generator's return value; a notice
+        on the way when the user's memories cannot be read): the session's bank, joined by its user's own
+        memories when the message speaks of its author ("What is my dog's name?"; each recall names the bank it
+        came from). A message that does not ("What colour is the sky?") never reads a memory about the person."""
+        bank = self.banks.of(s)
+        if not mentions_the_user(text):
             return bank
-        return Joined([("yours", mine.bank), (self.banks.label(s), bank)])
+        try:
+            mine = self.people.of(self._model(), s.user)
+            return Joined([("yours", mine.bank), (self.banks.label(s), bank)]) if len(mine) else bank
+        except (ServiceError, BankError) as e:
+            yield Notice(f"{e}; answering without your memories")
+            return bank
 
     def personal(self, s: Session) -> Personal:
         """The session's user's own memory."""
@@ -251,11 +258,8 @@ class Service(SessionService):
 
         def run(interrupt: threading.Event) -> Iterator[Any]:
             with s.lock:
-                try:
-                    bank = self.recall_bank(s)
-                except (ServiceError, BankError) as e:
-                    yield Notice(f"{e}; answering without your memories")
-                    bank = self.banks.of(s)
+                question = next((m.text for m in reversed(conv.messages) if m.role == "user"), "")
+                bank = yield from self.recall_bank(s, question)
                 yield from self._noted(s, conv.regenerate(settings, recall, bank, interrupt))
 
         return self._start(s, Request("regenerate", run, s.id, "regenerate"))
