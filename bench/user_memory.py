@@ -191,7 +191,7 @@ def run_anchors(users: list[User], systems: list[str], overrides: list[str], ada
     put in the message as the system does."""
     from models.text_keys import TextEncoder
 
-    app = App([*overrides, f"model.adapter={adapter}", "memory.remember='off'",  # quoted: a bare off is YAML's false
+    app = App([*overrides, f"model.adapter={adapter}", "memory.remember=off",
                f"memory.user_dir={tempfile.mkdtemp(prefix='user-memory-anchors-')}"], recall=False)
     encoder = TextEncoder(adapter=None)  # the stock all-MiniLM-L6-v2
     context = min(app.cfg.app.max_input_tokens, app.svc.lm.spec.context or app.cfg.model.gguf_context)
@@ -262,6 +262,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="CPU threads of the model (llama.cpp takes torch's count; "
                         "default: torch's, one a core): 1 on a machine shared with other work")
     parser.add_argument("--json", help="write every question, answer and verdict here")
+    parser.add_argument("--set", dest="recall_overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a configuration override for the recall chat alone (e.g. model.adapter=FOLDER)")
     args = parser.parse_args()
     if args.threads:
         import torch
@@ -278,7 +280,7 @@ def main() -> None:
     anchors = [s for s in systems if s != "recall"]
     if "recall" in systems:
         t0 = time.perf_counter()
-        records += run_recall(users, overrides, tempfile.mkdtemp(prefix="user-memory-"))
+        records += run_recall(users, [*overrides, *args.recall_overrides], tempfile.mkdtemp(prefix="user-memory-"))
         seconds["recall"] = time.perf_counter() - t0
         models["recall"] = "the configured default (embedded SmolLM2 + recall adapter)"
         report(args, systems, records, models, seconds)  # (kept should the anchors fail)

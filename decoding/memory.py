@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -111,9 +111,10 @@ class NoMemory(LogitsProcessor):
     answers from what it knows; `wanted` marks each row whose first choice was `<recall>` at some step (on the
     device: no host sync). Runs last, after the request's other processors."""
 
-    def __init__(self, recall: Recall):
+    def __init__(self, recall: Recall, start: int = -1, eos: Sequence[int] = ()):
         self.recall_id = recall.recall_id
         self.ids = [recall.recall_id, recall.memory_pad_id]
+        self.start, self.eos = start, list(eos)  # the prompt's length; the end tokens
         self.wanted: torch.Tensor | None = None  # [rows] bool
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -121,12 +122,19 @@ class NoMemory(LogitsProcessor):
         self.wanted = first if self.wanted is None else self.wanted | first
         scores = scores.clone()
         scores[:, self.ids] = -float("inf")
+        if input_ids.shape[1] == self.start and self.eos:  # a row that wanted a memory first answers something:
+            ends = scores[:, self.eos]                     # its second choice is often the end (an empty answer)
+            scores[:, self.eos] = torch.where(first[:, None], torch.full_like(ends, -float("inf")), ends)
         return scores
 
     @classmethod
-    def of(cls, recall: "Recall | None", recall_on: bool) -> "NoMemory | None":
-        """The processor a request needs: only with recall off and `without_memory: answer`."""
-        return cls(recall) if recall is not None and not recall_on and recall.without_memory == "answer" else None
+    def of(cls, recall: "Recall | None", recall_on: bool, start: int = -1,
+           eos: Sequence[int] = ()) -> "NoMemory | None":
+        """The processor a request needs: only with recall off and `without_memory: answer` (`start`, the prompt's
+        length, and `eos`: the first answer token of a row that wanted a memory is not the end)."""
+        if recall is None or recall_on or recall.without_memory != "answer":
+            return None
+        return cls(recall, start, eos)
 
     def rows(self, batch: int) -> list[bool]:
         """Per row of the batch: did the model want a memory? (Entropy decoding scores [B*L] rows: any layer.)"""

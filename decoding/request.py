@@ -307,7 +307,7 @@ def prepare(model, prompt: Prompt, settings: GenerationSettings, recall: Recall 
                                  entropy.num_layers if entropy is not None else 1)
     if entropy is not None:
         entropy.check(processors)
-    no_memory = NoMemory.of(recall, recall_on)
+    no_memory = NoMemory.of(recall, recall_on, prompt_len, eos)
     if no_memory is not None:
         processors = LogitsProcessorList([*processors, no_memory])
     criteria = build_stopping_criteria(settings, prompt_length=prompt_len, eos_token_id=eos or None,
