@@ -223,7 +223,7 @@ def test_a_person_is_remembered_across_a_restart_and_sees_only_their_own(page, d
         login(page, server.url, "ada", "ada-password")
         for fact, memory in told.items():  # told as one tells a friend: the write decision keeps them
             say(page, fact, f"Remembered: {memory}")
-            page.wait_for_function(f"document.querySelector('#change-note').innerText.includes({memory!r})")
+            page.wait_for_function(f"document.querySelector('#change-note')?.innerText?.includes({memory!r})")
         page.locator("#undo-change").click()  # the last one undone: gone from "About you"; told again
         page.wait_for_function("document.querySelector('#status').innerText.includes('Undone')")
         page.get_by_role("tab", name="Memory").click()
