@@ -244,14 +244,11 @@ class MemoryVectorDB(BankShape):
     # ----------------------------------------------------------------------- reading
 
     def topk(self, query: Any, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The memory head's search: (scores float32 [k], ids int64 [k]) on the CPU, best first.
-
-        Through the approximate index (HNSW/IVF) when the bank has one and 0 < k < len: its k
-        candidates are then the only ones returned. Otherwise exact cosine over all entries (one
-        BLAS matrix-vector product; for a query on an accelerator, one product there with the keys copied
-        to it once per bank state, `device_keys`). query: tensor (any dtype/device) or array, [D] or [1, D];
-        k=None (or k >= len) means all, exactly.
-        """
+        """The memory head's search: (scores float32 [k], ids int64 [k]) on the CPU, best first. Through the
+        approximate index (HNSW/IVF) when the bank has one and 0 < k < len: its k candidates are then the only ones
+        returned. Otherwise exact cosine over all entries (one BLAS matrix-vector product; for a query on an
+        accelerator, one product there with the keys copied to it once per bank state, `device_keys`). query: tensor
+        (any dtype/device) or array, [D] or [1, D]; k=None (or k >= len) means all, exactly."""
         snap = self._snap
         if k is not None and k < 0:
             raise ValueError(f"k must be >= 0 or None, got {k}")
@@ -269,8 +266,7 @@ class MemoryVectorDB(BankShape):
     def device_keys(self, device: torch.device | str) -> DeviceKeys:
         """The current state's unit keys on `device`, copied there once per state (`memory/device.py`)."""
         snap, key = self._snap, str(torch.device(device))
-        held = self._on_device.get(key)
-        if held is None or held.state is not snap:
+        if (held := self._on_device.get(key)) is None or held.state is not snap:
             held = DeviceKeys.of(snap, snap.normed, snap.ids, torch.device(device))
             self._on_device = {**self._on_device, key: held}  # one reference swap, as the snapshots
         return held
