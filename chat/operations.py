@@ -297,8 +297,8 @@ def forget_all_memories(svc: ModelSide, s: Session) -> int:
 
 @operation(queued=True)
 def edit_memory(svc: ModelSide, s: Session, memory_id: str, text: str) -> Request:
-    """Queue replacing one of the user's memories by a new text (the new one is written first: a failed write
-    changes nothing)."""
+    """Queue replacing one of the user's memories by a new text (undoable; a failed write changes nothing: the old
+    memory is put back as it was)."""
     mine = svc.personal(s)
     if mine.find(memory_id) is None:
         raise ServiceError(f"memory {memory_id!r}: no such memory of yours")
@@ -307,10 +307,15 @@ def edit_memory(svc: ModelSide, s: Session, memory_id: str, text: str) -> Reques
         raise ServiceError("text: expected the memory's new text, got nothing")
 
     def run(_) -> Remembered:
-        done = svc.remember(s, Decision(write=about_the_user(text)), "edit")
-        if mine.find(memory_id) is not None and not any(e["id"] == memory_id for e in done.superseded):
-            mine.remove([memory_id])
-        return done
+        old = mine.remove([memory_id])  # first: the new text may read as a duplicate of the one it replaces
+        s.last_change = Remembered(forgotten=tuple(old))
+        try:
+            done = svc.remember(s, Decision(write=about_the_user(text)), "edit")
+        except BaseException:
+            svc.undo_change(s)  # a failed write changes nothing: the old memory comes back as it was
+            raise
+        s.last_change = Remembered(done.written, done.superseded, (*old, *done.forgotten), done.note)
+        return s.last_change
 
     return svc.worker.submit(Request("edit_memory", run, s.id))
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from chat.config import load_config
-from chat.operations import forget_memories, my_memories, remember, undo_memory_change
+from chat.operations import edit_memory, forget_memories, my_memories, remember, undo_memory_change
 from chat.people import Remembered
 from chat.service import Service
 from decoding.events import RecallEvent
@@ -162,5 +162,21 @@ def test_undo_takes_back_what_the_last_message_wrote_replaced_or_forgot(tiny_lla
         say("Hello there.")  # a message that changes nothing: nothing left to undo
         with pytest.raises(ValueError, match="no change"):
             svc.run(undo_memory_change, s)
+    finally:
+        svc.close()
+
+
+def test_an_edit_to_a_text_close_to_the_old_replaces_it_and_can_be_undone(tiny_llama, tmp_path):
+    """(A near-duplicate of the memory it edits was refused as "already remembered" after the old one was deleted:
+    the edit lost the memory.)"""
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    s = svc.new_session("ada")
+    try:
+        drain(svc.chat(s, "Remember that my sister is called Lena.", [], SHORT, RECALL).request)
+        (lena,) = svc.run(my_memories, s)
+        result(svc.run(edit_memory, s, lena["id"], "My sister is called Lina."))
+        assert [m["text"] for m in svc.run(my_memories, s)] == ["The user's sister is called Lina."]
+        result(svc.run(undo_memory_change, s))
+        assert svc.run(my_memories, s) == [lena]
     finally:
         svc.close()
