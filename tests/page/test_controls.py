@@ -1,0 +1,23 @@
+"""Every slider of the page reaches only values its setting accepts: a slider end the server refuses is a control
+that fails when a person moves it all the way (the memory top-p slider went down to 0; the server takes (0, 1])."""
+
+from __future__ import annotations
+
+import gradio as gr
+import pytest
+
+from chat.config import load_config, setting_value
+from page.controls import CONTROLS, settings
+
+
+@pytest.mark.parametrize("name", sorted(CONTROLS))
+def test_every_slider_end_is_a_value_the_server_accepts(name):
+    cfg = load_config(environ={})
+    page = {n: CONTROLS[n][2](setting_value(cfg, row[0]), cfg) for n, row in CONTROLS.items()}
+    if not isinstance(page[name], gr.Slider):
+        pytest.skip(f"{name} is a {type(page[name]).__name__}")
+    values = {n: c.value for n, c in page.items()}
+    if name == "mixture_alpha":
+        values["mixture_alpha_auto"] = False  # the slider counts only when α is not automatic
+    for end in (page[name].minimum, page[name].maximum):
+        settings(cfg, {**values, name: end})  # raises ValueError naming the setting when the server refuses it
