@@ -130,17 +130,10 @@ def test_first_minute_with_the_trained_model(page, default_lm):
         page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
         page.locator("#build-example").click()
         page.wait_for_function("document.querySelector('#bank-info').innerText.includes('36 memories')")
-        page.get_by_role("tab", name="Conversation").click()  # where Clear is
         for question, memory, value in [
                 ("Who keeps the lighthouse of Port Avel?", "Mira Castellan is the lighthouse keeper", "Mira Castellan"),
                 ("When does the ferry to Lune Island leave?", "The ferry to Lune Island leaves at seven", "seven")]:
-            page.locator("#clear").click()
-            page.wait_for_function("!document.querySelector('#answer').innerText.includes('⟨memory')")
-            page.locator("#message textarea").fill(question)
-            page.locator("#message textarea").press("Enter")
-            page.wait_for_function("document.querySelector('#answer').innerText.includes('⟨memory') && "
-                                   "document.querySelector('#status').innerText.includes('done')")
-            answer = page.inner_text("#answer")  # recalled without being asked to, the memory that answers it:
+            answer = ask(page, question)  # recalled without being asked to, the memory that answers it:
             assert re.search(r"⟨memory #\d+: " + memory, answer), answer
             if value is not None:  # the words after the memory marker are the model's own: read from the memory
                 assert value in answer[answer.index("⟩") + 1:], answer
