@@ -57,6 +57,9 @@ def perplexity(lm, text: str, window: int = 256) -> float:
     return math.exp(total / count)
 
 
+MEMORY: dict = {"top_k": 1}  # the memory head's settings for every question (`--memory`)
+
+
 def ask(lm, question: str, bank, *, recall_first: bool, history: tuple[str, str] | None = None,
         max_new_tokens: int = 24) -> tuple[str, list]:
     """One question in a fresh conversation (after the earlier turn `history`), as the page asks it:
@@ -73,7 +76,7 @@ def ask(lm, question: str, bank, *, recall_first: bool, history: tuple[str, str]
     if bank is not None and bank.has_values and lm.encoder.placement == "answer":
         max_new_tokens += room(bank)
     settings = GenerationSettings(max_new_tokens=max_new_tokens, top_k=0, repetition_penalty=1.0)
-    for _ in conv.stream(question, (), settings, RecallSettings(enabled=bank is not None, top_k=1), bank,
+    for _ in conv.stream(question, (), settings, RecallSettings(enabled=bank is not None, **MEMORY), bank,
                          recall_first=recall_first and bank is not None):
         pass
     answer = conv.messages[-1]
@@ -196,6 +199,17 @@ def anchors(out: dict, base, stock, facts, texts: list[str]) -> None:
                                  for f in facts])
 
 
+def memory_settings(text: str) -> dict:
+    """`key=value,...` as RecallSettings fields (YAML scalars: true, 0.9, 5), checked by RecallSettings itself."""
+    import yaml
+
+    from decoding.settings import RecallSettings
+
+    fields = {k.strip(): yaml.safe_load(v) for k, v in (item.split("=", 1) for item in text.split(",") if item)}
+    RecallSettings(**fields)  # an unknown field or a bad value stops here, before any model loads
+    return fields
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -208,9 +222,14 @@ def main() -> None:
                         "GGUF at --gguf-type; the base model: the shipped Q4_1 GGUF)")
     parser.add_argument("--gguf-type", default="q8_0")
     parser.add_argument("--json", help="also write the numbers to this file")
+    parser.add_argument("--memory", default="top_k=1", help="the memory head's settings, key=value,... "
+                        "(memory.autoregressive_recall; e.g. the seeds' sampled choice: "
+                        "use_sampling=true,top_k=5,temperature=1.0,top_p=0.9)")
     parser.add_argument("--no-anchors", dest="anchors", action="store_false",
                         help="skip the anchors (stock retriever, RAG, the untrained model): the value kinds only")
     args = parser.parse_args()
+    MEMORY.clear()
+    MEMORY.update(memory_settings(args.memory))
 
     import torch
 
@@ -238,7 +257,7 @@ def main() -> None:
     pool = pool[:max(sizes)]
     questions, texts = [f.questions[0] for f in facts], [f.text for f in facts] + pool
     chats = chat_prompts(args.chats, "eval", seed=1)
-    out: dict = {"model": lm.name, "facts": args.facts, "distractors": [0, *sizes]}
+    out: dict = {"model": lm.name, "facts": args.facts, "distractors": [0, *sizes], "memory": MEMORY}
     out["retrieval@1"] = retrieval(lm.encoder.keys, questions, texts, sizes)
     stock = TextEncoder(adapter=None)
     out["retrieval@1_minilm_stock"] = retrieval(stock, questions, texts, sizes)
