@@ -263,7 +263,8 @@ def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.d
 
     eager_cost = 2 * repeats * (n + 1) * (0.03 if device == "cuda" else 0.05) + 5
     run.measure(name, "graph step", 80, graph_step)
-    run.measure(name, "transformers static generate", 30, hf_static)
+    if args.static:
+        run.measure(name, "transformers static generate", 30, hf_static)
     for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio is the target
         run.measure(name, f"graph step, {b} rows", 30, rows("graph", b))
         if b == max(args.graph_rows):
@@ -303,7 +304,8 @@ def cell(entry, key: str, fmt: str = "{:.2f}") -> str:
 def table(results: dict) -> str:
     env = results.get("env", {})
     lines = [f"{env.get('date', '')}, {env.get('card', '')}, torch {env.get('torch', '')}, transformers "
-             f"{env.get('transformers', '')}, {env.get('dtype', '')}, greedy, random weights", "",
+             f"{env.get('transformers', '')}, {env.get('dtype', '')}, greedy, random weights, inductor "
+             f"{env.get('inductor', 'defaults')}", "",
              "| model | transformers eager ms/token | transformers static ms/token (compile s) | our eager loop "
              "ms/token | graph step ms/token (compile s) | bound ms/token | graph / bound | graph / tf static | "
              "TTFT ms: tf eager / tf static / graph |",
@@ -355,6 +357,11 @@ def main() -> None:
     ap.add_argument("--memories", default="100000")
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--inductor", default="", help="inductor settings for every compile, key=value,... (e.g. "
+                    "freezing=1: weights as constants, so q/k/v and gate/up of equal shapes run as one matmul; "
+                    "coordinate_descent_tuning=1)")
+    ap.add_argument("--no-static", dest="static", action="store_false",
+                    help="skip transformers' static-cache generate (a variant run beside a full one)")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape and a few tokens (runs on a CPU)")
     args = ap.parse_args()
     if args.smoke:
@@ -362,6 +369,8 @@ def main() -> None:
         args.rows, args.graph_rows, args.max_len, args.eager = "2", "2", 128, True
     as_ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     args.rows, args.graph_rows, args.memories = as_ints(args.rows), as_ints(args.graph_rows), as_ints(args.memories)
+    for key, value in (item.split("=", 1) for item in args.inductor.split(",") if item):
+        setattr(torch._inductor.config, key, type(getattr(torch._inductor.config, key))(int(value)))
     transformers.logging.set_verbosity_error()  # (generate's notes on min_new_tokens, a line a call)
     torch._dynamo.config.recompile_limit = 64  # several models' steps share one code object (torch < 2.13)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -371,7 +380,7 @@ def main() -> None:
     run.results["env"] = {"date": time.strftime("%Y-%m-%d %H:%M"), "card": torch.cuda.get_device_name() if device ==
                           "cuda" else "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
                           "dtype": str(dtype), "tokenizer": where or "none: fixed prompt ids", "span_width": SLOTS + 1,
-                          "budget_s": args.budget}
+                          "budget_s": args.budget, "inductor": args.inductor or "defaults"}
     run.log(f"device {run.results['env']['card']}, tokenizer {where}, models {args.models}, budget {args.budget:.0f} s")
     for key in args.models.split(","):
         try:
