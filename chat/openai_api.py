@@ -37,6 +37,7 @@ from chat.users import LOCAL
 from chat.worker import END, Failed, Notice, ServiceError
 from chat.worker import Request as WorkerRequest
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
+from decoding.settings import BEAM_SEARCH
 
 ALIAS = "recall-chat"  # always accepted as the model name
 FINISH = {"stop": "stop", "length": "length", "tool_call": "tool_calls", "interrupted": "stop"}
@@ -92,6 +93,9 @@ class ChatRequest(BaseModel):
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
     recall_first: bool = False  # an extension: start the answer with <recall> (pass it in the body)
+    num_beams: int | None = None  # beam search's settings: passed on so the settings refuse them by name
+    num_beam_groups: int | None = None
+    diversity_penalty: float | None = None
 
 
 def _parts(message: ChatMessage) -> tuple[str, list[bytes]]:
@@ -187,6 +191,8 @@ class OpenAIRoutes:
             gen["generation.stop_strings"] = [body.stop] if isinstance(body.stop, str) else body.stop
         if body.seed is not None:
             gen["generation.seed"] = body.seed
+        beams = {name: getattr(body, name) for name in BEAM_SEARCH}  # (refused by the settings unless off)
+        gen.update({f"generation.{name}": value for name, value in beams.items() if value is not None})
         s = svc.new_session(user)
         try:
             settings, recall = request_settings(svc.cfg, gen)

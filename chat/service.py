@@ -277,8 +277,8 @@ class Service(SessionService):
                 if result.missed_recall and result.missed_recall[0]:
                     yield Notice(NO_MEMORY)
                 tokens = lambda: [s.conv.lm.tokenizer.decode([t]) for t in result.new_tokens[0].tolist()]  # noqa: E731
-                if result.entropy is not None and result.entropy.entropies.shape[1]:
-                    s.last_plot = ("entropy", result.entropy.entropies[0].cpu().numpy(),
+                if result.entropy is not None and result.entropy.normalised_entropies.shape[1]:
+                    s.last_plot = ("entropy", result.entropy.normalised_entropies[0].cpu().numpy(),
                                    result.entropy.selected_layer_indices[0].tolist(), tokens(), result.entropy.mode)
                 elif isinstance(result, MixtureResult) and result.alphas:
                     s.last_plot = ("mixture", list(result.alphas), tokens())

@@ -201,10 +201,14 @@ def alpha_figure(alphas: Sequence[float], tokens: Sequence[str]):
     return fig
 
 
+ENTROPY_UNIT = "normalised entropy, H / log2 V (0-1)"  # bits over the most V tokens can have: 0 one-hot, 1 uniform
+
+
 def entropy_figure(entropies, selected, tokens: Sequence[str], mode: str):
     """Entropy over layers x generated tokens as a heatmap, the chosen layer of each token marked.
 
-    entropies: [steps, L] (nats); selected: [steps] chosen layer; tokens: the text of each step's token.
+    entropies: [steps, L] in seed 002's unit, H / log2 V (`ENTROPY_UNIT`); selected: [steps] chosen layer;
+    tokens: the text of each step's token.
     """
     from matplotlib.figure import Figure  # the object API draws without pyplot's global state or a display
 
@@ -219,5 +223,5 @@ def entropy_figure(entropies, selected, tokens: Sequence[str], mode: str):
     ax.set_ylabel("layer")
     ax.set_title(f"entropy of each layer's next-token distribution ({mode}), last answer", fontsize=9)
     ax.legend(loc="upper right", fontsize=7)
-    fig.colorbar(image, ax=ax, label="entropy (nats)")
+    fig.colorbar(image, ax=ax, label=ENTROPY_UNIT)
     return fig

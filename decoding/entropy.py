@@ -8,8 +8,14 @@ state comes from the backbone already normed, so it is not normed twice), the sh
 with the model's own final logit processing (`head_logits`: Gemma soft-capping, ...), then the
 request's logits processors. All layers go through the head as ONE matrix product
 ([B*L, H] @ W^T) and through the processors as ONE [B*L, V] batch (each row's input ids repeated
-per layer), so a stateful processor still sees each step once. Entropies are in nats (natural
-log); a token a processor masked (-inf) counts 0 * log 0 = 0.
+per layer), so a stateful processor still sees each step once. A token a processor masked (-inf)
+counts 0 * log 0 = 0.
+
+Units: the layer is chosen from entropies in nats, as before; the records (`LayerEvent`,
+`EntropyTrace`, the seed API, the page's plot) carry them in seed 002's unit, normalised by the
+vocabulary in bits: H / log2 V (the same ratio as nats / ln V), 0 for a one-hot distribution and 1 for
+uniform over all V tokens. Dividing every layer by the same positive log V cannot move the least, and
+choosing before dividing keeps the choice bit for bit what nats choose (no rounding tie).
 
 The selected layer's processed scores then go to the usual sampling / greedy choice. The loop
 keeps the final layer's state for the memory head's query at `<recall>` and still forces
@@ -18,6 +24,7 @@ keeps the final layer's state for the memory head's query at `<recall>` and stil
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +68,11 @@ def masked_entropy(scores: torch.Tensor) -> torch.Tensor:
     return -(p * logp.masked_fill(p == 0, 0.0)).sum(dim=-1)
 
 
+def normalised_bits(nats: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Entropies in nats as seed 002's unit: bits over log2 `vocab`, 0 (one-hot) to 1 (uniform); same shape."""
+    return nats / math.log(vocab)
+
+
 def trough_layers(entropies: torch.Tensor) -> torch.Tensor:
     """The layer of least entropy of each row, [B, L] -> [B]; the lowest index on ties, NaN never chosen."""
     return torch.argmin(torch.nan_to_num(entropies, nan=float("inf")), dim=-1)
@@ -91,7 +103,7 @@ class EntropyStep:
     """One step of entropy decoding, on the device."""
 
     layers: torch.Tensor  # [B] the selected layer of each row
-    entropies: torch.Tensor  # [B, L] entropy (nats) of each layer's processed distribution
+    normalised_entropies: torch.Tensor  # [B, L] each layer's processed distribution's entropy, H / log2 V (0..1)
     layer_token_ids: torch.Tensor | None  # [B, L] argmax of each layer's raw logits (entropy_record_tokens)
     logits: torch.Tensor  # [B, V] the selected layer's raw logits
     scores: torch.Tensor  # [B, V] the selected layer's processed scores: what sampling / greedy reads
@@ -129,8 +141,9 @@ class EntropyDecoder:
         logits = layer_logits(self.model, self.head, self.norm, states)  # [B, L, V]
         tokens = logits.argmax(dim=-1) if self.record_tokens else None  # [B, L], before any processor
         scores = process_layers(processors, input_ids, logits)  # [B, L, V]
-        entropies = masked_entropy(scores)  # [B, L]
-        layers = select_layers(entropies, self.mode, self.generator)  # [B]
+        nats = masked_entropy(scores)  # [B, L]
+        layers = select_layers(nats, self.mode, self.generator)  # [B], chosen from nats: see the module's "Units"
+        entropies = normalised_bits(nats, scores.shape[-1])  # [B, L], the seed's unit for the records
         rows = torch.arange(states.shape[0], device=layers.device)
         self._kept.append((layers, entropies, tokens))
         return EntropyStep(layers, entropies, tokens, logits[rows, layers], scores[rows, layers])
@@ -141,7 +154,7 @@ class EntropyDecoder:
         `alive` are the rows still running before this step; `positions[row]` is where the row's token of this
         step went (a recall's span: its first slot, the position the sampled token was replaced at).
         """
-        layers, entropies = step.layers.tolist(), step.entropies.tolist()
+        layers, entropies = step.layers.tolist(), step.normalised_entropies.tolist()
         tokens = step.layer_token_ids.tolist() if step.layer_token_ids is not None else None
         self._positions.append(list(positions))
         for row in (r for r, on in enumerate(alive) if on):

@@ -52,7 +52,8 @@ class LayerEvent:
     """Entropy decoding (seed 002): the layer the token at `position` of `row` was decoded from.
 
     Streamed right after that token's TokenEvent. Layers count 0 (first decoder layer) to L-1 (last);
-    `entropies[i]` is layer i's entropy in nats over its processed next-token distribution, and
+    `normalised_entropies[i]` is layer i's entropy over its processed next-token distribution in seed
+    002's unit, H / log2 V (0 one-hot, 1 uniform over the vocabulary), and
     `layer_token_ids[i]` the argmax of layer i's raw logits (with `entropy_record_tokens`, else None).
     At a `<|memory_pad|>` position the token was forced by the recall, whatever the layer.
     """
@@ -60,7 +61,7 @@ class LayerEvent:
     row: int
     position: int
     layer: int
-    entropies: tuple[float, ...]
+    normalised_entropies: tuple[float, ...]
     layer_token_ids: tuple[int, ...] | None = None
 
 
@@ -73,13 +74,13 @@ class EntropyTrace:
 
     mode: str  # "trough" | "random_after"
     selected_layer_indices: torch.LongTensor  # [B, steps] the layer each step decoded from, 0..L-1
-    entropies: torch.Tensor  # [B, steps, L] entropy (nats) of each layer's processed distribution
+    normalised_entropies: torch.Tensor  # [B, steps, L] each layer's processed distribution's entropy, H / log2 V
     per_layer_token_ids: torch.LongTensor | None = None  # [B, steps, L] argmax of each layer's raw logits
     selected_token_ids: torch.LongTensor | None = None  # [B, steps] the tokens written (= the new tokens)
 
     @property
     def num_layers(self) -> int:
-        return self.entropies.shape[-1]
+        return self.normalised_entropies.shape[-1]
 
 
 @dataclass

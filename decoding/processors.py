@@ -1,4 +1,6 @@
-"""Turn `GenerationSettings` into transformers' processors (seed 004's catalogue).
+"""Turn `GenerationSettings` into transformers' processors (seed 004's catalogue, all of it but
+`HammingDiversityLogitsProcessor`: it works only inside diverse group beam search, which the settings
+refuse and transformers 5 no longer ships either: it moved to the Hub).
 
 `build_logits_processor` / `build_stopping_criteria` build, once per request, only what is
 switched on, from transformers' own classes and in the order `GenerationMixin.generate` (5.23)

@@ -54,7 +54,8 @@ class EntropyGenerateOutput:
 
     Each `entropy_*` field is a tuple over the generated steps: `[B]` layer indices (0..L-1, set
     whenever entropy decoding is on), `[B, L]` argmax of each layer's raw logits and `[B]` decoded
-    tokens (those two with `entropy_record_tokens=True`); None where not recorded.
+    tokens (those two with `entropy_record_tokens=True`); None where not recorded. Not a seed field,
+    `normalised_entropies` has each layer's entropy per step in the seed's unit: bits over log2 V.
     """
 
     sequences: torch.LongTensor  # [B, prompt + new]
@@ -62,7 +63,7 @@ class EntropyGenerateOutput:
     entropy_per_layer_token_ids: tuple[torch.LongTensor, ...] | None = None
     entropy_selected_token_ids: tuple[torch.LongTensor, ...] | None = None
     recall_positions: list[tuple] | None = None  # what the plain call returns as its second value, None without
-    entropies: tuple[torch.Tensor, ...] | None = None  # [B, L] per step, nats (not a seed field)
+    normalised_entropies: tuple[torch.Tensor, ...] | None = None  # [B, L] per step, H / log2 V (not a seed field)
 
 
 def custom_generate(
@@ -70,6 +71,7 @@ def custom_generate(
     stopping_criteria, logits_processor, temperature: float | None, top_k: int | None, top_p: float | None,
     do_sample: bool | None, pad_token_id: int, eos_token_id: int, interrupt_event, early_stop_on_tool_call: bool,
     *, entropy_decoding: str | None = None, entropy_record_tokens: bool = False, return_dict_in_generate: bool = False,
+    num_beams: int | None = None, num_beam_groups: int | None = None, diversity_penalty: float | None = None,
 ):
     """Seed 000's `custom_generate`: the caller's processors, then temperature/top-k/top-p warpers.
 
@@ -81,6 +83,9 @@ def custom_generate(
     intermediate layer chosen by entropy; with `return_dict_in_generate=True` the call returns an
     `EntropyGenerateOutput` instead (sequences and the seed's `entropy_*` fields). The caller's
     `logits_processor` then scores every row once per layer ([B*L] rows a step).
+
+    `num_beams`, `num_beam_groups` and `diversity_penalty` (keywords, or `config["generation"]`) are
+    refused unless off: no beam search, so no `HammingDiversityLogitsProcessor` (`GenerationSettings`).
     """
     generation = dict((config or {}).get("generation", {}))
     pick = lambda value, key, default: value if value is not None else generation.get(key, default)  # noqa: E731
@@ -88,7 +93,9 @@ def custom_generate(
         do_sample=bool(pick(do_sample, "do_sample", False)), temperature=float(pick(temperature, "temperature", 1.0)),
         top_k=int(pick(top_k, "top_k", 0) or 0), top_p=float(pick(top_p, "top_p", 1.0)),
         max_new_tokens=int(max_new_tokens), early_stop_on_tool_call=bool(early_stop_on_tool_call),
-        entropy_decoding=entropy_decoding, entropy_record_tokens=bool(entropy_record_tokens))
+        entropy_decoding=entropy_decoding, entropy_record_tokens=bool(entropy_record_tokens),
+        num_beams=pick(num_beams, "num_beams", 1), num_beam_groups=pick(num_beam_groups, "num_beam_groups", 1),
+        diversity_penalty=pick(diversity_penalty, "diversity_penalty", 0.0))
     recall_settings = recall_settings_from_config(config)
     recall = None
     if recall_settings.enabled:
@@ -117,4 +124,4 @@ def _entropy_output(result, positions) -> EntropyGenerateOutput:
     if trace is None:
         return EntropyGenerateOutput(result.sequences, recall_positions=positions)
     return EntropyGenerateOutput(result.sequences, steps(trace.selected_layer_indices), steps(trace.per_layer_token_ids),
-                                 steps(trace.selected_token_ids), positions, steps(trace.entropies))
+                                 steps(trace.selected_token_ids), positions, steps(trace.normalised_entropies))

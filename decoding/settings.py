@@ -56,6 +56,13 @@ def _validate(obj: Any, rules: Mapping[str, tuple]) -> None:
 # Entropy-based intermediate-layer decoding (seed 002, `decoding/entropy.py`); None turns it off.
 ENTROPY_MODES = ("trough", "random_after")
 
+# Beam search's settings (`GenerationConfig`'s names), refused unless off: seed 004's HammingDiversityLogitsProcessor
+# works only inside diverse group beam search, which a streaming recall loop does not offer.
+BEAM_SEARCH = ("num_beams", "num_beam_groups", "diversity_penalty")
+_NO_BEAMS = ("beam search is not offered in a streaming recall chat: each token is streamed as it is chosen and may "
+             "trigger a recall that changes the KV cache of one sequence, so there are no beams to keep, compare "
+             "or diversify (HammingDiversityLogitsProcessor needs diverse group beam search)")
+
 _GE0, _GE1, _GT0 = (lambda v: v >= 0), (lambda v: v >= 1), (lambda v: v > 0)
 _UNIT, _HALF_OPEN = (lambda v: 0 <= v <= 1), (lambda v: 0 <= v < 1)
 _ID = (int, True, _GE0, "must be a token id >= 0, or None")
@@ -90,6 +97,9 @@ _GENERATION_RULES = {
     "entropy_decoding": (str, True, lambda v: v in ENTROPY_MODES,
                          f"must be None (off) or one of {', '.join(map(repr, ENTROPY_MODES))}"),
     "entropy_record_tokens": (bool, False, None, ""),
+    "num_beams": (int, False, lambda v: v == 1, f"must be 1, because {_NO_BEAMS}"),
+    "num_beam_groups": (int, False, lambda v: v == 1, f"must be 1, because {_NO_BEAMS}"),
+    "diversity_penalty": (float, False, lambda v: v == 0, f"must be 0.0, because {_NO_BEAMS}"),
 }
 
 
@@ -189,6 +199,8 @@ class GenerationSettings:
     loop only. `entropy_decoding` ("trough" | "random_after", seed 002) decodes each step from an
     intermediate layer chosen by the entropy of its processed distribution; `entropy_record_tokens`
     also keeps every layer's raw argmax (it does nothing while `entropy_decoding` is None).
+    `num_beams`, `num_beam_groups` and `diversity_penalty` exist to be refused by name unless off
+    (`BEAM_SEARCH`): there is no beam search in a streaming recall chat.
     """
 
     do_sample: bool = False
@@ -225,6 +237,9 @@ class GenerationSettings:
     early_stop_on_tool_call: bool = False
     entropy_decoding: str | None = None
     entropy_record_tokens: bool = False
+    num_beams: int = 1
+    num_beam_groups: int = 1
+    diversity_penalty: float = 0.0
     mixture: MixtureSettings = MixtureSettings()
 
     def __post_init__(self):

@@ -105,6 +105,9 @@ def test_a_recall_event_travels_in_the_chunks(api):
     (dict(messages=[{"role": "assistant", "content": "hi"}]), openai.BadRequestError, "last message"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
      openai.BadRequestError, "nothing is fetched"),
+    (dict(extra_body={"num_beams": 4}), openai.BadRequestError, "num_beams is 4: must be 1, because beam search"),
+    (dict(extra_body={"diversity_penalty": 0.5, "num_beam_groups": 2}), openai.BadRequestError,
+     "num_beam_groups is 2: must be 1, because beam search is not offered in a streaming recall chat"),
 ])
 def test_bad_requests_get_openai_style_errors(api, kw, error, words):
     args = dict(model=model_id(api), messages=[{"role": "user", "content": "hi"}], max_tokens=4) | kw

@@ -2,7 +2,8 @@
 independent oracle (one full forward with `output_hidden_states=True`, final norm + head per layer,
 the processors and the entropy written out here) at every step on Llama, Qwen3-VL with an image, a
 left-padded batch, Gemma-2 (soft-capping) and GPT-2; `random_after`'s distribution; recall, stops,
-the seed API, and mode off = `model.generate`.
+the seed API, and mode off = `model.generate`; the records' unit (seed 002's: H / log2 V) and the
+page's plot of it.
 
 The models are tiny random ones with 4 layers, wide weights (initializer_range=1) and random
 final-norm weights, so each layer's distribution differs clearly (the oracle's choice is never a
@@ -16,6 +17,7 @@ import dataclasses
 import math
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,10 +28,12 @@ from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, St
 from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
 
 from chat.config import load_config
+from chat.service import Service
+from chat.view import ENTROPY_UNIT, answer_figure
 from decoding.request import Controls
 from decoding import DoneEvent, GenerationSettings, Recall, TokenEvent, generate, stream_generate
 from decoding.entropy import (
-    layer_logits, masked_entropy, random_after_layers, select_layers, trough_layers,
+    layer_logits, masked_entropy, normalised_bits, random_after_layers, select_layers, trough_layers,
 )
 from decoding.events import FinishEvent, LayerEvent
 from test_loop import kv_bank_for, recall_of
@@ -161,7 +165,8 @@ def check_oracle(result, logits, row=0, first=0, bias=None, forced=(), mode="tro
         trough = int(torch.argmin(entropies))
         layer = int(trace.selected_layer_indices[row, t])
         assert trace.per_layer_token_ids[row, t].tolist() == raw.argmax(-1).tolist(), f"step {t}"
-        torch.testing.assert_close(trace.entropies[row, t].double(), entropies, atol=2e-3, rtol=1e-4)
+        normalised = entropies / math.log(raw.shape[-1])  # seed 002's unit: bits over log2 V
+        torch.testing.assert_close(trace.normalised_entropies[row, t].double(), normalised, atol=2e-4, rtol=1e-4)
         if mode == "trough":
             assert layer == trough, f"step {t}: chose {layer}, entropies {entropies.tolist()}"
         else:
@@ -182,6 +187,16 @@ def test_masked_entropy_on_exact_tensors():
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     assert masked_entropy(scores.view(1, 5, 4)).shape == (1, 5)  # [B, L, V] -> [B, L]
+
+
+def test_normalised_bits_are_the_seeds_unit_on_known_distributions():
+    """Seed 002 normalises entropy by the vocabulary, in bits: H / log2 V. Over V = 8 (log2 V = 3 bits): uniform
+    1, one-hot 0, uniform over 2 tokens 1 bit / 3, (1/2, 1/4, 1/4) 1.5 bits / 3."""
+    inf = math.inf
+    scores = torch.tensor([[0.0] * 8, [5.0] + [-inf] * 7, [0.0, 0.0] + [-inf] * 6,
+                           [math.log(0.5), math.log(0.25), math.log(0.25)] + [-inf] * 5])
+    got = normalised_bits(masked_entropy(scores), 8)
+    torch.testing.assert_close(got, torch.tensor([1.0, 0.0, 1 / 3, 0.5]), atol=1e-6, rtol=0)
 
 
 def test_trough_takes_the_lowest_index_on_ties_and_never_nan():
@@ -242,7 +257,7 @@ def test_random_after_in_the_loop_is_seeded_and_never_above_the_last_layer(llama
     a, b, c = (r.entropy.selected_layer_indices for r in runs)
     assert torch.equal(a, b) and runs[0].sequences.tolist() == runs[1].sequences.tolist()
     assert not torch.equal(a, c)
-    trough = trough_layers(runs[0].entropy.entropies[0])  # [steps]
+    trough = trough_layers(runs[0].entropy.normalised_entropies[0])  # [steps]
     assert torch.all(a[0] >= trough) and torch.all(a[0] <= LAYERS - 1)
     assert torch.any(a[0] > trough)  # really random after the trough, not the trough itself
 
@@ -422,8 +437,9 @@ def assert_layer_events_follow_tokens(events, trace):
         step = steps[layer.row] = steps.get(layer.row, -1) + 1
         assert layer.layer == int(trace.selected_layer_indices[token.row, step])
         assert list(layer.layer_token_ids) == trace.per_layer_token_ids[token.row, step].tolist()
-        assert len(layer.entropies) == LAYERS
-        torch.testing.assert_close(torch.tensor(layer.entropies), trace.entropies[token.row, step])
+        assert len(layer.normalised_entropies) == LAYERS
+        expected = trace.normalised_entropies[token.row, step]
+        torch.testing.assert_close(torch.tensor(layer.normalised_entropies), expected)
 
 
 @pytest.mark.parametrize("bank", [bank_for, kv_bank_for], ids=["one-slot", "k-slot"])
@@ -469,7 +485,8 @@ def test_stop_within_one_step_with_image(qwen3vl, small_image):
     result = events[-1].result
     assert after_stop == 0 and result.finish_reasons == ["interrupted"] and result.steps == 5
     assert result.entropy.selected_layer_indices.shape == (1, 5)
-    assert result.entropy.entropies.shape == (1, 5, LAYERS) and result.entropy.per_layer_token_ids.shape == (1, 5, 4)
+    assert result.entropy.normalised_entropies.shape == (1, 5, LAYERS)
+    assert result.entropy.per_layer_token_ids.shape == (1, 5, 4)
     assert_layer_events_follow_tokens(events[:-2], result.entropy)
     assert isinstance(events[-2], FinishEvent) and isinstance(events[-1], DoneEvent)
 
@@ -520,19 +537,24 @@ def test_stop_during_prefill_gives_an_empty_trace(llama):
         events.append(e)
         stop.set()
     trace = events[-1].result.entropy
-    assert trace.selected_layer_indices.shape == (1, 0) and trace.entropies.shape == (1, 0, LAYERS)
+    assert trace.selected_layer_indices.shape == (1, 0) and trace.normalised_entropies.shape == (1, 0, LAYERS)
     assert trace.num_layers == LAYERS and trace.mode == "trough"
 
 
 # --------------------------------------------------------------------------- seed API
 
 
-def test_custom_generate_returns_the_seed_fields(llama):
-    lm = llama
+def seed_args(lm, n: int, config: dict | None = None) -> tuple:
+    """custom_generate's positional arguments (seed 000's signature): greedy, `n` new tokens after "Hello"."""
     prompt = lm.tokenizer([CHAT.format("Hello")], return_tensors="pt")
-    p, n = prompt["input_ids"].shape[1], 6
-    args = (lm.model, lm.tokenizer, None, lm.tokens.as_dict(), {}, prompt, n, None, None, 1.0, 0, 1.0, False,
-            lm.tokenizer.pad_token_id, lm.tokenizer.eos_token_id, None, False)
+    return (lm.model, lm.tokenizer, None, lm.tokens.as_dict(), config or {}, prompt, n, None, None, 1.0, 0, 1.0,
+            False, lm.tokenizer.pad_token_id, lm.tokenizer.eos_token_id, None, False)
+
+
+def test_custom_generate_returns_the_seed_fields(llama):
+    n = 6
+    args = seed_args(llama, n)
+    p = args[5]["input_ids"].shape[1]
     out = custom_generate(*args, entropy_decoding="trough", entropy_record_tokens=True, return_dict_in_generate=True)
     assert out.sequences.shape == (1, p + n)
     assert len(out.entropy_selected_layer_indices) == len(out.entropy_per_layer_token_ids) == n
@@ -543,6 +565,9 @@ def test_custom_generate_returns_the_seed_fields(llama):
         assert out.entropy_per_layer_token_ids[t].shape == (1, LAYERS)
         assert out.entropy_selected_token_ids[t].shape == (1,)
         assert int(out.entropy_selected_token_ids[t]) == int(out.sequences[0, p + t])
+        entropies = out.normalised_entropies[t]  # [B, L] in the seed's unit, H / log2 V
+        assert entropies.shape == (1, LAYERS) and 0 < float(entropies.min()) and float(entropies.max()) <= 1
+        assert int(entropies.argmin()) == int(layer)  # trough: the least entropy, in the recorded unit too
     plain = custom_generate(*args, entropy_decoding="trough")  # the seed's old return value
     assert isinstance(plain, torch.Tensor) and plain.tolist() == out.sequences.tolist()
     sparse = custom_generate(*args, entropy_decoding="random_after", return_dict_in_generate=True)
@@ -550,4 +575,36 @@ def test_custom_generate_returns_the_seed_fields(llama):
     assert sparse.entropy_per_layer_token_ids is None and sparse.entropy_selected_token_ids is None
     off = custom_generate(*args, return_dict_in_generate=True)
     assert off.entropy_selected_layer_indices is None and off.recall_positions is None
+    assert off.normalised_entropies is None
     assert off.sequences.tolist() == custom_generate(*args).tolist()
+
+
+@pytest.mark.parametrize("field, value", [("num_beams", 4), ("num_beam_groups", 2), ("diversity_penalty", 0.5)])
+def test_custom_generate_refuses_beam_search_by_name(llama, field, value):
+    """Seed 004's HammingDiversityLogitsProcessor needs diverse group beam search, which a streaming recall loop
+    does not offer: asked for as a keyword or in `config["generation"]`, it is refused with the setting, the value
+    and why (never silently decoded without beams)."""
+    why = rf"^{field} is {value}: must be .*beam search is not offered in a streaming recall chat: .*recall"
+    with pytest.raises(ValueError, match=why):
+        custom_generate(*seed_args(llama, 2), **{field: value})
+    with pytest.raises(ValueError, match=why):
+        custom_generate(*seed_args(llama, 2, {"generation": {field: value}}))
+    off = {"num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0}
+    assert custom_generate(*seed_args(llama, 2, {"generation": off}), **off).shape[1] > 2  # off is accepted
+
+
+# --------------------------------------------------------------------------- the page's plot
+
+
+def test_the_pages_plot_draws_the_records_in_the_seeds_unit_and_says_so(llama):
+    """The picture the page shows after an entropy answer (`chat.service` keeps it, `answer_figure` draws it): the
+    trace's normalised entropies as they are, the colour bar labelled with their unit."""
+    inputs = llama.tokenizer([CHAT.format("Tell me about the sea.")], return_tensors="pt")
+    result = generate(llama.model, inputs, entropy_settings(max_new_tokens=5))
+    session = SimpleNamespace(conv=SimpleNamespace(lm=llama), last_plot=None, last_note="", last_speed=0.0)
+    list(Service._noted(session, iter([DoneEvent(result)])))
+    heat, colorbar = answer_figure(session.last_plot).axes
+    assert colorbar.get_ylabel() == ENTROPY_UNIT and "H / log2 V" in ENTROPY_UNIT
+    values = result.entropy.normalised_entropies[0]  # [steps, L]
+    assert torch.equal(torch.as_tensor(heat.images[0].get_array()).float(), values.T)
+    assert 0 < float(values.min()) and float(values.max()) <= 1

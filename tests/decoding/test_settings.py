@@ -20,7 +20,8 @@ from transformers.generation.stopping_criteria import (
 from decoding.processors import (
     NegativePrompt, build_logits_processor, build_stopping_criteria, make_memory_warper, to_generation_config,
 )
-from decoding.settings import GenerationSettings, RecallSettings
+from chat.config import ConfigError, load_config, request_settings
+from decoding.settings import BEAM_SEARCH, GenerationSettings, RecallSettings
 
 EOS = 2  # SmolLM2's <|im_end|>, also the pad token of the tiny model
 
@@ -215,6 +216,25 @@ def test_invalid_generation_settings_name_field_and_value(field, value, shown):
         GenerationSettings(**{field: value})
     message = str(err.value)
     assert message.startswith(field) and shown in message and ("must" in message or "needs" in message), message
+
+
+BEAMS = [("num_beams", 4), ("num_beam_groups", 2), ("diversity_penalty", 0.5), ("diversity_penalty", -1.0)]
+
+
+@pytest.mark.parametrize("field, value", BEAMS, ids=[f"{f}={v!r}" for f, v in BEAMS])
+def test_beam_search_settings_are_refused_by_name_wherever_settings_come_in(field, value):
+    """Seed 004's HammingDiversityLogitsProcessor needs diverse group beam search, which a streaming recall chat
+    does not offer: the settings, the YAML / command line and a request's values refuse it with the setting, the
+    value and why, rather than decoding without beams."""
+    why = rf"{field} is {value!r}: must be .*beam search is not offered in a streaming recall chat: each token .*recall"
+    with pytest.raises(ValueError, match="^" + why):
+        GenerationSettings(**{field: value})
+    with pytest.raises(ConfigError, match="^generation: " + why):
+        load_config(overrides=[f"generation.{field}={value}"], environ={})
+    with pytest.raises(ValueError, match="^" + why):
+        request_settings(load_config(environ={}), {f"generation.{field}": value})
+    assert set(BEAM_SEARCH) == {f for f, _ in BEAMS}
+    assert GenerationSettings(num_beams=1, num_beam_groups=1, diversity_penalty=0) == GenerationSettings()  # off
 
 
 def test_cross_field_errors_say_what_to_do():
