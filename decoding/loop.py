@@ -104,6 +104,26 @@ def _step_inputs(fwd: Backend, rows: Rows, recall: Recall | None, block: torch.T
     return emb, position + steps.clamp(min=1).to(position.dtype)  # fillers (masked) repeat the first position
 
 
+def _log_injections(req: Request, spans: dict[int, Span], emb: torch.Tensor, hidden: torch.Tensor,
+                    logits: torch.Tensor | None) -> torch.Tensor:
+    """Seed 001's debug log of each injection of a step, once the forward that read it ran: the memory and its
+    similarity, its slots, the input embeddings its value vectors became (shape, dtype, device), the growth of the
+    KV cache it was read on, and the shape of that forward's logits. Returns those logits: computed here when the
+    backend leaves them to the next step, which then uses them (entropy decoding's: its final layer's, for the log)."""
+    if logits is None:
+        logits = req.fwd.logits(hidden if req.entropy is None else hidden[:, -1])
+    width, cur = emb.shape[1], req.rows.cur
+    for e in req.rows.injections[-len(spans):]:
+        shift = width - len(spans[e.row][0])
+        slots = emb[e.row, shift:shift + e.length]  # [k, H]
+        log.info("[inject] row %d: memory %d (similarity %.4f) fills the %d <|memory_pad|> slots from position %d; "
+                 "its value vectors are input embeddings %s %s on %s of a forward of %d positions on the existing KV "
+                 "cache: KV cache and attention %d -> %d positions; logits after it %s", e.row, e.memory_index,
+                 e.score, e.length, e.position, tuple(slots.shape), slots.dtype, slots.device, width, cur - width, cur,
+                 tuple(logits.shape))
+    return logits
+
+
 def stream_generate(model: torch.nn.Module, prompt: Prompt | Mapping[str, torch.Tensor],
                     settings: GenerationSettings = GenerationSettings(), *, recall: Recall | None = None,
                     tokenizer=None, interrupt: threading.Event | None = None, controls: Controls = Controls(),
@@ -241,18 +261,14 @@ def _decode(req: Request, hidden: torch.Tensor, logits: torch.Tensor | None, pos
                            if req.recall_on and rows.alive[r] and tokens[r][-1] == recall.recall_id]
             emb, positions = _step_inputs(fwd, rows, recall, block, position, spans)  # [B, W, H], [.., B, W]
             position = positions[..., -1:]
-            if spans and recall.settings.debug:
-                for e in rows.injections[-len(spans):]:
-                    log.info("[inject] row %d: memory %d fills the %d <|memory_pad|> slots from position %d; their "
-                             "value vectors are inputs of this forward of %d positions; the KV cache grows %d -> %d",
-                             e.row, e.memory_index, e.length, e.position, block.shape[1], rows.cur - block.shape[1],
-                             rows.cur)
             req.cache = fwd.cache_for(req.cache, rows.cur, True)  # a full static cache moves to the next bucket
             if batch is not None:  # run by the batch, with other requests' steps
                 hidden, logits = yield from batch.step(req, emb, positions)
             else:
                 hidden, logits = fwd.step(emb, positions, req.cache, None if rows.mask is None else
                                           rows.mask[:, :rows.cur], layers=entropy is not None)
+            if spans and recall.settings.debug:
+                logits = _log_injections(req, spans, emb, hidden, logits)
     finally:
         if batch is not None:
             batch.leave(req)  # its keys and values come back to `req.cache`

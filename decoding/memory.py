@@ -202,11 +202,17 @@ class MemorySelector:
         pick = int(sample(warped, self.recall.use_sampling, self.generator)[0])
         memory = self.db.memory(int(ids[pick]), float(scores[pick]))
         if self.recall.debug:
-            log.info("[memory head] query from %s %s on %s: %d candidates, scores %s", tuple(hidden.shape),
-                     hidden.dtype, hidden.device, len(scores),
-                     [(int(i), round(float(s), 4)) for s, i in zip(scores[:8], ids[:8])])
-            log.info("[memory head] %d kept after temperature/top-k/top-p; chose memory %d (candidate %d), "
-                     "similarity %.4f, %d value slots%s", int(kept(warped)[0]), memory.index, pick, memory.score,
-                     memory.slots, f", p={float(torch.softmax(warped, -1)[0, pick]):.4f}"
-                     if self.recall.use_sampling else "")
+            self._log(hidden, scores, ids, warped, pick, memory)
         return memory
+
+    def _log(self, hidden: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, warped: torch.Tensor, pick: int,
+             memory: Memory) -> None:
+        """Seed 001's debug log of the search and of the choice."""
+        r = self.recall
+        log.info("[memory head] search with the query from %s %s on %s, top_k=%d: %d candidates, (memory, similarity) "
+                 "%s", tuple(hidden.shape), hidden.dtype, hidden.device, r.top_k, len(scores),
+                 [(int(i), round(float(s), 4)) for s, i in zip(scores[:8], ids[:8])])
+        how = f"sampled (p={float(torch.softmax(warped, -1)[0, pick]):.4f})" if r.use_sampling else "greedy"
+        log.info("[memory head] %d kept after temperature=%g, top_k=%d, top_p=%g; chose memory %d (candidate %d, %s), "
+                 "similarity %.4f, %d value slots", int(kept(warped)[0]), r.temperature, r.top_k, r.top_p,
+                 memory.index, pick, how, memory.score, memory.slots)

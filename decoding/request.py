@@ -168,6 +168,7 @@ class Request:
     entropy: EntropyDecoder | None  # entropy-based layer choice (seed 002)
     rng: torch.Generator | None = None  # a seeded request's own random state (None: the global one)
     no_memory: NoMemory | None = None  # recall off in `answer` mode: the <recall> suppressor, last of `processors`
+    tool_call_end: int | None = None  # `</tool_call>`'s id when the tokenizer has it as one token (early stop only)
     t0: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -202,11 +203,17 @@ class Request:
             rows.held[row] = TokenEvent(row, token, rows.cur - 1, "")
             return out
         out.append(TokenEvent(row, token, rows.cur - 1, rows.text(row, token)))
-        if self.settings.early_stop_on_tool_call and rows.detok is not None and TOOL_CALL_END in rows.detok[row].tail:
+        if self.settings.early_stop_on_tool_call and self._closes_tool_call(row, token):
             out.append(rows.finish(row, "tool_call"))
         elif not still:
             out.append(rows.finish(row, self._reason(token)))
         return out
+
+    def _closes_tool_call(self, row: int, token: int) -> bool:
+        """The row's newest token ends a tool call: it is `</tool_call>` as one token (also one the tokenizer marks
+        special, which the streamed text leaves out), or the text streamed so far holds the marker."""
+        detok = self.rows.detok
+        return detok is not None and (token == self.tool_call_end or TOOL_CALL_END in detok[row].tail)
 
     def _reason(self, token: int) -> str:
         if token in self.eos:
@@ -331,7 +338,14 @@ def prepare(model, prompt: Prompt, settings: GenerationSettings, recall: Recall 
     return Request(fwd, settings, input_ids, attention_mask, cache, past_len, eos, pad, recall,
                    MemorySelector.of(recall, memory_rng) if recall_on else None, processors,
                    criteria, min(max_len, context) if context is not None else max_len, rows, entropy, rng,
-                   no_memory=no_memory, t0=time.perf_counter())
+                   no_memory=no_memory, t0=time.perf_counter(),
+                   tool_call_end=_one_token(tokenizer, TOOL_CALL_END) if settings.early_stop_on_tool_call else None)
+
+
+def _one_token(tokenizer, text: str) -> int | None:
+    """The id of `text` when `tokenizer` (None: no tokenizer) has it as one token, an added one for instance."""
+    ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else []
+    return ids[0] if len(ids) == 1 else None
 
 
 def _processors(fwd: Backend, settings: GenerationSettings, input_ids: torch.Tensor, prompt_mask, eos: list[int],

@@ -77,7 +77,9 @@ def custom_generate(
 
     Token parameters given as None come from `config["generation"]`, as the seed reads them.
     Returns `input_ids` [B, L], or `(input_ids, positions)` when memories were injected, where
-    `positions` lists `(token_position, similarity)` (with batch > 1: `(row, token_position, similarity)`).
+    `positions` lists `(token_position, similarity)` (with batch > 1: `(row, token_position, similarity)`),
+    in the order of the injections. `early_stop_on_tool_call` ends a row once it closes a tool call;
+    the other rows go on.
 
     Seed 002's keywords: `entropy_decoding` ("trough" | "random_after") decodes each step from an
     intermediate layer chosen by entropy; with `return_dict_in_generate=True` the call returns an

@@ -1,7 +1,7 @@
 """Small builders shared by tests (importable: tests/ is on sys.path via conftest)."""
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LogitsProcessor
 
 from chat.worker import END, Request, ServiceError
 
@@ -24,6 +24,23 @@ def bank_file(path, dim: int, n: int = 3):
     db.add(torch.randn(n, dim), [f"fact {i}" for i in range(n)])
     db.save(path)
     return path
+
+
+class ForceTokens(LogitsProcessor):
+    """Forces `tokens`, one a step, from the step whose input has `length` tokens on, in `rows` (None: every row)."""
+
+    def __init__(self, length: int, tokens: list[int], rows: list[int] | None = None):
+        self.length, self.tokens, self.rows = length, list(tokens), rows
+
+    def __call__(self, input_ids, scores):
+        i = input_ids.shape[1] - self.length
+        if not 0 <= i < len(self.tokens):
+            return scores
+        rows = slice(None) if self.rows is None else self.rows
+        scores = scores.clone()
+        scores[rows] = -float("inf")
+        scores[rows, self.tokens[i]] = 0.0
+        return scores
 
 
 class Evil:

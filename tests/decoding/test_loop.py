@@ -1,24 +1,28 @@
 """Proof that the recall loop is exact: parity with `model.generate`, replay of injections,
-the memory head's distribution, batch rows, interrupts, and multi-turn KV-cache reuse."""
+the memory head's distribution, batch rows, interrupts, stops (the length limit at a recall, a tool
+call), seed 001's debug log, and multi-turn KV-cache reuse."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers import LogitsProcessorList
 
+from conftest import make_tiny_llama
 from models.vision import IMAGE_PAD, encode_with_images
 from decoding.request import Controls, Prompt
 from decoding import (
     DoneEvent, FinishEvent, GenerationSettings, MemorySelector, Recall, RecallEvent, RecallSettings, TokenEvent,
-    custom_generate, generate, memory_embedding, memory_head, stream_generate,
+    generate, stream_generate,
 )
 from decoding.processors import to_generation_config
 from memory import MemoryVectorDB
-from tests_helpers import step_positions
+from tests_helpers import ForceTokens, step_positions
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -68,6 +72,12 @@ def kv_recall_of(lm, db, settings=RecallSettings()):
     proj = torch.randn(lm.hidden_size, KEY_DIM, generator=torch.Generator().manual_seed(7))
     return Recall(lm.tokens.recall, lm.tokens.memory_pad, db, settings,
                   query=lambda hidden: hidden.float().cpu() @ proj, suffix=(lm.tokens.recall_end,))
+
+
+def query_state(lm, ids: list[int]) -> torch.Tensor:
+    """The final hidden state [H] at the last of `ids`: the memory head's query when that token is `<recall>`."""
+    with torch.no_grad():
+        return lm.model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
 
 
 def ids_of(lm):
@@ -309,17 +319,6 @@ def test_memory_head_sampling_matches_warped_softmax():
     assert stat.pvalue > 0.001, (counts[support], expected[support] * draws)
 
 
-def test_seed_memory_head_and_embedding(tiny_llama):
-    db = bank_for(tiny_llama, n=7)
-    q = torch.randn(tiny_llama.hidden_size)
-    logits, candidates = memory_head(q, db)
-    assert logits.shape == (7,) and len(candidates) == 7
-    assert torch.all(logits[:-1] >= logits[1:])  # best first
-    assert sorted(c["index"] for c in candidates) == list(range(7))
-    emb = memory_embedding(candidates[0]["embedding"], tiny_llama.model)
-    assert emb.shape == (1, 1, tiny_llama.hidden_size) and emb.dtype == tiny_llama.dtype
-
-
 def test_wrong_dimension_bank_is_refused(tiny_llama):
     db = MemoryVectorDB(tiny_llama.hidden_size + 1)
     db.add(torch.randn(3, tiny_llama.hidden_size + 1))
@@ -431,6 +430,31 @@ def test_early_stop_on_tool_call(smollm2):
         pytest.fail(f"the biased model did not write </tool_call>: {text!r}")
 
 
+@pytest.fixture(scope="module")
+def tool_lm(smollm2_dir):
+    """A tiny Llama whose tokenizer has `<tool_call>` and `</tool_call>` as added special tokens, one token each."""
+    lm = make_tiny_llama(smollm2_dir)
+    lm.tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]},
+                                    replace_extra_special_tokens=False)
+    lm.model.resize_token_embeddings(len(lm.tokenizer))
+    return lm
+
+
+def test_a_tool_call_closed_by_a_special_token_stops_and_stays_out_of_the_text(tool_lm):
+    lm = tool_lm
+    end = lm.tokenizer.convert_tokens_to_ids("</tool_call>")
+    inputs = lm.tokenizer([CHAT.format("Call the weather tool.") + '<tool_call>{"name": "weather"}'],
+                          return_tensors="pt")
+    force = ForceTokens(inputs["input_ids"].shape[1] + 2, [end])  # as the third new token
+    s = GenerationSettings(max_new_tokens=8, early_stop_on_tool_call=True)
+    events = list(stream_generate(lm.model, inputs, s, tokenizer=lm.tokenizer,
+                                  controls=Controls(logits_processor=LogitsProcessorList([force]))))
+    result = events[-1].result
+    assert result.finish_reasons == ["tool_call"] and result.new_tokens[0].tolist()[2:] == [end]
+    text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+    assert text == lm.tokenizer.decode(result.new_tokens[0], skip_special_tokens=True) and "tool_call" not in text
+
+
 # --------------------------------------------------------------------------- multi-turn
 
 
@@ -472,51 +496,82 @@ def test_cache_reuse_across_turns_equals_full_prefill(tiny_qwen3vl, small_image)
     assert not torch.allclose(without.logits, fresh.logits, atol=1e-3)
 
 
-# --------------------------------------------------------------------------- seed API
+# --------------------------------------------------------------------------- seed 001's debug log, stops at a recall
 
 
-def test_custom_generate_seed_signature(tiny_llama):
+def test_debug_logs_what_seed_001_lists(tiny_llama, caplog):
+    """Each item of seed 001's log of a recall (its section 7, in order), each looked for in the line of its step:
+    the <recall> detected, the memory head's search and choice, the injection and the forward that read it."""
     lm = tiny_llama
     db = bank_for(lm)
-    prompt = lm.tokenizer([CHAT.format("Hello")], return_tensors="pt")
-    ids = torch.cat([prompt["input_ids"], torch.tensor([[lm.tokens.recall]])], dim=1)
-    config = {"memory": {"autoregressive_recall": {"enabled": True, "top_k": 3, "use_sampling": False}}}
-    out, positions = custom_generate(
-        lm.model, lm.tokenizer, db, lm.tokens.as_dict(), config, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-        max_new_tokens=5, stopping_criteria=None, logits_processor=None, temperature=1.0, top_k=0, top_p=1.0,
-        do_sample=False, pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=lm.tokenizer.eos_token_id,
-        interrupt_event=None, early_stop_on_tool_call=False)
-    assert out.shape == (1, ids.shape[1] + 5)
-    with torch.no_grad():  # greedy memory head: the memory whose key is closest to the <recall> state
-        state = lm.model(**{"input_ids": ids}, output_hidden_states=True).hidden_states[-1][0, -1]
-    best, index = db.topk(state, 1)
-    assert positions[0][0] == ids.shape[1] and positions[0][1] == pytest.approx(float(best[0]), abs=1e-5)
-    assert out[0, ids.shape[1]] == lm.tokens.memory_pad
-    plain = custom_generate(
-        lm.model, lm.tokenizer, None, lm.tokens.as_dict(), {}, prompt, 5, None, None, 1.0, 0, 1.0, False,
-        lm.tokenizer.pad_token_id, lm.tokenizer.eos_token_id, None, False)
-    assert isinstance(plain, torch.Tensor)
-
-
-def test_debug_logs_each_recall_step(tiny_llama, caplog):
-    lm = tiny_llama
     prompt = lm.tokenizer([CHAT.format("Hi")], return_tensors="pt")["input_ids"]
     ids = torch.cat([prompt, torch.tensor([[lm.tokens.recall]])], dim=1)
+    n, h, vocab = ids.shape[1], lm.hidden_size, lm.model.get_output_embeddings().weight.shape[0]
     with caplog.at_level("INFO"):
-        res = generate(
-            lm.model,
-            {"input_ids": ids},
-            GenerationSettings(max_new_tokens=3),
-            recall=recall_of(lm, bank_for(lm), RecallSettings(debug=True, use_sampling=True, top_k=3)),
-        )
-    text = caplog.text
+        res = generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3),
+                       recall=recall_of(lm, db, RecallSettings(debug=True, use_sampling=True, top_k=3, top_p=0.9)))
     r = res.injections[0]
-    assert f"at position {ids.shape[1] - 1}" in text and "3 candidates" in text
-    assert f"memory {r.memory_index} fills the 1 <|memory_pad|> slots from position {r.position}" in text
+    _, found = db.topk(query_state(lm, ids[0].tolist()), 3)
+    e = re.escape
+    items = [  # (the line's tag, seed 001's item, what shows it)
+        ("[recall]", "the <recall> token and its id", e(f"<recall> (id {lm.tokens.recall}) at position {n - 1}")),
+        ("[recall]", "the query's shape", e(f"its hidden state ({h},) is the query")),
+        ("[memory head]", "the search's top_k", e("top_k=3: ")),
+        ("[memory head]", "the number of candidates", e(": 3 candidates")),
+        ("[memory head]", "each candidate's similarity",
+         e("[") + ", ".join(rf"\({int(i)}, -?\d\.\d+\)" for i in found)),
+        ("[memory head]", "the candidates top-p keeps", r"\d kept after temperature=1, top_k=3, top_p=0\.9"),
+        ("[memory head]", "sampling, the index chosen and its probability",
+         rf"chose memory {r.memory_index} \(candidate \d, sampled \(p=0\.\d{{4}}\)\)"),
+        ("[memory head]", "the chosen memory's similarity", e(f"similarity {r.score:.4f}")),
+        ("[inject]", "the injected vector's shape", e(f"input embeddings ({r.length}, {h})")),
+        ("[inject]", "its dtype", e(f"{h}) torch.float32 on")),
+        ("[inject]", "its device", e("torch.float32 on cpu of")),
+        ("[inject]", "the existing KV cache", e("on the existing KV cache")),
+        ("[inject]", "the attention mask's growth", e(f"KV cache and attention {n} -> {n + 1} positions")),
+        ("[inject]", "the logits' shape after the memory forward", e(f"logits after it (1, {vocab})")),
+        ("[inject]", "the injection's position and similarity",
+         e(f"(similarity {r.score:.4f}) fills the 1 <|memory_pad|> slots from position {r.position}")),
+    ]
+    lines = caplog.text.splitlines()
+    assert [item for tag, item, shown in items if not any(tag in x and re.search(shown, x) for x in lines)] == []
     caplog.clear()
     with caplog.at_level("INFO"):
-        generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=recall_of(lm, bank_for(lm)))
-    assert "[recall]" not in caplog.text
+        generate(lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=recall_of(lm, db))
+    assert "[recall]" not in caplog.text and "[inject]" not in caplog.text
+
+
+def recall_at(lm, db, step: int, max_new_tokens: int) -> list:
+    """The events of an answer made to write <recall> as its `step`-th new token (1: the first)."""
+    inputs = lm.tokenizer([CHAT.format("Go")], return_tensors="pt")
+    force = ForceTokens(inputs["input_ids"].shape[1] + step - 1, [lm.tokens.recall])
+    return list(stream_generate(lm.model, inputs, GenerationSettings(max_new_tokens=max_new_tokens),
+                                recall=recall_of(lm, db), tokenizer=lm.tokenizer,
+                                controls=Controls(logits_processor=LogitsProcessorList([force]))))
+
+
+def test_a_recall_drawn_at_the_length_limit_is_left_unanswered(tiny_llama):
+    """<recall> as the last token max_new_tokens allows: the answer ends with it, "length"; no memory is read (no
+    RecallEvent, no <|memory_pad|>, no vector), and the cache covers all but that last token, as always."""
+    lm = tiny_llama
+    events = recall_at(lm, bank_for(lm), 4, 4)
+    result = events[-1].result
+    assert result.finish_reasons == ["length"] and result.new_tokens[0].tolist()[-1] == lm.tokens.recall
+    assert result.injections == [] and result.memory_vectors == [{}]
+    assert lm.tokens.memory_pad not in result.sequences[0].tolist()
+    assert [type(e) for e in events[-3:]] == [TokenEvent, FinishEvent, DoneEvent]  # <recall> streamed, then finish
+    assert result.cache.get_seq_length() == result.sequences.shape[1] - 1
+
+
+def test_a_recall_drawn_before_the_length_limit_reads_its_whole_memory(tiny_llama):
+    """<recall> one token before the limit: its memory's whole span follows (k slots, `</recall>`), past
+    max_new_tokens: a memory is never cut."""
+    lm = tiny_llama
+    db = kv_bank_for(lm)
+    result = recall_at(lm, db, 3, 4)[-1].result
+    (r,) = result.injections
+    assert result.finish_reasons == ["length"] and result.new_tokens.shape[1] == 3 + r.length + 1
+    check_slots(lm, result, db, (lm.tokens.recall_end,))
 
 
 def test_stop_right_after_recall_drops_the_unanswered_recall_token(tiny_llama):

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import TopKLogitsWarper
 
 from conftest import make_tiny_llama
 from decoding.request import Controls, Prompt
-from decoding import GenerationSettings, Recall, RecallEvent, RecallSettings
+from decoding import GenerationSettings, Recall, RecallEvent, RecallSettings, generate
 from decoding.mixture import (
     MixtureEvent, MixtureResult, OptimalSpeculativeDecoder, generate_mixture, mixture_log_probs, stream_mixture,
 )
@@ -27,6 +27,7 @@ from decoding.speculative import ModelPair, Sampling, accept_draft, speculative_
 from memory import MemoryVectorDB
 from models.gguf import gguf_draft_for
 from models.modeling import adapter_merged, backbone_and_head, is_peft, set_adapter_merged
+from tests_helpers import ForceTokens
 
 P_MIN = 1e-3  # chi-square p-value below which a distribution test fails
 
@@ -767,6 +768,57 @@ def test_a_drafted_recall_cuts_the_round(pair2, peft_lm):
     assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
     assert runs[1].sequences[0, len(prompt) + 1] == lm.tokens.recall and runs[1].accepted >= 2
     assert [e.memory_index for e in runs[0].injections] == [e.memory_index for e in runs[1].injections]
+
+
+def theta_only(speculative: bool, max_new_tokens: int, **kw) -> GenerationSettings:
+    """α = 1 (q* = π_θ: θ's drafts are always kept), greedy, `gamma` 4."""
+    mixture = MixtureSettings(enabled=True, speculative=speculative, alpha=1.0, gamma=4)
+    return dataclasses.replace(GenerationSettings(max_new_tokens=max_new_tokens, **kw), mixture=mixture)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_tool_call_inside_a_kept_block_stops_there(pair2, speculative):
+    """`</tool_call>` (five tokens) closes from the second new token on, across two rounds of kept drafts: the
+    answer ends right after it (`_Run.emit` cuts the round), finished by "tool_call"."""
+    (lm, _), model_t = pair2, pair2[1].model
+    end = lm.tokenizer("</tool_call>", add_special_tokens=False)["input_ids"]
+    prompt = lm.tokenizer('<tool_call>{"name": "weather"}').input_ids
+    force = ForceTokens(len(prompt) + 1, end)
+    r = generate_mixture(lm.model, model_t, {"input_ids": torch.tensor([prompt])},
+                         theta_only(speculative, 12, early_stop_on_tool_call=True), tokenizer=lm.tokenizer,
+                         controls=Controls(eos_token_id=[], logits_processor=LogitsProcessorList([force])))
+    assert r.finish_reasons == ["tool_call"] and r.new_tokens[0].tolist()[1:] == end
+    assert len(r.alphas) == 1 + len(end) and (not speculative or r.accepted >= len(end))
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_recall_drawn_at_the_length_limit_is_left_unanswered(pair2, speculative):
+    """As in the plain loop: the answer ends with the <recall>, "length", and no memory is read."""
+    (lm, _), model_t = pair2, pair2[1].model
+    recall = Recall(lm.tokens.recall, lm.tokens.memory_pad, _bank(64), RecallSettings())
+    prompt = lm.tokenizer("remember this").input_ids
+    force = LogitsProcessorList([ForceTokens(len(prompt) + 3, [lm.tokens.recall])])  # the fourth and last new token
+    r = generate_mixture(lm.model, model_t, {"input_ids": torch.tensor([prompt])}, theta_only(speculative, 4),
+                         recall=recall, controls=Controls(eos_token_id=[], logits_processor=force))
+    assert r.finish_reasons == ["length"] and r.new_tokens.shape[1] == 4 and r.sequences[0, -1] == lm.tokens.recall
+    assert r.injections == [] and r.memory_vectors == [{}] and not np.isnan(r.alphas).any()
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_prompt_ending_with_recall_recalls_first_as_the_plain_loop(pair2, speculative):
+    """The prompt's <recall> is answered before the first round: with α = 1 the mixture is θ alone, so its answer is
+    the plain loop's on θ (the same memory at the same position, the same tokens)."""
+    (lm, _), model_t = pair2, pair2[1].model
+    recall = Recall(lm.tokens.recall, lm.tokens.memory_pad, _bank(64), RecallSettings())
+    inputs = {"input_ids": torch.tensor([lm.tokenizer("remember this").input_ids + [lm.tokens.recall]])}
+    r = generate_mixture(lm.model, model_t, inputs, theta_only(speculative, 5), recall=recall,
+                         controls=Controls(eos_token_id=[]))
+    plain = generate(lm.model, inputs, GenerationSettings(max_new_tokens=5), recall=recall,
+                     controls=Controls(eos_token_id=[]))
+    assert r.sequences.tolist() == plain.sequences.tolist() and r.new_tokens[0, 0] == lm.tokens.memory_pad
+    assert [(e.position, e.memory_index) for e in r.injections] == [(e.position, e.memory_index)
+                                                                    for e in plain.injections]
+    assert np.isnan(r.alphas[0])
 
 
 @pytest.mark.slow
