@@ -36,6 +36,7 @@ from decoding.memory import Recall
 from decoding.request import Controls, Prompt, Request, prepare
 from decoding.settings import GenerationSettings, MixtureSettings
 from decoding.drafts import HeadDraft, ModelDraft, PairDraft, make_draft
+from decoding.gamma import GammaSchedule, adaptive_k
 from decoding.speculative import ModelPair, Sampling, process_block, speculative_round
 from models.spec import MIXTURE
 
@@ -160,6 +161,7 @@ class _Run:
     def __init__(self, req: Request, pair: ModelPair, mixture: MixtureSettings):
         self.req, self.pair, self.mixture = req, pair, mixture
         self.alphas: list[float] = []
+        self.schedule = GammaSchedule(mixture.gamma_rule, mixture.gamma)
         self.drafted = self.accepted = self.rounds = 0
 
     @property
@@ -222,13 +224,14 @@ class _Run:
     def round(self, draft, events: list) -> None:
         req, seq = self.req, self.seq
         last = len(seq) - 1
-        gamma = min(self.mixture.gamma, req.limit - len(seq) - 1)
+        gamma = min(self.schedule.gamma, req.limit - len(seq) - 1)  # the rule's γ, within the length limit
         memory = ({p: self.embedded(p) for p in req.rows.memory[0]}
                   if isinstance(draft, (ModelDraft, PairDraft, HeadDraft)) else {})
         inject = {0: self.embedded(last)} if last in req.rows.memory[0] else {}
         sampling = Sampling(req.settings.do_sample, req.processors, req.rng)
         rnd = speculative_round(list(seq), self.pair, draft, gamma, self.target, sampling, memory=memory,
                                 inject=inject)
+        self.schedule.update(rnd.alphas, rnd.drafted, rnd.accepted)
         start = len(seq)
         self.emit(rnd.tokens, rnd.alphas, events)
         self.pair.crop(req.rows.cur - 1)  # a stop or a <recall> cut the round short
@@ -330,14 +333,25 @@ class OptimalSpeculativeDecoder:
     """Seed 003's class, now exact: `generate` draws from q* with Leviathan et al.'s rule, k = γ drafts
     per verify from π_θ (as the seed meant, with θ's logits reused by the verify when the two models run
     as two forwards), α* per step to `tol`. `model_t=None`: a PEFT model against its own base.
-    `draft="gguf"` with `gguf=` a llama.cpp model (models.gguf.load_gguf_draft) drafts with llama.cpp."""
+    `draft="gguf"` with `gguf=` a llama.cpp model (models.gguf.load_gguf_draft) drafts with llama.cpp.
+    `gamma_rule="seed"`: k per round by the seed's adaptive k (`_adaptive_k`; "acceptance" and "fixed" as in
+    `MixtureSettings`)."""
 
-    def __init__(self, model_theta, model_t=None, k: int = 5, tol: float = 1e-6, draft: str = "theta", gguf=None):
+    def __init__(self, model_theta, model_t=None, k: int = 5, tol: float = 1e-6, draft: str = "theta", gguf=None,
+                 gamma_rule: str = "fixed"):
         if draft == "head":
             raise ValueError("OptimalSpeculativeDecoder drafts with theta, target, ngram or gguf; an EAGLE head goes "
                              "through stream_mixture(..., controls=Controls(draft_head=...))")
         self.model_theta, self.model_t, self.k, self.tol, self.gguf = model_theta, model_t, k, tol, gguf
-        self.mixture = MixtureSettings(enabled=True, speculative=True, gamma=k, tol=tol, draft=draft)
+        self.mixture = MixtureSettings(enabled=True, speculative=True, gamma=k, tol=tol, draft=draft,
+                                       gamma_rule=gamma_rule)
+
+    def _adaptive_k(self, alpha_star) -> int:
+        """The seed's adaptive k around `k` from α* (a number, or a tensor whose mean is taken, as the seed's):
+        `decoding.gamma.adaptive_k`, which `gamma_rule="seed"` applies each round to the last verified α*. (The
+        seed's class sketches a shorter variant, mean α* > 0.7 or < 0.3 → min(10, k + 3), else k, that never
+        shortens k; its `adaptive_k` function, with the bounds and thresholds, is the rule kept.)"""
+        return adaptive_k(float(torch.as_tensor(alpha_star, dtype=torch.float64).mean()), self.k)
 
     def generate(self, input_ids: torch.LongTensor, max_length: int = 100, temperature: float = 1.0, *,
                  do_sample: bool | None = None, seed: int | None = None, pad_token_id: int = 0) -> torch.LongTensor:

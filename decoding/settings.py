@@ -143,6 +143,7 @@ _GENERATION_SEQUENCES = {
 
 
 DRAFTS = ("ngram", "theta", "target", "head", "gguf")
+GAMMA_RULES = ("fixed", "seed", "acceptance")  # decoding/gamma.py
 
 
 @dataclass(frozen=True)
@@ -154,13 +155,16 @@ class MixtureSettings:
     the verify reuses when the pair runs as two forwards; "head": an EAGLE draft head over θ's features
     from the folder `head`, written by `python -m training.draft`; "gguf": a quantized model with the
     same tokenizer run by llama.cpp, the file `gguf` or, when None, the embedded SmolLM2's own Q4_1
-    GGUF). `tol`: α*'s solver tolerance."""
+    GGUF). `gamma_rule`: "fixed" (γ every round), "seed" (seed 003's adaptive k: γ from α* of the last
+    verified position) or "acceptance" (γ from the kept share of the last rounds' drafts), each within
+    max(3, γ − 2) .. min(10, γ + 3) (decoding/gamma.py). `tol`: α*'s solver tolerance."""
 
     enabled: bool = False
     target: str | None = None
     alpha: str | float = "auto"
     speculative: bool = False  # the app config turns it on, draft gguf: 1.6-1.7x of direct q* (bench/mixture.py)
     gamma: int = 4
+    gamma_rule: str = "fixed"
     draft: str = "theta"
     ngram: int = 3
     head: str | None = None
@@ -182,6 +186,7 @@ class MixtureSettings:
                    "must be a draft head folder (written by python -m training.draft), or None"),
                   ("gguf", self.gguf is None or isinstance(self.gguf, str) and self.gguf != "",
                    "must be a .gguf file with the models' tokenizer, or None for the embedded SmolLM2's own"),
+                  ("gamma_rule", self.gamma_rule in GAMMA_RULES, f"must be one of {', '.join(GAMMA_RULES)}"),
                   ("draft", self.draft in DRAFTS, f"must be one of {', '.join(DRAFTS)}"),
                   ("tol", number(self.tol) and 0 < self.tol <= 0.01, "must be a number in (0, 0.01]")]
         for name, ok, requirement in checks:

@@ -8,7 +8,7 @@ from typing import Any
 import gradio as gr
 
 from chat.config import Config, request_settings, setting_value
-from decoding.settings import DRAFTS, GenerationSettings, RecallSettings
+from decoding.settings import DRAFTS, GAMMA_RULES, GenerationSettings, RecallSettings
 
 # The settings on the page, one row each: API parameter name -> (setting, tab, control for its value and the
 # config[, (control value, every control's value) -> setting value]). The same table lays out the page and maps
@@ -62,6 +62,10 @@ CONTROLS: dict[str, tuple] = {
                                                                           "trained EAGLE head")),
     "mixture_gamma": ("mixture.gamma", "Mixture",
                       lambda v, cfg: gr.Slider(1, 8, v, step=1, precision=0, label="γ: drafted tokens per verify")),
+    "mixture_gamma_rule": ("mixture.gamma_rule", "Mixture",
+                           lambda v, cfg: gr.Radio(list(GAMMA_RULES), value=v, label="γ each round: fixed, seed = "
+                                                   "from α* (seed 003's adaptive k), acceptance = from the last "
+                                                   "rounds' kept drafts; within max(3, γ-2) .. min(10, γ+3)")),
     "recall_enabled": ("recall.enabled", "Recall", lambda v, cfg: gr.Checkbox(v, label="recall enabled")),
     "recall_sampling": ("recall.use_sampling", "Recall",
                         lambda v, cfg: gr.Checkbox(v, label="sample the memory (off = most similar)")),

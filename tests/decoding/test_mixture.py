@@ -21,6 +21,7 @@ from decoding.mixture import (
     MixtureEvent, MixtureResult, OptimalSpeculativeDecoder, generate_mixture, mixture_log_probs, stream_mixture,
 )
 from decoding.draft_head import DraftHead, draft_head_for, head_config
+from decoding.gamma import GammaSchedule, acceptance_gamma, adaptive_k
 from decoding.settings import MixtureSettings
 from decoding.drafts import HeadDraft, point_masses
 from decoding.speculative import ModelPair, Sampling, accept_draft, speculative_round
@@ -299,6 +300,7 @@ def test_fixed_alpha_is_the_geometric_mixture():
     ({"alpha": 1.5}, ["1.5", '"auto"', "[0, 1]"]), ({"alpha": "max"}, ["'max'", '"auto"']),
     ({"gamma": 0}, ["gamma", "0", ">= 1"]), ({"draft": "medusa"}, ["'medusa'", "ngram", "theta", "target"]),
     ({"target": ""}, ["target", "None"]), ({"speculative": "yes"}, ["speculative", "bool"]),
+    ({"gamma_rule": "often"}, ["gamma_rule", "'often'", "fixed, seed, acceptance"]),
 ])
 def test_settings_name_the_value_and_what_is_allowed(kwargs, words):
     with pytest.raises(ValueError) as err:
@@ -395,12 +397,22 @@ def allowed_setup(model_theta, model_t):
     return ids, [a, best, b, c, a], processors
 
 
-def two_token_distribution(model_theta, model_t, prompt, allowed, processors):
-    """Exact P(x1, x2) over allowed x allowed, from uncached forwards."""
-    q1 = reference_q(model_theta, model_t, prompt, processors)[0].exp()
-    table = [[float(q1[a]) * float(reference_q(model_theta, model_t, prompt + [a], processors)[0].exp()[b])
-              for b in allowed] for a in allowed]
-    return np.asarray(table).ravel()
+def sequence_distribution(model_theta, model_t, prompt, allowed, processors, length):
+    """Exact P(x1 .. x_length) over allowed^length (the first token varies slowest: `cell`), from uncached
+    forwards."""
+    if length == 0:
+        return np.ones(1)
+    q = reference_q(model_theta, model_t, prompt, processors)[0].exp()
+    return np.concatenate([float(q[a]) * sequence_distribution(model_theta, model_t, prompt + [a], allowed,
+                                                               processors, length - 1) for a in allowed])
+
+
+def cell(tokens, allowed):
+    """The index of a drawn sequence in `sequence_distribution`'s order."""
+    index = 0
+    for token in tokens:
+        index = index * len(allowed) + allowed.index(token)
+    return index
 
 
 # The distribution tests draw thousands of answers, the suite's longest tests: each is a class of its own, which
@@ -429,8 +441,7 @@ def sample_the_same_two_tokens(case, modes, pair2, peft_lm, small_pair, small_pe
     for mode in modes:
         model_theta, model_t = distribution_models(case, mode, pair2, peft_lm, small_pair, small_peft)
         allowed, prompt, processors = allowed_setup(model_theta, model_t)
-        exact = two_token_distribution(model_theta, model_t, prompt, allowed, processors)
-        index = {a: i for i, a in enumerate(allowed)}
+        exact = sequence_distribution(model_theta, model_t, prompt, allowed, processors, 2)
         mixture = MixtureSettings(enabled=True, speculative=mode != "direct", draft=mode if mode != "direct" else "ngram",
                                   gamma=3)
         draws, accepted = [], 0
@@ -445,8 +456,7 @@ def sample_the_same_two_tokens(case, modes, pair2, peft_lm, small_pair, small_pe
                     logits_processor=processors, draft_head=head if mode == "head" else None, draft_gguf=gguf
                 ),
             )
-            a, b = r.new_tokens[0].tolist()
-            draws.append(index[a] * ALLOWED_WORDS + index[b])
+            draws.append(cell(r.new_tokens[0].tolist(), allowed))
             accepted += r.accepted
         assert chi2_p(draws, exact) > P_MIN, mode
         if mode != "direct":
@@ -459,10 +469,7 @@ class TestTheGGUFDraft:
         the round keeps both drafts, one, or none; P(x1, x2, x3) is still q*'s (chi-square)."""
         model_theta, model_t = pair2[0].model, pair2[1].model
         allowed, prompt, processors = allowed_setup(model_theta, model_t)
-        q = lambda ids: reference_q(model_theta, model_t, ids, processors)[0].exp()  # noqa: E731
-        exact = np.asarray([float(q(prompt)[a]) * float(q(prompt + [a])[b]) * float(q(prompt + [a, b])[c])
-                            for a in allowed for b in allowed for c in allowed])
-        index = {a: i for i, a in enumerate(allowed)}
+        exact = sequence_distribution(model_theta, model_t, prompt, allowed, processors, 3)
         draws, kept = [], []
         for seed in range(600):
             settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=3, seed=seed)
@@ -475,11 +482,127 @@ class TestTheGGUFDraft:
                 ),
                 controls=Controls(logits_processor=processors, draft_gguf=gguf),
             )
-            a, b, c = r.new_tokens[0].tolist()
-            draws.append((index[a] * ALLOWED_WORDS + index[b]) * ALLOWED_WORDS + index[c])
+            draws.append(cell(r.new_tokens[0].tolist(), allowed))
             kept.append(r.accepted)
         assert chi2_p(draws, exact) > P_MIN
         assert {0, 1, 2} <= set(kept)  # answers kept no draft, one, and two
+
+
+# ------------------------------------------------------------------ adaptive γ (mixture.gamma_rule, decoding/gamma.py)
+
+
+@pytest.mark.parametrize("alpha, base, gamma", [
+    (0.5, 5, 3), (0.36, 5, 3), (0.64, 5, 3),  # r̂ = 2·min(α*, 1 - α*) > 0.7: max(3, γ - 2)
+    (0.35, 5, 5), (0.15, 5, 5), (0.85, 5, 5),  # r̂ in [0.3, 0.7] (0.7 and 0.3 themselves): γ
+    (0.14, 5, 8), (0.86, 5, 8), (0.0, 5, 8), (1.0, 5, 8),  # r̂ < 0.3: min(10, γ + 3)
+    (0.5, 1, 3), (0.5, 4, 3), (0.5, 12, 10), (0.0, 8, 10), (0.0, 12, 10), (0.25, 12, 12),  # the bounds 3 and 10
+])
+def test_the_seed_rule_at_its_boundaries(alpha, base, gamma):
+    assert adaptive_k(alpha, base) == gamma
+
+
+def test_the_seed_rule_keeps_its_default_base_and_the_seed_class_takes_the_mean_alpha():
+    assert (adaptive_k(0.5), adaptive_k(0.3), adaptive_k(0.1)) == (3, 5, 8)  # base_k = 5, as in the seed
+    decoder = OptimalSpeculativeDecoder(None, None, k=5, gamma_rule="seed")
+    assert decoder.mixture.gamma_rule == "seed" and decoder.mixture.gamma == 5
+    assert decoder._adaptive_k(torch.tensor([0.2, 0.8])) == 3 and decoder._adaptive_k(0.05) == 8
+
+
+@pytest.mark.parametrize("rate, base, gamma", [
+    (1.0, 4, 7), (0.71, 4, 7), (0.7, 4, 4), (0.3, 4, 4), (0.29, 4, 3), (0.0, 4, 3),
+    (1.0, 9, 10), (0.0, 1, 3), (0.0, 6, 4),
+])
+def test_the_acceptance_rule_at_its_boundaries(rate, base, gamma):
+    assert acceptance_gamma(rate, base) == gamma
+
+
+def test_a_schedule_reads_the_last_verified_alpha_and_the_last_four_rounds_that_drafted():
+    seed = GammaSchedule("seed", 5)
+    assert seed.gamma == 5  # the first round: the configured γ
+    seed.update([0.05, 0.5], 2, 1)
+    assert seed.gamma == 3  # from the last position's α* (0.5), not the first's (0.05)
+    seed.update([0.5, 0.05], 2, 1)
+    assert seed.gamma == 8
+    measured, gammas = GammaSchedule("acceptance", 4), []
+    for drafted, kept in [(4, 4), (4, 0), (4, 0), (0, 0), (4, 0), (4, 4), (4, 4)]:
+        measured.update([0.5], drafted, kept)
+        gammas.append(measured.gamma)
+    # kept shares 4/4, 4/8, 4/12, (no draft: unchanged), 4/16, then the window drops the first: 4/16, 8/16
+    assert gammas == [7, 4, 4, 4, 3, 3, 4]
+    fixed = GammaSchedule("fixed", 4)
+    fixed.update([0.5], 4, 0)
+    assert fixed.gamma == 4
+
+
+def test_the_gamma_rule_is_set_by_the_config_and_set_and_refused_by_name():
+    from chat.config import ConfigError, load_config
+    assert load_config(environ={}).generation.mixture.gamma_rule == "fixed"  # the app's configuration
+    assert load_config(overrides=["generation.mixture.gamma_rule=seed"], environ={}).generation.mixture.gamma_rule == "seed"
+    assert load_config(environ={"RECALL_CHAT__GENERATION__MIXTURE__GAMMA_RULE": "acceptance"}
+                       ).generation.mixture.gamma_rule == "acceptance"
+    with pytest.raises(ConfigError, match="gamma_rule is 'often': must be one of fixed, seed, acceptance"):
+        load_config(overrides=["generation.mixture.gamma_rule=often"], environ={})
+
+
+def expected_gamma(rule: str, base: int, before: list) -> int:
+    """What the rule gives after the MixtureEvents `before` (written apart from GammaSchedule)."""
+    drafted = [e for e in before if e.drafted][-4:]
+    if rule == "seed" and before:
+        return adaptive_k(before[-1].alphas[-1], base)
+    if rule == "acceptance" and drafted:
+        return acceptance_gamma(sum(e.accepted for e in drafted) / sum(e.drafted for e in drafted), base)
+    return base
+
+
+@pytest.mark.parametrize("rule", ["seed", "acceptance"])
+def test_each_round_drafts_the_rules_gamma_within_the_length_limit(pair2, monkeypatch, rule):
+    """γ of every round is the rule's, from the rounds before it (the seed's: α* of the last verified position),
+    cut to the room left (a round never drafts past max_new_tokens); greedy answers stay the reference's."""
+    model_theta, model_t = pair2[0].model, pair2[1].model
+    prompt, new, base = [504, 1813, 314, 253], 24, 5
+    given = []
+    monkeypatch.setattr("decoding.mixture.speculative_round",
+                        lambda seq, pair, draft, gamma, *a, **kw: given.append(gamma) or speculative_round(
+                            seq, pair, draft, gamma, *a, **kw))
+    mixture = MixtureSettings(enabled=True, speculative=True, draft="theta", gamma=base, gamma_rule=rule)
+    capped = adapted = False
+    for seed in range(3):
+        given.clear()
+        settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=new, seed=seed, mixture=mixture)
+        events = list(stream_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, settings,
+                                     controls=Controls(eos_token_id=[])))
+        rounds = [e for e in events if isinstance(e, MixtureEvent)]
+        assert len(given) == len(rounds) and events[-1].result.new_tokens.shape[1] == new
+        for i, (gamma, event) in enumerate(zip(given, rounds)):
+            wanted, room = expected_gamma(rule, base, rounds[:i]), len(prompt) + new - event.position - 1
+            assert gamma == min(wanted, room), (seed, i)
+            capped, adapted = capped or room < wanted, adapted or wanted != base
+    assert capped and adapted  # the limit cut some round, and the rule moved γ off the configured one
+    greedy = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])},
+                              GenerationSettings(max_new_tokens=10, mixture=mixture), controls=Controls(eos_token_id=[]))
+    assert greedy.sequences[0].tolist() == reference_greedy(model_theta, model_t, prompt, 10)
+
+
+class TestAdaptiveGamma:
+    @pytest.mark.parametrize("rule", ["seed", "acceptance"])
+    def test_keeps_q_star_over_four_tokens(self, small_pair, rule):
+        """γ = 1 drafted first, then the rule's γ (3 or 4 where the limit leaves room), θ drafting in the pair:
+        P(x1 .. x4) over three allowed tokens is still q*'s (chi-square)."""
+        model_theta, model_t = small_pair
+        allowed = [1000, 1001, 1002]
+        processors = LogitsProcessorList([AllowOnly(allowed, scale=1.0)])
+        prompt = [1000, 1001, 1002, 1000]
+        exact = sequence_distribution(model_theta, model_t, prompt, allowed, processors, 4)
+        mixture = MixtureSettings(enabled=True, speculative=True, draft="theta", gamma=1, gamma_rule=rule)
+        draws, drafted, accepted, longer = [], 0, 0, 0
+        for seed in range(400):
+            settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=4, seed=seed, mixture=mixture)
+            r = generate_mixture(model_theta, model_t, {"input_ids": torch.tensor([prompt])}, settings,
+                                 controls=Controls(logits_processor=processors, eos_token_id=[]))
+            draws.append(cell(r.new_tokens[0].tolist(), allowed))
+            drafted, accepted, longer = drafted + r.drafted, accepted + r.accepted, longer + (r.drafted > r.rounds)
+        assert chi2_p(draws, exact) > P_MIN
+        assert 0 < accepted < drafted and longer > 40  # drafts kept and rejected; many answers drafted past γ = 1
 
 
 @pytest.mark.parametrize("case", ["two", "peft", "peft-two-forwards"])

@@ -1,5 +1,6 @@
 """Every slider of the page reaches only values its setting accepts: a slider end the server refuses is a control
-that fails when a person moves it all the way (the memory top-p slider went down to 0; the server takes (0, 1])."""
+that fails when a person moves it all the way (the memory top-p slider went down to 0; the server takes (0, 1]).
+Every choice of a radio is one the server takes, and reaches its setting."""
 
 from __future__ import annotations
 
@@ -22,3 +23,16 @@ def test_every_slider_end_is_a_value_the_server_accepts(name):
         values["mixture_alpha_auto"] = False  # the slider counts only when α is not automatic
     for end in (page[name].minimum, page[name].maximum):
         settings(cfg, {**values, name: end})  # raises ValueError naming the setting when the server refuses it
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in PAGE.items() if isinstance(c, gr.Radio)))
+def test_every_radio_choice_is_a_value_the_server_accepts(name):
+    values = {n: c.value for n, c in PAGE.items()}
+    for _, choice in PAGE[name].choices:
+        settings(CFG, {**values, name: choice})
+
+
+def test_the_gamma_rule_radio_reaches_the_mixture():
+    values = {n: c.value for n, c in PAGE.items()}
+    assert values["mixture_gamma_rule"] == "fixed"
+    assert settings(CFG, {**values, "mixture_gamma_rule": "seed"})[0].mixture.gamma_rule == "seed"
