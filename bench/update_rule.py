@@ -1,0 +1,75 @@
+"""Knowledge updates at read time, offline: held-out people tell 5 things, then a new value of one (home, job or
+favourite colour: "We've just moved to Brackholm."); their questions are scored against their memories with the
+chat's query, and a rule picks the memory read:
+
+    .venv/bin/python bench/update_rule.py [--people 150] [--seed recency-heldout]
+
+- plain: the most similar memory (the memory head today);
+- newest among near ties about the same thing: among the memories within `margin` of the best score whose key is
+  at least `same` similar to the best one's, the newest.
+Prints the right memory's rate for the update's question and for the other told things' questions. No model
+decodes here: it measures retrieval only, in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--people", type=int, default=150)
+    ap.add_argument("--seed", default="recency-heldout")
+    ap.add_argument("--margins", default="0,0.05,0.1,0.15,0.2")
+    ap.add_argument("--same", default="0.4,0.45,0.5")
+    args = ap.parse_args()
+
+    import torch
+    from torch.nn.functional import normalize
+
+    from models import LoadOptions, load_model
+    from models.remember import about_the_user
+    from training.facts import Names
+    from training.personal import UPDATABLE, person, update
+
+    lm = load_model(None, LoadOptions(device="cpu"))
+    embed = lambda t: normalize(lm.encoder.query(t).float().reshape(-1), dim=-1)  # noqa: E731
+    query = lambda q: normalize(embed(q) + embed(about_the_user(q)), dim=-1)  # noqa: E731 - the chat's query
+    rng = random.Random(args.seed)
+    names = Names("eval", rng)
+    rows = []  # (category, scores [M], keys [M, D], the right memory); a memory's index is its age order
+    for _ in range(args.people):
+        things = person("eval", rng, names, 5)
+        old = next((t for t in things if t.kind.split(":")[0] in UPDATABLE), None)
+        if old is None:
+            continue
+        new = update(old, "eval", rng, names)
+        keys = torch.stack([embed(t.memory) for t in things] + [embed(new.memory)])
+        rows.append(("update", keys @ query(new.questions[0]), keys, len(things)))
+        rows += [("single", keys @ query(t.questions[0]), keys, i) for i, t in enumerate(things) if t is not old]
+
+    def pick(scores, keys, margin: float, same: float) -> int:
+        top = int(scores.argmax())
+        near = [i for i in range(len(scores)) if scores[i] >= scores[top] - margin
+                and (i == top or float(keys[i] @ keys[top]) >= same)]
+        return max(near)
+
+    def rate(category: str, margin: float, same: float) -> float:
+        mine = [r for r in rows if r[0] == category]
+        return sum(pick(s, k, margin, same) == right for _, s, k, right in mine) / len(mine)
+
+    print(f"{sum(r[0] == 'update' for r in rows)} update questions, {sum(r[0] == 'single' for r in rows)} others "
+          f"(seed {args.seed!r})\n\n| same >= | margin | update's question: right memory | others: right memory |\n"
+          "|---|---|---|---|")
+    for same in (float(x) for x in args.same.split(",")):
+        for margin in (float(x) for x in args.margins.split(",")):
+            print(f"| {same:.2f} | {margin:.2f} | {rate('update', margin, same):.3f} | {rate('single', margin, same):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
