@@ -54,10 +54,13 @@ def main() -> None:
         rows += [("single", keys @ query(t.questions[0]), keys, i) for i, t in enumerate(things) if t is not old]
 
     def pick(scores, keys, margin: float, same: float) -> int:
+        """The rule as `memory.personal.Newest` reads: the older of the near ties about the same thing are
+        dropped, then the most similar of what is left."""
         top = int(scores.argmax())
         near = [i for i in range(len(scores)) if scores[i] >= scores[top] - margin
                 and (i == top or float(keys[i] @ keys[top]) >= same)]
-        return max(near)
+        left = [i for i in range(len(scores)) if i not in near or i == max(near)]
+        return max(left, key=lambda i: float(scores[i]))
 
     def rate(category: str, margin: float, same: float) -> float:
         mine = [r for r in rows if r[0] == category]

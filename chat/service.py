@@ -29,7 +29,7 @@ from decoding.mixture import MixtureResult
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import BankError
 from memory.milvus import MilvusBank
-from memory.personal import Joined, Personal
+from memory.personal import Joined, Newest, Personal
 from models import EMBEDDED_NAME, LoadedModel, load_model
 from models.remember import mentions_the_user
 from models.spec import COMPILE
@@ -214,7 +214,7 @@ class Service(SessionService):
             return bank
         try:
             mine = self.people.of(self._model(), s.user)
-            return Joined([("yours", mine.bank), (self.banks.label(s), bank)]) if len(mine) else bank
+            return Joined([("yours", Newest(mine.bank)), (self.banks.label(s), bank)]) if len(mine) else bank
         except (ServiceError, BankError) as e:
             yield Notice(f"{e}; answering without your memories")
             return bank

@@ -83,6 +83,14 @@ def test_each_user_remembers_their_own_and_keeps_it_across_a_restart(default_lm,
         cleared = httpx.delete(url + "v1/memories", headers={"Authorization": f"Bearer {keys['bob']}"})
         assert cleared.json()["deleted"] == 1 and memories(url, keys["bob"]).json()["data"] == []
 
+        # a change told in other words than the older memory (keys 0.49 similar: both kept), then asked about: the
+        # newer is the one read (`memory.personal.Newest`)
+        for said in ("Remember that I live in Porto.", "Remember that these days I live in Brackholm."):
+            ask(client(url, keys["ada"]), said)
+        assert len(memories(url, keys["ada"]).json()["data"]) == 2
+        answer = ask(client(url, keys["ada"]), "Where do I live?")
+        assert [r["text"] for r in answer.model_extra["recalls"]] == ["These days the user lives in Brackholm."]
+
 
 def test_without_a_users_file_there_is_one_local_user_and_the_shared_key_still_works(default_lm, tmp_path):
     with serve(default_lm, "app.api_key=shared-secret", f"memory.user_dir={tmp_path}") as server:

@@ -15,7 +15,7 @@ import torch
 
 from memory import MemoryVectorDB
 from memory.milvus import MilvusBank, StoreLayout
-from memory.personal import Joined, PersonalMemory, Similar
+from memory.personal import Joined, Newest, PersonalMemory, Similar
 from memory.personal_milvus import MilvusPersonal, open_people
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,6 +105,29 @@ def test_restore_puts_a_superseded_or_forgotten_memory_back_as_it_was(stores):
         (e["id"], e["text"], e["created_at"]) for e in (rex, porto))
     scores, ids = again.bank.topk(key(1, 0, 0)[0], 1)  # recalled again
     assert float(scores[0]) > 0.99 and again.bank.text(int(ids[0])) == rex["text"]
+
+
+def test_the_newest_of_near_memories_about_one_thing_is_read(stores):
+    """`Newest`: a told change worded unlike the older memory (keys 0.6 similar: under `supersede`, so both are
+    kept) is read instead of it when the message finds both about as well; a memory about another thing, or one
+    much less similar to the message, is never hidden."""
+    mine = stores("ada")
+    porto, _ = mine.add(key(1, 0, 0), None, "The user lives in Porto.", make_bank=empty)
+    sister, _ = mine.add(key(0, 0, 1), None, "The user's sister is Lena.", make_bank=empty)
+    moved, gone = mine.add(key(0.6, 0.8, 0), None, "These days the user lives in Brackholm.", make_bank=empty)
+    assert gone == [] and len(mine) == 3
+    read = Newest(mine.bank)
+    text = lambda q, k=None: [mine.bank.text(int(i)) for i in read.topk(key(*q)[0], k)[1]]  # noqa: E731
+    # the message scores Porto 0.904 and Brackholm 0.885: the newer is read, the older hidden
+    assert text((0.95, 0.45, 0)) == [moved["text"], sister["text"]]
+    assert text((0.95, 0.45, 0), 1) == [moved["text"]]
+    # Brackholm 0.19 under Porto (more than the margin): Porto is read, nothing hidden
+    assert text((1, 0.2, 0)) == [porto["text"], moved["text"], sister["text"]]
+    # as close as Porto but about another thing (keys 0 similar): both stay, the closer first
+    assert text((1, 0, 0.98)) == [porto["text"], sister["text"], moved["text"]]
+    # what the memory head then reads: the wrapped bank's memory, values and length
+    assert read.memory(int(read.topk(key(0.95, 0.45, 0)[0], 1)[1][0]), 0.9).text == moved["text"]
+    assert len(read) == 3 and read.dim == mine.bank.dim
 
 
 def test_a_change_made_by_another_process_is_seen(tmp_path):
