@@ -174,8 +174,7 @@ def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.d
         return config
 
     def agreement(tokens: list[int], k: int = 16) -> str:
-        """How many of the first `k` greedy tokens equal transformers' eager `generate` (bf16 may part late; a
-        wrong step parts at once: inductor's `freezing` made the KV cache a constant, run 3)."""
+        """How many first greedy tokens equal eager `generate`'s (bf16 parts late, a wrong step at once: run 3)."""
         k = min(k, len(tokens))
         ref = model.generate(dev_ids, generation_config=hf_config(k))[0, ids.shape[1]:].tolist()
         return f"{next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), k)}/{k}"
@@ -294,10 +293,6 @@ def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.d
         torch.cuda.empty_cache()
 
 
-ROWS = [("transformers eager generate", "ms_per_token"), ("transformers static generate", "ms_per_token"),
-        ("our eager loop", "ms_per_token"), ("graph step", "ms_per_token")]
-
-
 def cell(entry, key: str, fmt: str = "{:.2f}") -> str:
     if not isinstance(entry, dict):
         return "—"
@@ -365,11 +360,8 @@ def main() -> None:
     ap.add_argument("--memories", default="100000")
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--tokenizer", default=None)
-    ap.add_argument("--inductor", default="", help="inductor settings for every compile, key=value,... (e.g. "
-                    "freezing=1: weights as constants, so q/k/v and gate/up of equal shapes run as one matmul; "
-                    "coordinate_descent_tuning=1)")
-    ap.add_argument("--no-static", dest="static", action="store_false",
-                    help="skip transformers' static-cache generate (a variant run beside a full one)")
+    ap.add_argument("--inductor", default="", help="inductor settings of the run, k=v,... (freezing=1: a wrong step)")
+    ap.add_argument("--no-static", dest="static", action="store_false", help="skip transformers' static generate")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape and a few tokens (runs on a CPU)")
     args = ap.parse_args()
     if args.smoke:
