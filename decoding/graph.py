@@ -11,8 +11,8 @@ the cache's padding forgotten, the request's processors and draw (`decoding.devi
 written into the next replay's input and into a ring copied to pinned host memory. A step is one `replay()`;
 torch.compile's own CUDA graphs (`graphs="trees"`, the first run's path) are the fallback.
 
-`GraphDecoder.stream` is the host loop (gpt-fast's `decode_n_tokens` with the read-back of mlx-lm's
-`generate_step`): it launches step n + 1 before it reads step n's tokens, so the device never waits for the
+`GraphDecoder.stream` is the host loop (`decoding.graph_loop`: gpt-fast's `decode_n_tokens` with the read-back of
+mlx-lm's `generate_step`): it launches step n + 1 before it reads step n's tokens, so the device never waits for the
 host, and a stop (EOS, the length, an interrupt) ends the request one step later at most. Processors without
 a tensor form run as transformers' processors after the replay (`DeviceSampler.configure`). A recall (batch
 1): the read-back shows `<recall>` while the step that took it as input is already queued; that step's final
@@ -30,17 +30,15 @@ import contextlib
 import dataclasses
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator
 
 import torch
 from transformers import StaticCache
 
-from decoding.memory import MemorySelector, Recall, recall_step
-from decoding.processors import build_logits_processor
-from decoding.device_sampler import FULL, DeviceSampler, Kind, ReadBack
+from decoding.memory import Recall
+from decoding.device_sampler import FULL, DeviceSampler, Kind
 from decoding.graph_inputs import Inputs
-from decoding.sampling import draw
+from decoding.graph_loop import Decoded, HostLoop
 from decoding.settings import GenerationSettings
 from models.modeling import backbone_and_head, head_logits, unwrap_model
 
@@ -230,20 +228,6 @@ class GraphStep:
         return self.compile_seconds
 
 
-@dataclass
-class Decoded:
-    """What `GraphDecoder.generate` made: per row its new tokens (sampled and forced), and how it ended."""
-
-    tokens: list[list[int]]
-    finish: str  # stop (every row at EOS) | length | interrupted
-    recalls: list = field(default_factory=list)  # RecallEvent of each injection
-    memory_vectors: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> value vector (row 0)
-    logits: list[torch.Tensor] = field(default_factory=list)  # with keep_logits: [B, V] of each sampled step
-    positions: list[int] = field(default_factory=list)  # with keep_logits: the position each of them scored from
-    steps: int = 0  # replays launched (a dropped step, one after the stop, included)
-    ttft: float = 0.0  # seconds to the first token on the host
-
-
 class GraphDecoder:
     """Requests of `batch` equal-length rows on one `GraphStep` (its cache is reused: one request at a time)."""
 
@@ -262,124 +246,15 @@ class GraphDecoder:
         forced span tokens as soon as they are known. `out` (a `Decoded`) collects recalls, logits and counts.
         The request's processors and draw run inside the step's graph when `DeviceSampler.configure` has a tensor
         form for all of them, else (the fallback) as transformers' processors and `sampling.draw` after it."""
-        g, out = self.graph, out if out is not None else Decoded([], "length")
-        t0 = time.perf_counter()
-        rows, length = input_ids.shape
-        if rows != g.batch:
-            raise ValueError(f"input_ids has {rows} rows; this decoder was built for {g.batch}")
-        recall_on = recall is not None and recall.active
-        if recall_on and rows != 1:
+        rows = input_ids.shape[0]
+        if rows != self.graph.batch:
+            raise ValueError(f"input_ids has {rows} rows; this decoder was built for {self.graph.batch}")
+        if recall is not None and recall.active and rows != 1:
             raise ValueError(f"recall in the graph decoder takes one row, got {rows} (decode them with decoding.loop)")
-        prompt = input_ids.to(g.device)
-        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        processors = build_logits_processor(settings, eos_token_id=eos or None, prompt_ids=prompt,
-                                            vocab_size=g.embed.weight.shape[0])
-        seed = settings.seed if settings.seed is not None else int(torch.randint(1 << 31, ()))
-        kind = g.sampler.configure(processors, do_sample=settings.do_sample, seed=seed, eos=eos, pad=pad_token_id,
-                                   masked=rows > 1 and bool(eos))
-        if kind is not None and kind.penalty:
-            g.sampler.see(prompt)
-        host_side = kind is None  # the fallback: processors and draw after the replay, on the host's queue
-        seq = torch.zeros((rows, g.max_len), dtype=torch.long, device=g.device) if host_side else None
-        if host_side:
-            seq[:, :length] = prompt
-        cur = length  # positions of the sequence so far
-        generator = None if settings.seed is None else torch.Generator(g.device).manual_seed(settings.seed)
-        selector = MemorySelector.of(recall, None if settings.seed is None else
-                                     torch.Generator().manual_seed(settings.seed)) if recall_on else None
-        masked = rows > 1 and bool(eos)
-        readback = ReadBack(g.sampler)
-
-        def keep(logits: torch.Tensor) -> None:
-            if keep_logits:
-                out.logits.append(logits.clone())
-                out.positions.append(cur - 1)
-
-        def pick(logits: torch.Tensor) -> torch.Tensor:  # the fallback's choice (host side)
-            keep(logits)
-            return draw(processors(seq[:, :cur], logits) if processors else logits, settings.do_sample, generator)
-
-        def advance(logits: torch.Tensor) -> int:
-            """A replay was queued whose logits score position `cur - 1` (its token chosen in the graph, or here):
-            the token's read-back slot."""
-            nonlocal cur
-            if host_side:
-                g.sampler.commit(pick(logits), g.one.ids, masked)
-                seq[:, cur].copy_(g.one.ids[:, 0])
-            else:
-                keep(logits)
-            cur += 1
-            return readback.pushed()
-
-        def recall_span(hidden: torch.Tensor) -> tuple[list[int], int]:
-            """Recall at the newest position (its final state `hidden` [1, H]); forward the memory's slots and
-            suffix; (the forced tokens, the read-back slot of the token sampled after them)."""
-            nonlocal cur
-            tokens, vectors, event = recall_step(selector, recall, hidden[0], 0, cur)
-            out.recalls.append(event)
-            out.memory_vectors.update(vectors)
-            if host_side:
-                seq[:, cur:cur + len(tokens)] = torch.tensor(tokens, device=g.device)
-            cur += len(tokens)
-            slots = {p - event.position: v for p, v in vectors.items()}
-            embedded = recall.embed(torch.stack([slots[i] for i in sorted(slots)]), g.device, g.dtype)  # [k, H]
-            _, logits = g.forward_span(tokens, dict(zip(sorted(slots), embedded)), kind)
-            out.steps += 1
-            return tokens, advance(logits)
-
-        out.tokens = [[] for _ in range(rows)]
-        done = [False] * rows
+        run = HostLoop(self.graph, input_ids, settings, recall, eos_token_id, pad_token_id, keep_logits,
+                   out if out is not None else Decoded([], "length"))
         with torch.no_grad():
-            hidden, logits = g.prefill(g.embed(prompt))
-            if recall_on and int(input_ids[0, -1]) == recall.recall_id:  # the prompt ends with <recall>
-                pick(logits) if host_side else keep(logits)  # drawn and dropped, as the loop forces the span instead
-                forced, pending = recall_span(hidden)
-                for t in forced:
-                    out.tokens[0].append(t)
-                    yield [t]
-                made = len(forced)
-            else:
-                if not host_side:
-                    g.sampler.commit(g.sampler.choose(logits, kind), g.one.ids, kind.masked)
-                pending, made = advance(logits), 0
-            while True:
-                queued = None
-                if made + 1 < settings.max_new_tokens and g.length + 1 < g.max_len:
-                    with self.launch_guard():
-                        hidden, logits = g.step(kind)  # input: the pending token, already in `one.ids`
-                        if recall_on:
-                            hidden = hidden.clone()
-                        queued = advance(logits)
-                    out.steps += 1
-                tokens = readback.read(pending)  # the device is already busy with the step queued behind it
-                if not out.ttft:
-                    out.ttft = time.perf_counter() - t0
-                made += 1
-                for row, t in enumerate(tokens):
-                    if not done[row]:
-                        out.tokens[row].append(t)
-                        done[row] = t in eos
-                yield tokens
-                if all(done):
-                    out.finish = "stop"
-                    break
-                if made >= settings.max_new_tokens or queued is None:
-                    out.finish = "length"
-                    break
-                if interrupt is not None and interrupt.is_set():
-                    out.finish = "interrupted"
-                    break
-                if recall_on and tokens[0] == recall.recall_id:  # the queued step took <recall>: its state is the
-                    cur -= 1  # query, and the token it sampled is dropped
-                    forced, queued = recall_span(hidden)
-                    for t in forced:
-                        out.tokens[0].append(t)
-                        yield [t]
-                    made += len(forced)
-                    if made >= settings.max_new_tokens:  # (the span is forced whole, as the loop forces it)
-                        out.finish = "length"
-                        break
-                pending = queued
+            yield from run.tokens(interrupt, self.launch_guard)
 
     def generate(self, input_ids: torch.Tensor, settings: GenerationSettings = GenerationSettings(),
                  **kwargs) -> Decoded:
@@ -388,3 +263,4 @@ class GraphDecoder:
         for _ in self.stream(input_ids, settings, out=out, **kwargs):
             pass
         return out
+
