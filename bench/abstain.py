@@ -92,14 +92,13 @@ def personal(lm, n: int) -> dict:
     import torch
     from torch.nn.functional import normalize
 
-    from models.remember import about_the_user
     from training.facts import Names
     from training.personal import person
 
     rng = random.Random("abstain-people")
     names = Names("eval", rng)
     embed = lambda text: normalize(lm.encoder.query(text).float().reshape(-1), dim=-1)  # noqa: E731
-    queries = {"message": embed, "chat": lambda q: normalize(embed(q) + embed(about_the_user(q)), dim=-1)}
+    queries = {"message": embed, "chat": lambda q: lm.encoder.message_query(q).float().reshape(-1)}
     found: dict[str, list] = {name: [] for name in queries}
     for _ in range(n):
         things = person("eval", rng, names, 7)

@@ -33,13 +33,12 @@ def main() -> None:
     from torch.nn.functional import normalize
 
     from models import LoadOptions, load_model
-    from models.remember import about_the_user
     from training.facts import Names
     from training.personal import UPDATABLE, person, update
 
     lm = load_model(None, LoadOptions(device="cpu"))
     embed = lambda t: normalize(lm.encoder.query(t).float().reshape(-1), dim=-1)  # noqa: E731
-    query = lambda q: normalize(embed(q) + embed(about_the_user(q)), dim=-1)  # noqa: E731 - the chat's query
+    query = lambda q: lm.encoder.message_query(q).float().reshape(-1)  # noqa: E731 - the chat's query
     rng = random.Random(args.seed)
     names = Names("eval", rng)
     rows = []  # (category, scores [M], keys [M, D], the right memory); a memory's index is its age order

@@ -31,7 +31,6 @@ from decoding.events import DoneEvent, Event, GenerationResult, RecallEvent
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
 from models import LoadedModel
-from models.remember import about_the_user, mentions_the_user
 from models.vision import IMAGE_PAD, encode_with_images
 
 _SENTINEL = "\u2063RECALL-CHAT-ANSWER\u2063"
@@ -258,11 +257,7 @@ class Conversation:
             if encoder.keys is None:
                 raise ValueError(f"this bank's keys are text embeddings ({memory_db.info.get('keys')}) but {self.lm.name} "
                                  "writes one hidden-state vector a memory (memory.values: state): use a bank it wrote")
-            vector = encoder.query(text or " ")
-            if mentions_the_user(text):  # also in the words the person's memories are written in ("my" -> "the
-                # user's"): measured on held-out people, the right memory is found 0.94 of the time at min_score 0.3,
-                # against 0.60 for the message alone (docs/benchmarks.md, "Reading a person's memories")
-                vector = torch.nn.functional.normalize(vector + encoder.query(about_the_user(text)), dim=-1)
+            vector = encoder.message_query(text)
             query = lambda hidden: vector  # noqa: E731 - the message, not the <recall> state, is the query
             if len(memory_db) and float(memory_db.topk(vector, 1)[0][0]) < settings.min_score:
                 memory_db = None  # nothing fits the message: the model answers from what it knows (`NoMemory`)
