@@ -37,7 +37,9 @@ MAX_NEW_TOKENS = 400
 def vl_page_server(smollm2_dir):
     lm = make_tiny_qwen3vl(smollm2_dir)
     hook = backbone_and_head(lm.model)[0].register_forward_hook(lambda *_: time.sleep(0.025))
-    with serve(lm, f"generation.max_new_tokens={MAX_NEW_TOKENS}") as server:
+    # (no end of sequence before the Stop: a random model's early EOS had ended an answer before its Stop)
+    with serve(lm, f"generation.max_new_tokens={MAX_NEW_TOKENS}", f"generation.min_new_tokens={MAX_NEW_TOKENS - 1}") \
+            as server:
         yield server
     hook.remove()
 
