@@ -48,6 +48,7 @@ class Service(SessionService):
     def __init__(self, cfg: Config, lm: LoadedModel | None = None,
                  loader: Callable[[], LoadedModel] | None = None, text_search: TextSearch | None = None):
         self._lm = lm
+        self._warm_up: tuple[threading.Thread, compiled.CompiledStep] | None = None  # `model.compile`'s background compile
         self._loader = loader or (lambda: load_model(cfg.model.path, load_options(cfg)))
         if cfg.memory.store == "milvus":  # refuse to start, naming the URI, when nothing answers there
             MilvusBank.connect(cfg.memory.milvus_uri).close()
@@ -67,7 +68,16 @@ class Service(SessionService):
     def close(self) -> None:
         self.janitor.close()
         self.worker.close()
+        self._stop_warm_up()
         super().close()
+
+    def _stop_warm_up(self) -> None:
+        """A background compile ends after the bucket it is compiling: nothing compiles on after the service."""
+        if self._warm_up is not None:
+            thread, step = self._warm_up
+            step.stop()
+            thread.join()
+            self._warm_up = None
 
     # ----------------------------------------------------------------- the model
 
@@ -90,7 +100,9 @@ class Service(SessionService):
         decode eagerly until it is ready, and the status line says so meanwhile."""
         if self.cfg.model.compile and not lm.is_vision and lm.spec.can(COMPILE):
             step = compiled.enable(lm.merged())
-            threading.Thread(target=step.warm_up, name="recall-chat-compile", daemon=True).start()
+            thread = threading.Thread(target=step.warm_up, name="recall-chat-compile", daemon=True)
+            thread.start()
+            self._warm_up = (thread, step)
 
     def _compile_state(self) -> str:
         """"compiling the decode step…" while it compiles, "" otherwise (also when compiling failed or is off)."""

@@ -18,10 +18,17 @@ inputs with a fresh tensor's strides: dynamo guards on strides, also those of si
 which `.contiguous()` keeps, so a slice of a wider tensor would compile anew. Each model's step
 counts its compiles apart from other models' (`isolate_recompiles`, torch >= 2.13), so the 7
 buckets of one model and those of another (int8 beside fp32) never add up past the limit.
+
+While dynamo traces a forward, transformers' output capture (`output_hidden_states`: every layer's
+state, which entropy decoding reads) is one process-wide variable, not per thread: a forward that
+captures in another thread at that moment loses layers. The warm-up holds `TRACING` while it
+compiles a bucket, and a forward that captures takes it (`capturing`): it waits for that bucket.
+`stop()` ends a warm-up after the bucket it is compiling (a service that closes calls it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -38,6 +45,13 @@ _ATTR = "_recall_compiled_step"
 _OWN_COMPILES = ({"isolate_recompiles": True}  # torch >= 2.13: each model's step counts its own compiles
                  if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
 log = logging.getLogger("decoding.compiled")
+TRACING = threading.Lock()  # held while a warm-up compiles: transformers' output capture is not thread-safe then
+
+
+def capturing(layers: bool):
+    """The context a forward runs in: with `layers` (it captures every layer's state) it waits while
+    another thread traces a forward (`TRACING`)."""
+    return TRACING if layers else contextlib.nullcontext()
 
 
 class CompiledStep:
@@ -52,6 +66,7 @@ class CompiledStep:
                                         # compiling another shape would stall the worker for minutes)
         self.compile_seconds: float | None = None
         self.error: str | None = None
+        self._stop = threading.Event()
 
     def _step(self, embeds: torch.Tensor, position: torch.Tensor, cache: StaticCache) -> torch.Tensor:
         return self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=cache,
@@ -76,9 +91,12 @@ class CompiledStep:
         A failure is logged and kept in `error`: the buckets not compiled decode eagerly."""
         context = min(max_positions(self.model) or BUCKETS[-1], up_to or BUCKETS[-1])
         for length in BUCKETS:
+            if self._stop.is_set():
+                break
             t0 = time.perf_counter()
             try:
-                self._compile(length, batch)
+                with TRACING:
+                    self._compile(length, batch)
             except Exception as e:  # noqa: BLE001 - any compiler failure leaves the exact eager path in charge
                 self.error = f"{type(e).__name__}: {e}"
                 log.warning("compiling the decode step failed, decoding stays eager: %s", self.error)
@@ -90,6 +108,10 @@ class CompiledStep:
             if length >= context:
                 break
         return self.compile_seconds or 0.0
+
+    def stop(self) -> None:
+        """End a warm-up after the bucket it is compiling (the buckets compiled so far stay in use)."""
+        self._stop.set()
 
     def _compile(self, length: int, batch: int) -> None:
         param = next(self.model.parameters())

@@ -14,7 +14,7 @@ import torch
 
 from transformers import DynamicCache, StaticCache
 
-from decoding.compiled import compiled_step, fit, static_cache
+from decoding.compiled import capturing, compiled_step, fit, static_cache
 from models.modeling import backbone_and_head, head_logits, unwrap_model
 from models.spec import transformers_spec
 
@@ -76,8 +76,9 @@ class Forward:
                 vision: Mapping[str, torch.Tensor], layers: bool = False) -> tuple[torch.Tensor, None]:
         """Run the uncached prompt embeddings [B, S, H]; (the last position's hidden state [B, H] (with
         `layers`: every decoder layer's, [B, L, H], the last one normed), None: `logits` gives the logits)."""
-        out = self.backbone(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True, **vision, **_all_layers(layers))
+        with capturing(layers):
+            out = self.backbone(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
+                                past_key_values=cache, use_cache=True, **vision, **_all_layers(layers))
         return _last_position(out, layers), None
 
     def step(self, embeds: torch.Tensor, position: torch.Tensor, cache,
@@ -88,8 +89,9 @@ class Forward:
         if (self.compiled is not None and embeds.shape[1] == 1 and self.compiled.covers(cache)
                 and attention_mask is None and not layers):
             return self.compiled(embeds, position, cache), None
-        out = self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=cache, use_cache=True,
-                            attention_mask=attention_mask, **_all_layers(layers))
+        with capturing(layers):
+            out = self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=cache, use_cache=True,
+                                attention_mask=attention_mask, **_all_layers(layers))
         return _last_position(out, layers), None
 
     def reset_request_state(self) -> None:

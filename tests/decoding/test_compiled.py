@@ -198,3 +198,25 @@ def test_no_path_to_the_step_recompiles_it_after_the_first_bucket(smollm2_dir):
         caches.append(cache)
     assert all(compiled.attached(m.model).covers(c) for m, c in zip((lm, int8, lm, lm, lm, lm), caches))
     assert graphs() == before and limit_hits() == hits
+
+
+def test_entropy_decoding_beside_a_background_compile_keeps_every_layer(smollm2_dir):
+    """While dynamo traces, transformers' output capture is one variable of the process, not of a thread: an
+    entropy step beside the app's background compile lost layers (CI: states of 2 layers where 4 were)."""
+    building = make_tiny_llama(smollm2_dir, seed=11)
+    lm = make_tiny_llama(smollm2_dir, seed=12)
+    inputs = lm.tokenizer([CHAT.format("Tell me about the sea.")], return_tensors="pt")
+    settings = GenerationSettings(max_new_tokens=8, entropy_decoding="trough", entropy_record_tokens=True)
+    alone = generate(lm.model, inputs, settings).sequences.tolist()
+    step = compiled.enable(building.model)
+    thread = threading.Thread(target=step.warm_up)
+    thread.start()
+    runs = 0
+    try:
+        while thread.is_alive():
+            assert generate(lm.model, inputs, settings).sequences.tolist() == alone
+            runs += 1
+    finally:
+        step.stop()
+        thread.join()
+    assert step.error is None and step.lengths == {128, 256, 512} and runs > 0
