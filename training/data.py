@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from training.facts import Fact, Names, fact_stream
+from training.facts import RELATIVES, SPECIES, Fact, Names, fact_stream
 from training.personal import KINDS, told
 
 IGNORE = -100
@@ -209,6 +209,20 @@ def batches(tokenizer, tokens, replies: dict[str, list[int]],
         yield collate(questions + reads, repeats, unread + negatives, pad), facts
 
 
+def wrong_memory(thing, other: str, rng: random.Random, names: Names) -> str:
+    """A memory of the person that does not answer `thing`'s questions: another relative's or pet's of the same kind
+    ("Agnes is the user's uncle." for a question about a grandmother), another kind's, or the same kind's about
+    someone else ("Lena lives in Porto.")."""
+    kind, _, r = thing.kind.partition(":")
+    roll = rng.random()
+    if r and roll < 0.5:
+        pool = RELATIVES if kind == "relative" else SPECIES
+        return told(kind, "train", rng, names, r=rng.choice([x for x in pool if x != r])).memory
+    if roll < 0.7:
+        return told(other, "train", rng, names).memory
+    return re.sub(r"\b[Tt]he user\b", names.given(), told(kind, "train", rng, names, avoid=thing.value).memory)
+
+
 def people_examples(tokenizer, tokens, n: int, rng: random.Random, earlier) -> tuple[list[Example], list[Example]]:
     """`n` things people told (`training.personal`, training split), each asked three ways: (reading a memory:
     its own, then another one that does not answer it; with nothing to read)."""
@@ -219,8 +233,7 @@ def people_examples(tokenizer, tokens, n: int, rng: random.Random, earlier) -> t
         thing = told(kind, "train", rng, names)
         question = rng.choice(thing.questions)
         as_fact = Fact(thing.memory, thing.questions, thing.answer, thing.value, thing.kind)
-        wrong = told(other, "train", rng, names).memory if rng.random() < 0.6 else \
-            re.sub(r"\b[Tt]he user\b", names.given(), told(kind, "train", rng, names, avoid=thing.value).memory)
+        wrong = wrong_memory(thing, other, rng, names)
         reads.append(positive(tokenizer, tokens, as_fact, question, history=earlier()))
         reads.append(positive(tokenizer, tokens, dataclasses.replace(as_fact, answer=thing.missing), question,
                               history=earlier(), read=wrong))

@@ -305,6 +305,29 @@ _THINGS = ["a rainbow", "a refrigerator", "photosynthesis", "a compass", "gravit
 _LANGUAGES = ["French", "Spanish", "German", "Italian", "Portuguese"]
 
 
+# general knowledge questions for training only (the held-out ones are bench/_users.py's GENERAL): answered by the
+# base model's own reply among the negatives, so the adapter keeps answering them from what it knows
+GENERAL_QUESTIONS = (
+    "Who wrote Hamlet?", "What is the capital of Italy?", "What is the capital of Germany?",
+    "Who painted The Starry Night?", "At what temperature does water boil?", "How many continents are there?",
+    "What is the smallest planet in our solar system?", "Which animal is called the king of the jungle?",
+    "What gas do plants take in from the air?", "What is the chemical symbol for gold?",
+    "How many hours are in a day?", "What is the tallest mountain in the world?", "What colour is grass?",
+    "Who wrote Pride and Prejudice?", "Which planet is known as the red planet?", "What do bees make?",
+    "How many sides does a triangle have?", "What is the capital of Canada?", "Who invented the telephone?",
+    "What language do people speak in Brazil?", "What is the opposite of hot?", "Which animal barks?",
+    "What is the capital of Egypt?", "How many minutes are in an hour?", "Who was the first man on the moon?",
+    "What is frozen water called?", "Which bird is a symbol of peace?", "What is three times three?",
+)
+
+
+def general_questions(n: int) -> list[str]:
+    """The first `n` of `GENERAL_QUESTIONS` (training only)."""
+    if not 0 <= n <= len(GENERAL_QUESTIONS):
+        raise ValueError(f"general_questions is {n}; expected 0..{len(GENERAL_QUESTIONS)}")
+    return list(GENERAL_QUESTIONS[:n])
+
+
 def chat_prompts(n: int, split: str, seed: int) -> list[str]:
     """`n` ordinary chat prompts (no memory needed) of one split; templates differ between splits."""
     if split not in SPLITS:

@@ -41,7 +41,7 @@ from models.encoder import MemoryEncoder, MemoryProjector, ValueKind
 from models.modeling import backbone_and_head, head_logits
 from models.text_keys import TextEncoder
 from training.data import IGNORE, Batch, BatchRecipe, answer_ids, batches, prompt_ids, value_tokens
-from training.facts import chat_prompts, make_facts
+from training.facts import chat_prompts, general_questions, make_facts
 from training.losses import masked_means
 
 
@@ -55,6 +55,7 @@ class Recipe:
     chat_prompts: int = 400  # distinct ordinary prompts, answered once by the base model
     history: float = 0.3  # share of questions and prompts that follow an earlier ordinary turn
     people_per_batch: int = 0  # things people told about themselves, each asked three ways (`training.data`)
+    general_questions: int = 0  # general knowledge questions among the ordinary prompts (`training.facts`)
     init: str | None = None  # an adapter folder to go on training from (its LoRA, new rows and projector)
     reply_tokens: int = 32  # length of those answers
     values: tuple[str, ...] = ("tokens", "chunks:2", "chunks:4", "mean")  # value kinds a memory is read in
@@ -252,7 +253,8 @@ def train(lm, recipe: Recipe, out: Path, log_every: int = 10, keys: TextEncoder 
     torch.manual_seed(recipe.seed)
     out.mkdir(parents=True, exist_ok=True)
     tok, tokens = lm.tokenizer, lm.tokens
-    replies = base_replies(lm, chat_prompts(recipe.chat_prompts, "train", recipe.seed), recipe.reply_tokens)
+    prompts = chat_prompts(recipe.chat_prompts, "train", recipe.seed) + general_questions(recipe.general_questions)
+    replies = base_replies(lm, prompts, recipe.reply_tokens)
 
     config = LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=0.0,
                         target_modules=list(recipe.lora_targets),

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+import re
+
 import pytest
 import torch
 
-from training.data import IGNORE, REPEAT, BatchRecipe, batches, negative, positive, prompt_ids, slots
-from training.facts import make_facts
+from training.data import IGNORE, REPEAT, BatchRecipe, batches, negative, positive, prompt_ids, slots, wrong_memory
+from training.facts import GENERAL_QUESTIONS, RELATIVES, SPECIES, Names, general_questions, make_facts
+from training.personal import KINDS, told
 
 
 @pytest.mark.parametrize("kind", ["tokens", "chunks:4", "mean"])
@@ -105,3 +109,34 @@ def test_a_told_thing_is_asked_three_ways(tiny_llama):
     assert "haven't told me" in answer(unread) and (batch.input_ids[unread] == lm.tokens.recall).sum() == 0
     assert batch.labels[unread, batch.decision[unread]] != lm.tokens.recall
     assert "?" in text(unread)
+
+
+def test_a_wrong_memory_never_answers_the_question_and_covers_another_relative():
+    """The memories read when a thing was not told: another relative's or pet's ("Agnes is the user's uncle." for a
+    grandmother: what the held-out bench read most often), another kind's, or the same kind's of someone else."""
+    rng = random.Random(3)
+    names = Names("train", rng)
+    seen = {"relative": 0, "kind": 0, "someone": 0}
+    for _ in range(200):
+        kind, other = rng.sample(KINDS, 2)
+        thing = told(kind, "train", rng, names)
+        wrong = wrong_memory(thing, other, rng, names)
+        assert wrong != thing.memory and thing.value not in wrong
+        base, _, r = thing.kind.partition(":")
+        if "the user" not in wrong.lower():
+            seen["someone"] += 1
+        elif r and re.search(rf"\b(?:{'|'.join(RELATIVES if base == 'relative' else SPECIES)})\b", wrong) \
+                and not re.search(rf"\b{r}\b", wrong):
+            seen["relative"] += 1
+        else:
+            seen["kind"] += 1
+    assert min(seen.values()) >= 20, seen
+
+
+def test_general_questions_are_for_training_only():
+    from bench._users import GENERAL
+
+    assert len(general_questions(len(GENERAL_QUESTIONS))) == len(GENERAL_QUESTIONS) and general_questions(0) == []
+    assert not {q for q, _ in GENERAL} & set(GENERAL_QUESTIONS)  # the held-out bench asks others
+    with pytest.raises(ValueError, match="general_questions is 99"):
+        general_questions(99)
