@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from chat.banks import store_layout
 from chat.config import Config
 from chat.worker import ServiceError
@@ -65,6 +67,13 @@ def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> 
     if mode == "auto" and wants is not None and wants(text):
         return Decision(write=about_the_user(text))
     return Decision()
+
+
+def message_query(lm: LoadedModel, text: str) -> torch.Tensor:
+    """The write decision's input, the message's own embedding, made with the memory head's query of the message
+    (one batch of the message and its words about the user: the recall that follows finds both embedded)."""
+    lm.encoder.message_query(text)
+    return lm.encoder.query(text)
 
 
 def public(entry: dict) -> dict:
@@ -117,7 +126,7 @@ class People:
         if self.cfg.memory.remember == "auto" and lm.encoder.keys is not None:
             if self._writer is None:
                 self._writer = WriteDecision.load()
-            wants = lambda t: self._writer.wants(t, lm.encoder.query(t))  # noqa: E731
+            wants = lambda t: self._writer.wants(t, message_query(lm, t))  # noqa: E731
         return decide(text, self.cfg.memory.remember, wants)
 
     def path(self, lm: LoadedModel, user: str) -> Path:

@@ -148,3 +148,21 @@ def test_auto_writes_what_people_tell_on_held_out_messages_and_not_questions_or_
                  "Write a haiku about rain."]:
         assert decide(text, "auto", writer) == decide("", "auto"), text
     assert decide("I live in Porto.", "explicit", writer).write is None  # explicit: only "remember ..."
+
+
+def test_a_turn_embeds_its_message_once_in_one_batch(default_lm, tmp_path, monkeypatch):
+    """The write decision's input and the memory head's query of a message that speaks of its author come from one
+    batch of the message and its words about the user (what a turn's memory work adds to it: bench/user_memory)."""
+    from chat.config import load_config
+    from chat.people import People
+
+    lm, calls = default_lm, []
+    encode = lm.encoder.keys.encode
+    monkeypatch.setattr(lm.encoder.keys, "encode", lambda texts, **kw: calls.append(list(texts)) or encode(texts, **kw))
+    people = People(load_config(overrides=[f"memory.user_dir={tmp_path}"], environ={}))
+    text = "What is my grey parrot's name, the one from Oslo?"
+    assert people.decide(lm, text).write is None
+    query = lm.encoder.message_query(text)  # the recall's query, after the decision
+    assert calls == [[text, about_the_user(text)]]
+    mine, about = (torch.from_numpy(encode([t])[0]) for t in (text, about_the_user(text)))
+    torch.testing.assert_close(query, torch.nn.functional.normalize(mine + about, dim=-1))
