@@ -114,25 +114,32 @@ def build_logits_processor(
     if s.begin_suppress_tokens:
         begin = length if (length > 1 or s.forced_bos_token_id is None) else length + 1
         procs.append(SuppressTokensAtBeginLogitsProcessor(s.begin_suppress_tokens, begin, device=device))
-    if s.do_sample:  # the former "warpers"; min_tokens_to_keep is 1 without beams
-        if s.temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(s.temperature))
-        if s.top_k != 0:
-            procs.append(TopKLogitsWarper(top_k=s.top_k, min_tokens_to_keep=1))
-        if s.top_p < 1.0:
-            procs.append(TopPLogitsWarper(top_p=s.top_p, min_tokens_to_keep=1))
-        if s.min_p > 0:
-            procs.append(MinPLogitsWarper(min_p=s.min_p, min_tokens_to_keep=1))
-        if s.typical_p < 1.0:
-            procs.append(TypicalLogitsWarper(mass=s.typical_p, min_tokens_to_keep=1))
-        if s.epsilon_cutoff > 0:
-            procs.append(EpsilonLogitsWarper(epsilon=s.epsilon_cutoff, min_tokens_to_keep=1))
-        if s.eta_cutoff > 0:
-            procs.append(EtaLogitsWarper(epsilon=s.eta_cutoff, min_tokens_to_keep=1, device=device))
+    if s.do_sample:
+        procs.extend(_warpers(s, device))
     if s.watermark:  # after all other processing (transformers #34630)
         procs.append(WatermarkLogitsProcessor(vocab_size=vocab_size, device=device, bias=s.watermark_bias,
                                               greenlist_ratio=s.watermark_greenlist_ratio))
     return procs
+
+
+def _warpers(s: GenerationSettings, device: torch.device) -> list:
+    """The former "warpers" of a sampled answer, in `generate`'s order; min_tokens_to_keep is 1 without beams."""
+    warpers = []
+    if s.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(s.temperature))
+    if s.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=s.top_k, min_tokens_to_keep=1))
+    if s.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=s.top_p, min_tokens_to_keep=1))
+    if s.min_p > 0:
+        warpers.append(MinPLogitsWarper(min_p=s.min_p, min_tokens_to_keep=1))
+    if s.typical_p < 1.0:
+        warpers.append(TypicalLogitsWarper(mass=s.typical_p, min_tokens_to_keep=1))
+    if s.epsilon_cutoff > 0:
+        warpers.append(EpsilonLogitsWarper(epsilon=s.epsilon_cutoff, min_tokens_to_keep=1))
+    if s.eta_cutoff > 0:
+        warpers.append(EtaLogitsWarper(epsilon=s.eta_cutoff, min_tokens_to_keep=1, device=device))
+    return warpers
 
 
 def make_memory_warper(recall: RecallSettings) -> LogitsProcessorList:
