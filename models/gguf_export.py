@@ -66,28 +66,8 @@ def export_gguf(model, tokenizer, source_gguf: Path, out: Path, qtype: str = "q8
                          "for now")
     reader = gguf.GGUFReader(source_gguf)
     src = {f.name: f for f in reader.fields.values()}
-    if src["general.architecture"].contents() != arch:
-        raise ValueError(f"{Path(source_gguf).name} is a {src['general.architecture'].contents()!r} GGUF, "
-                         f"not a {arch!r} one")
-    cfg = model.config
-    n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    for key, want in {"block_count": cfg.num_hidden_layers, "embedding_length": cfg.hidden_size,
-                      "feed_forward_length": cfg.intermediate_size, "attention.head_count": n_head,
-                      "attention.head_count_kv": n_kv}.items():
-        if (have := src[f"{arch}.{key}"].contents()) != want:
-            raise ValueError(f"the model has {key} {want} but {Path(source_gguf).name} says {have}: "
-                             "give the GGUF this model was loaded from")
-
-    # the vocabulary: the source's, then the tokenizer's added tokens in id order
-    tokens = src["tokenizer.ggml.tokens"].contents()
-    types = src["tokenizer.ggml.token_type"].contents()
-    scores = src["tokenizer.ggml.scores"].contents() if "tokenizer.ggml.scores" in src else None
-    special = set(tokenizer.all_special_ids)
-    for i in range(len(tokens), len(tokenizer)):
-        tokens.append(tokenizer.convert_ids_to_tokens(i))
-        types.append(gguf.TokenType.CONTROL if i in special else gguf.TokenType.USER_DEFINED)
-        if scores is not None:
-            scores.append(-1000.0)  # what llama.cpp's converter gives added tokens
+    _check_source(model.config, src, arch, Path(source_gguf).name)
+    tokens, types, scores = _vocabulary(src, tokenizer)
     embed = model.get_input_embeddings().weight
     if embed.shape[0] < len(tokens):
         raise ValueError(f"the model has {embed.shape[0]} embedding rows for {len(tokens)} tokens")
@@ -108,35 +88,7 @@ def export_gguf(model, tokenizer, source_gguf: Path, out: Path, qtype: str = "q8
                 continue
             sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(key, replaced.get(key, field.contents()), field.types[0], sub_type=sub)
-
-        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-        weights = dict(model.state_dict())
-        head = weights.pop("lm_head.weight", None)
-        if head is not None and not torch.equal(head, embed):
-            weights["lm_head.weight"] = head  # an untied (or differing) head gets its own `output.weight`
-        wtype = gguf.GGMLQuantizationType[QTYPES[qtype]]
-        for key, w in weights.items():
-            gname = names.get_name(key, try_suffixes=(".weight", ".bias"))
-            if gname is None:
-                raise ValueError(f"no GGUF name for the model's tensor {key!r}")
-            w = w.detach().float()
-            if gname in ("token_embd.weight", "output.weight"):
-                w = w[:len(tokens)]
-            elif ".attn_q." in gname:  # weight (or bias)
-                w = permute_qk(w, n_head)
-            elif ".attn_k." in gname:
-                w = permute_qk(w, n_kv)
-            data = w.cpu().numpy()
-            if data.ndim == 1 or wtype == gguf.GGMLQuantizationType.F32:
-                writer.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
-            elif wtype == gguf.GGMLQuantizationType.F16:
-                writer.add_tensor(gname, data.astype(np.float16))
-            else:
-                trained = any(f".{module}." in key for module in keep_q8_0)
-                t = wtype
-                if (gname in ("token_embd.weight", "output.weight") or trained) and qtype in ("q4_0", "q4_1"):
-                    t = gguf.GGMLQuantizationType.Q8_0
-                writer.add_tensor(gname, gguf.quants.quantize(data, t), raw_dtype=t)
+        _add_tensors(writer, model, len(tokens), qtype, keep_q8_0)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -147,6 +99,71 @@ def export_gguf(model, tokenizer, source_gguf: Path, out: Path, qtype: str = "q8
         Path(tmp).unlink(missing_ok=True)
         raise
     return out
+
+
+def _check_source(cfg, src: dict, arch: str, source_name: str) -> None:
+    """The source GGUF is of the model's architecture and shapes (the model's base came from it)."""
+    if src["general.architecture"].contents() != arch:
+        raise ValueError(f"{source_name} is a {src['general.architecture'].contents()!r} GGUF, not a {arch!r} one")
+    for key, want in {"block_count": cfg.num_hidden_layers, "embedding_length": cfg.hidden_size,
+                      "feed_forward_length": cfg.intermediate_size, "attention.head_count": cfg.num_attention_heads,
+                      "attention.head_count_kv": cfg.num_key_value_heads}.items():
+        if (have := src[f"{arch}.{key}"].contents()) != want:
+            raise ValueError(f"the model has {key} {want} but {source_name} says {have}: "
+                             "give the GGUF this model was loaded from")
+
+
+def _vocabulary(src: dict, tokenizer) -> tuple[list, list, list | None]:
+    """(tokens, their types, their scores or None): the source's, then the tokenizer's added tokens in id order
+    (special ones as CONTROL tokens)."""
+    import gguf
+
+    tokens = src["tokenizer.ggml.tokens"].contents()
+    types = src["tokenizer.ggml.token_type"].contents()
+    scores = src["tokenizer.ggml.scores"].contents() if "tokenizer.ggml.scores" in src else None
+    special = set(tokenizer.all_special_ids)
+    for i in range(len(tokens), len(tokenizer)):
+        tokens.append(tokenizer.convert_ids_to_tokens(i))
+        types.append(gguf.TokenType.CONTROL if i in special else gguf.TokenType.USER_DEFINED)
+        if scores is not None:
+            scores.append(-1000.0)  # what llama.cpp's converter gives added tokens
+    return tokens, types, scores
+
+
+def _add_tensors(writer, model, vocab: int, qtype: str, keep_q8_0: tuple[str, ...]) -> None:
+    """Every weight of `model` under its GGUF name, in llama.cpp's layout, at `qtype` (norms and biases f32; the
+    embedding, the head and `keep_q8_0` modules of a 4-bit file at Q8_0)."""
+    import gguf
+
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    weights = dict(model.state_dict())
+    head = weights.pop("lm_head.weight", None)
+    if head is not None and not torch.equal(head, model.get_input_embeddings().weight):
+        weights["lm_head.weight"] = head  # an untied (or differing) head gets its own `output.weight`
+    wtype = gguf.GGMLQuantizationType[QTYPES[qtype]]
+    for key, w in weights.items():
+        gname = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise ValueError(f"no GGUF name for the model's tensor {key!r}")
+        w = w.detach().float()
+        if gname in ("token_embd.weight", "output.weight"):
+            w = w[:vocab]
+        elif ".attn_q." in gname:  # weight (or bias)
+            w = permute_qk(w, cfg.num_attention_heads)
+        elif ".attn_k." in gname:
+            w = permute_qk(w, cfg.num_key_value_heads)
+        data = w.cpu().numpy()
+        if data.ndim == 1 or wtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
+        elif wtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gname, data.astype(np.float16))
+        else:
+            trained = any(f".{module}." in key for module in keep_q8_0)
+            t = wtype
+            if (gname in ("token_embd.weight", "output.weight") or trained) and qtype in ("q4_0", "q4_1"):
+                t = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gname, gguf.quants.quantize(data, t), raw_dtype=t)
 
 
 def recall_gguf(qtype: str = "q8_0") -> Path:
