@@ -71,6 +71,17 @@ def _about_tab() -> dict[str, gr.Component]:
     return c
 
 
+def _conversation_tab() -> dict[str, gr.Component]:
+    c: dict[str, gr.Component] = {}
+    with gr.Row():
+        c["regen"] = gr.Button("Regenerate", elem_id="regenerate")
+        c["clear"] = gr.Button("Clear", elem_id="clear")
+    c["save"] = gr.Button("Save conversation (JSON)")
+    c["load"] = gr.UploadButton("Load conversation", file_types=[".json"], type="filepath")
+    c["file"] = gr.File(label="Conversation file", interactive=False)
+    return c
+
+
 def build_demo(service: ChatService) -> gr.Blocks:
     """The page over `service`: every control wired to its handler, and each handler to its API name."""
     cfg, h = service.cfg, Handlers(service)
@@ -122,12 +133,7 @@ def build_demo(service: ChatService) -> gr.Blocks:
                     with gr.Tab(tab):
                         controls.update(settings_tab(cfg, tab))
                 with gr.Tab("Conversation"):
-                    with gr.Row():
-                        regen_btn = gr.Button("Regenerate", elem_id="regenerate")
-                        clear_btn = gr.Button("Clear", elem_id="clear")
-                    save_btn = gr.Button("Save conversation (JSON)")
-                    load_btn = gr.UploadButton("Load conversation", file_types=[".json"], type="filepath")
-                    conv_file = gr.File(label="Conversation file", interactive=False)
+                    c = _conversation_tab()
 
         auto_alpha = controls["mixture_alpha_auto"]
         auto_alpha.change(lambda auto: gr.Slider(interactive=not auto), auto_alpha, controls["mixture_alpha"],
@@ -137,35 +143,14 @@ def build_demo(service: ChatService) -> gr.Blocks:
         sent = box.submit(h.chat, [box, recall_first, session], [*view, decoding_plot, box], inputs_kwargs=controls,
                           api_name="chat", **MODEL_EVENTS)
         box.stop(h.stop, session, status, api_name="stop", concurrency_limit=None)
-        regen_btn.click(h.regenerate, [session], [*view, decoding_plot], inputs_kwargs=controls, api_name="regenerate",
-                        **MODEL_EVENTS)
-        clear_btn.click(h.clear, session, [*view, conv_file], api_name="clear", concurrency_limit=None)
-        save_btn.click(h.save_conversation, session, [conv_file, status], api_name="save_conversation")
-        load_btn.upload(h.load_conversation, [load_btn, session], view, api_name="load_conversation")
+        c["regen"].click(h.regenerate, [session], [*view, decoding_plot], inputs_kwargs=controls,
+                         api_name="regenerate", **MODEL_EVENTS)
+        c["clear"].click(h.clear, session, [*view, c["file"]], api_name="clear", concurrency_limit=None)
+        c["save"].click(h.save_conversation, session, [c["file"], status], api_name="save_conversation")
+        c["load"].upload(h.load_conversation, [c["load"], session], view, api_name="load_conversation")
         example_btn.click(h.build_example, session, bank_outputs, api_name="build_example_bank", **MODEL_EVENTS)
-        m["bank_file"].upload(h.upload_bank, [m["bank_file"], session], bank_outputs, api_name="upload_bank")
-        m["bank_use"].input(h.use_bank, [m["bank_use"], session], bank_outputs, api_name="use_bank")
-        m["write_btn"].click(h.write_memories, [m["memory_text"], m["memory_images"], session],
-                             [*bank_outputs, m["memory_text"], m["memory_images"]], api_name="write_memories",
-                             **MODEL_EVENTS)
-        find_inputs = [m["query"], m["top_k_find"], session]
-        m["find_btn"].click(h.find_memories, find_inputs, [m["found"], status], api_name="find_memories")
-        m["query"].submit(h.find_memories, find_inputs, [m["found"], status], api_visibility="private")
-        m["delete_btn"].click(h.delete_memories, [m["delete_ids"], session], bank_outputs, api_name="delete_memories",
-                              **MODEL_EVENTS)
-        m["download_btn"].click(h.download_bank, [m["fmt"], session], [m["bank_out"], status],
-                                api_name="download_bank")
-        about = [a["about_md"], a["about"], status]
-        q = a["about_query"]
-        q.change(h.about_view, [session, q], about, api_name="my_memories")
-        a["about_add"].click(h.remember, [a["about_text"], q, session], about, api_name="remember", **MODEL_EVENTS)
-        a["about_edit"].click(h.edit_memory, [a["about_ids"], a["about_text"], q, session], about,
-                              api_name="edit_memory", **MODEL_EVENTS)
-        a["about_delete"].click(h.forget_memories, [a["about_ids"], q, session], about, api_name="forget_memories")
-        a["about_all"].click(h.forget_everything, [q, session], about, api_name="forget_all_memories")
-        a["about_export"].click(h.export_memories, session, [a["about_file"], status], api_name="export_memories")
-        a["about_import"].upload(h.import_memories, [a["about_import"], q, session], about, api_name="import_memories",
-                                 **MODEL_EVENTS)
+        _wire_banks(h, m, session, bank_outputs, status)
+        about, q = _wire_about(h, a, session, status)
         sent.then(h.about_list, [session, q], about[:2], api_visibility="private").then(  # what the message wrote
             h.change_row, session, [change_md, undo_btn], api_visibility="private")
         undo_btn.click(h.undo_change, [q, session], [*about, change_md, undo_btn], api_name="undo_memory_change",
@@ -174,3 +159,36 @@ def build_demo(service: ChatService) -> gr.Blocks:
             h.about_list, session, about[:2], api_visibility="private")
         demo.unload(h.unload)
     return demo
+
+
+def _wire_banks(h: Handlers, m: dict, session: gr.State, bank_outputs: list, status: gr.Markdown) -> None:
+    """The Banks accordion's events: upload, choose, write, find, delete, download."""
+    m["bank_file"].upload(h.upload_bank, [m["bank_file"], session], bank_outputs, api_name="upload_bank")
+    m["bank_use"].input(h.use_bank, [m["bank_use"], session], bank_outputs, api_name="use_bank")
+    m["write_btn"].click(h.write_memories, [m["memory_text"], m["memory_images"], session],
+                         [*bank_outputs, m["memory_text"], m["memory_images"]], api_name="write_memories",
+                         **MODEL_EVENTS)
+    find_inputs = [m["query"], m["top_k_find"], session]
+    m["find_btn"].click(h.find_memories, find_inputs, [m["found"], status], api_name="find_memories")
+    m["query"].submit(h.find_memories, find_inputs, [m["found"], status], api_visibility="private")
+    m["delete_btn"].click(h.delete_memories, [m["delete_ids"], session], bank_outputs, api_name="delete_memories",
+                          **MODEL_EVENTS)
+    m["download_btn"].click(h.download_bank, [m["fmt"], session], [m["bank_out"], status],
+                            api_name="download_bank")
+
+
+def _wire_about(h: Handlers, a: dict, session: gr.State, status: gr.Markdown) -> tuple[list, gr.Textbox]:
+    """The "About you" accordion's events: search, remember, edit, delete, forget all, export, import; returns its
+    outputs and its search box (the chat refreshes them after a message)."""
+    about = [a["about_md"], a["about"], status]
+    q = a["about_query"]
+    q.change(h.about_view, [session, q], about, api_name="my_memories")
+    a["about_add"].click(h.remember, [a["about_text"], q, session], about, api_name="remember", **MODEL_EVENTS)
+    a["about_edit"].click(h.edit_memory, [a["about_ids"], a["about_text"], q, session], about,
+                          api_name="edit_memory", **MODEL_EVENTS)
+    a["about_delete"].click(h.forget_memories, [a["about_ids"], q, session], about, api_name="forget_memories")
+    a["about_all"].click(h.forget_everything, [q, session], about, api_name="forget_all_memories")
+    a["about_export"].click(h.export_memories, session, [a["about_file"], status], api_name="export_memories")
+    a["about_import"].upload(h.import_memories, [a["about_import"], q, session], about, api_name="import_memories",
+                             **MODEL_EVENTS)
+    return about, q
