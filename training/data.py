@@ -225,7 +225,9 @@ def wrong_memory(thing, other: str, rng: random.Random, names: Names) -> str:
 
 def people_examples(tokenizer, tokens, n: int, rng: random.Random, earlier) -> tuple[list[Example], list[Example]]:
     """`n` things people told (`training.personal`, training split), each asked three ways: (reading a memory:
-    its own, then another one that does not answer it; with nothing to read)."""
+    its own, then another one that does not answer it; with nothing to read), and one more thing of its kind read
+    from its own memory (as many answers read as "you haven't told me": with one, a trained model said so over
+    right memories too)."""
     names = Names("train", rng)
     reads, unread = [], []
     for _ in range(n):
@@ -235,6 +237,9 @@ def people_examples(tokenizer, tokens, n: int, rng: random.Random, earlier) -> t
         as_fact = Fact(thing.memory, thing.questions, thing.answer, thing.value, thing.kind)
         wrong = wrong_memory(thing, other, rng, names)
         reads.append(positive(tokenizer, tokens, as_fact, question, history=earlier()))
+        again = told(kind, "train", rng, names)
+        reads.append(positive(tokenizer, tokens, Fact(again.memory, again.questions, again.answer, again.value,
+                                                      again.kind), rng.choice(again.questions), history=earlier()))
         reads.append(positive(tokenizer, tokens, dataclasses.replace(as_fact, answer=thing.missing), question,
                               history=earlier(), read=wrong))
         unread.append(unanswered(tokenizer, question, thing.missing, earlier()))

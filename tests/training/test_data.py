@@ -94,17 +94,19 @@ def test_a_told_thing_is_asked_three_ways(tiny_llama):
     tok = lm.tokenizer
     replies = {p: tok(p.upper(), add_special_tokens=False)["input_ids"] for p in ("Hi!", "Thanks.")}
     batch, facts = next(batches(tok, lm.tokens, replies, BatchRecipe(1, 2, seed=0, people_per_batch=2)))
-    assert batch.input_ids.shape[0] == 1 + 2 * 2 + 2 + 2  # a fact, two reads of two things, two unread, two chats
-    assert len(batch.memories) == 1 + 4  # the fact's memory, then each thing's own and another
-    own, other = (tok.decode(ids) for ids, _ in batch.memories[1:3])
-    assert own.startswith("The user") or "the user" in own
-    assert own != other
+    assert batch.input_ids.shape[0] == 1 + 2 * 3 + 2 + 2  # a fact, three reads of two things, two unread, two chats
+    assert len(batch.memories) == 1 + 6  # the fact's memory, then each thing's own, one more of its kind, another
+    own, again, other = (tok.decode(ids) for ids, _ in batch.memories[1:4])
+    assert "the user" in own.lower() and "the user" in again.lower()
+    assert len({own, again, other}) == 3
     text = lambda row: tok.decode(batch.input_ids[row], skip_special_tokens=True)  # noqa: E731
     answer = lambda row: tok.decode([t for t in batch.labels[row].tolist() if t != IGNORE], skip_special_tokens=True)  # noqa: E731
-    assert answer(1).startswith("Your") or answer(1).startswith("You ")
-    assert "haven't told me" in answer(2)  # another memory read: it does not answer the question
-    unread = 5  # the first row after the memory rows and the repeat-less questions
-    assert batch.answered.tolist() == [False] * 5 + [True, True, False, False]
+    for row in (1, 2):  # read from its own memory
+        assert answer(row).startswith("Your") or answer(row).startswith("You ")
+        assert "haven't told me" not in answer(row)
+    assert "haven't told me" in answer(3)  # another memory read: it does not answer the question
+    unread = 7  # the first row after the memory rows and the repeat-less questions
+    assert batch.answered.tolist() == [False] * 7 + [True, True, False, False]
     assert batch.no_recall.tolist() == batch.answered.tolist()
     assert "haven't told me" in answer(unread) and (batch.input_ids[unread] == lm.tokens.recall).sum() == 0
     assert batch.labels[unread, batch.decision[unread]] != lm.tokens.recall
