@@ -54,7 +54,7 @@ class Reply:
     written: list[str]
     superseded: list[str]
     seconds: float
-    memory_seconds: float  # the write decision and the write
+    memory_seconds: float  # the write decision, the write, and the recall's query and search of the bank
     step_seconds: float | None  # one decode step of this answer
     error: str | None = None
 
@@ -63,8 +63,12 @@ class App:
     """One chat service as the app runs it, and its turns through `chat` / `follow`."""
 
     def __init__(self, overrides: list[str], recall: bool = True):
+        from chat.session import Conversation
+
         self.overrides, self.recall_on = overrides, recall
         self._spent = 0.0
+        self._recall = Conversation.recall
+        Conversation.recall = self._timed(self._recall)  # the message's query and the bank's search, each turn
         self._start()
 
     def _start(self) -> None:
@@ -91,7 +95,10 @@ class App:
         self._start()
 
     def close(self) -> None:
+        from chat.session import Conversation
+
         self.svc.close()
+        Conversation.recall = self._recall
 
     async def _follow(self, s, text: str):
         last = None
@@ -230,15 +237,15 @@ def summarize(records: list[dict], system: str) -> dict[str, dict]:
 
 
 def cost(records: list[dict]) -> dict:
-    """The recall chat's turns: the write decision + write per turn (median: the first turn also loads the
-    decision model; on turns that wrote, and that did not), in ms and in median decode steps of the same answers,
-    and the memory slots an answer reads (each one more position the model runs)."""
+    """The recall chat's turns: the write decision + write + the recall's query and search per turn (median: the
+    first turn also loads the decision model; on turns that wrote, and that did not), in ms and in median decode
+    steps of the same answers, and the memory slots an answer reads (each one more position the model runs)."""
     turns = [r for r in records if r["system"] == "recall"]
     step_ms = 1000 * statistics.median([r["step_seconds"] for r in turns if r["step_seconds"]] or [float("nan")])
     ms = lambda rows: round(1000 * statistics.median([r["memory_seconds"] for r in rows] or [0.0]), 1)  # noqa: E731
-    return {"write_decision_ms_median": ms(turns), "when_written_ms_median": ms([r for r in turns if r["written"]]),
+    return {"memory_ms_median": ms(turns), "when_written_ms_median": ms([r for r in turns if r["written"]]),
             "when_not_ms_median": ms([r for r in turns if not r["written"]]),
-            "decode_step_ms_median": round(step_ms, 1), "write_decision_in_steps": round(ms(turns) / step_ms, 2),
+            "decode_step_ms_median": round(step_ms, 1), "memory_in_steps": round(ms(turns) / step_ms, 2),
             "recall_slots_per_answer": round(statistics.fmean(sum(x["slots"] for x in r["recalls"]) for r in turns), 2)}
 
 
