@@ -88,11 +88,18 @@ class CompiledStep:
         """Compile on dummy inputs (a 2-token prompt, two steps) for every bucket up to the model's
         context (or the bucket that holds `up_to` positions), shortest first; `ready` is set after the
         first. Returns the seconds the first took.
-        A failure is logged and kept in `error`: the buckets not compiled decode eagerly."""
-        context = min(max_positions(self.model) or BUCKETS[-1], up_to or BUCKETS[-1])
+        A failure is logged and kept in `error`: the buckets not compiled decode eagerly. A `stop()` ends this
+        warm-up (also one asked before it began), not a later one."""
+        try:
+            self._compile_buckets(batch, min(max_positions(self.model) or BUCKETS[-1], up_to or BUCKETS[-1]))
+        finally:
+            self._stop.clear()
+        return self.compile_seconds or 0.0
+
+    def _compile_buckets(self, batch: int, context: int) -> None:
         for length in BUCKETS:
             if self._stop.is_set():
-                break
+                return
             t0 = time.perf_counter()
             try:
                 with TRACING:
@@ -100,14 +107,13 @@ class CompiledStep:
             except Exception as e:  # noqa: BLE001 - any compiler failure leaves the exact eager path in charge
                 self.error = f"{type(e).__name__}: {e}"
                 log.warning("compiling the decode step failed, decoding stays eager: %s", self.error)
-                break
+                return
             self.lengths.add(length)
             if self.compile_seconds is None:
                 self.compile_seconds = time.perf_counter() - t0
                 self.ready.set()
             if length >= context:
-                break
-        return self.compile_seconds or 0.0
+                return
 
     def stop(self) -> None:
         """End a warm-up after the bucket it is compiling (the buckets compiled so far stay in use)."""

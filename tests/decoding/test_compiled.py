@@ -220,3 +220,12 @@ def test_entropy_decoding_beside_a_background_compile_keeps_every_layer(smollm2_
         step.stop()
         thread.join()
     assert step.error is None and step.lengths == {128, 256, 512} and runs > 0
+
+
+def test_a_stop_ends_the_warm_up_it_was_asked_of_and_not_a_later_one(smollm2_dir):
+    """A service that closes stops its background compile after the current bucket; the model's step compiles again
+    for the next service that warms it up."""
+    step = compiled.enable(make_tiny_llama(smollm2_dir, seed=13).model)
+    step.stop()  # asked before the warm-up began: honoured
+    assert step.warm_up() == 0.0 and step.lengths == set() and not step.ready.is_set()
+    assert step.warm_up(up_to=100) > 0 and step.lengths == {128} and step.ready.is_set()
