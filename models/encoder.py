@@ -257,12 +257,13 @@ class MemoryEncoder:
         """`query` of each text, those not embedded yet in one batch (the last few are kept: the write decision
         and the memory head of one turn embed the same message once)."""
         cache = self.__dict__.setdefault("_queries", {})
-        missing = [t for t in dict.fromkeys(texts) if t not in cache]
+        found = {t: cache[t] for t in texts if t in cache}
+        missing = [t for t in dict.fromkeys(texts) if t not in found]
         for text, vector in zip(missing, self.keys.encode(missing) if missing else ()):
             if len(cache) >= 16:
                 cache.pop(next(iter(cache)))
-            cache[text] = torch.from_numpy(vector)
-        return [cache[t] for t in texts]
+            cache[text] = found[text] = torch.from_numpy(vector)
+        return [found[t] for t in texts]  # (read from `found`: adding one text may have evicted another of them)
 
     def message_query(self, text: str) -> torch.Tensor:
         """The query of a chat message: `query(text)`, and for a message that speaks of its author the normalised

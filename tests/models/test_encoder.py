@@ -175,3 +175,26 @@ def test_qwen3vl_with_an_image(tiny_qwen3vl, small_image):
     assert not torch.allclose(first, second, atol=1e-4)  # the image reaches the vector
     again = encode_inputs(m.model, encode_with_images(m.tokenizer, m.image_processor, prompt, [small_image]))
     torch.testing.assert_close(first, again)  # no state carried over from the other request
+
+
+def test_queries_embed_what_is_missing_in_one_batch_and_survive_their_own_eviction():
+    """The query cache keeps 16 texts: a batch whose new text evicts one of its cached texts still returns both."""
+    import numpy as np
+
+    from models.encoder import MemoryEncoder
+
+    calls = []
+
+    class Keys:
+        def encode(self, texts):
+            calls.append(list(texts))
+            return np.stack([np.full(3, len(t), np.float32) for t in texts])
+
+    enc = MemoryEncoder.__new__(MemoryEncoder)
+    enc.__dict__["keys"] = Keys()
+    enc.query("old")
+    for i in range(15):
+        enc.query(f"t{i}")
+    cached, new = enc.queries(["old", "new one"])  # "old" is the oldest: adding "new one" evicts it
+    assert cached.tolist() == [3.0] * 3 and new.tolist() == [7.0] * 3 and calls[-1] == ["new one"]
+    assert [v.tolist() for v in enc.queries(["a", "bb"])] == [[1.0] * 3, [2.0] * 3] and calls[-1] == ["a", "bb"]
