@@ -59,6 +59,16 @@ def store_layout(lm: LoadedModel, mem: MemoryConfig) -> StoreLayout:
                        token_values=tokens, info=lm.encoder.describe())
 
 
+
+def empty_bank(mem: MemoryConfig, lm: LoadedModel) -> MemoryVectorDB:
+    """An empty bank of the kind this model's encoder writes (the index and value precision of `memory`)."""
+    keyed, tokens = lm.encoder.values.keyed, lm.encoder.values.kind == "tokens"
+    db = MemoryVectorDB(lm.encoder.keys.dim if keyed else lm.hidden_size, mem.index,
+                        value_dim=lm.hidden_size if keyed and not tokens else None, token_values=tokens,
+                        value_dtype=mem.value_dtype, hnsw_ef_search=mem.hnsw_ef_search)
+    db.info = lm.encoder.describe()
+    return db
+
 class Banks:
     """The banks of every session. Thread-safe; model work is queued on `worker`."""
 
@@ -96,13 +106,7 @@ class Banks:
                                hnsw_ef_search=mem.hnsw_ef_search, check=lm.bank_check(), client=client)
 
     def empty(self, lm: LoadedModel) -> MemoryVectorDB:
-        """An empty bank of the kind this model's encoder writes."""
-        keyed, tokens = lm.encoder.values.keyed, lm.encoder.values.kind == "tokens"
-        db = MemoryVectorDB(lm.encoder.keys.dim if keyed else lm.hidden_size, self.cfg.memory.index,
-                            value_dim=lm.hidden_size if keyed and not tokens else None, token_values=tokens,
-                            value_dtype=self.cfg.memory.value_dtype, hnsw_ef_search=self.cfg.memory.hnsw_ef_search)
-        db.info = lm.encoder.describe()
-        return db
+        return empty_bank(self.cfg.memory, lm)
 
     def _load(self, lm: LoadedModel, path: str | Path, max_bytes: int | None = None) -> MemoryVectorDB:
         """A bank file checked against this model; `max_bytes` for files strangers send (uploads)."""

@@ -53,6 +53,7 @@ class ModelSide(Protocol):
     def settle(self, s: Session) -> None: ...
     def remember(self, s: Session, decision: Decision, source: str = "chat") -> Remembered: ...
     def personal(self, s: Session) -> Personal: ...
+    def forget_everything(self, s: Session) -> int: ...
     def undo_change(self, s: Session) -> Remembered: ...
 
 
@@ -291,8 +292,8 @@ def forget_memories(svc: ModelSide, s: Session, ids: Sequence[str]) -> list[dict
 
 @operation()
 def forget_all_memories(svc: ModelSide, s: Session) -> int:
-    """Delete every memory of the session's user, and their history; how many there were."""
-    return svc.personal(s).clear()
+    """Delete every memory of the session's user, and their history (every model's); how many there were."""
+    return svc.forget_everything(s)
 
 
 @operation(queued=True)

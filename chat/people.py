@@ -22,6 +22,8 @@ A write is a `Remembered` event of the turn: the page shows it under the message
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import re
 import threading
@@ -31,10 +33,11 @@ from pathlib import Path
 
 import torch
 
-from chat.banks import store_layout
+from chat.banks import empty_bank, store_layout
 from chat.config import Config
 from chat.worker import ServiceError
-from memory import BankError
+from memory import BankError, MemoryVectorDB
+from memory.files import atomic_write, read_bank
 from memory.milvus import MilvusBank
 from memory.personal import Personal, PersonalMemory, Similar
 from memory.personal_milvus import MilvusPersonal, open_people
@@ -46,6 +49,8 @@ REMEMBER = re.compile(r"^\s*(?:please\s*,?\s+)?(?:remember|note|keep in mind)(?:
 FORGET = re.compile(r"^\s*(?:please\s*,?\s+)?forget(?:\s+(?:that|about|what i said about|what i told you about))?"
                     r"\s*[,:]?\s+(?P<what>.+?)\s*$", re.I | re.S)
 FORGET_ABOVE = 0.5  # the least key similarity of a memory to "forget X" for it to be the one meant
+CARRIED = ".carried.json"  # in a user's folder: {memory file: the earlier model's file it was filled from}
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Decision:
@@ -131,7 +136,7 @@ class People:
 
     def path(self, lm: LoadedModel, user: str) -> Path:
         """`user`'s memory file for this model: a memory is written by one model's encoder and read by it alone, so
-        each encoder has its own file (another model starts empty; the earlier file stays for its model)."""
+        each encoder has its own file (another model starts from an earlier one's memories: `_carry_over`)."""
         name = lm.encoder.name
         slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")[:60]
         return self.folder / user / f"{slug}-{hashlib.sha256(name.encode()).hexdigest()[:8]}.safetensors"
@@ -149,22 +154,54 @@ class People:
     def _open_one(self, lm: LoadedModel, user: str) -> Personal:
         mem = self.cfg.memory
         if mem.store != "milvus":
-            return PersonalMemory(self.path(lm, user), check=lm.bank_check(), vocab_size=len(lm.tokenizer))
+            memory = PersonalMemory(self.path(lm, user), check=lm.bank_check(), vocab_size=len(lm.tokenizer))
+            self._carry_over(lm, memory)
+            return memory
         if self._store is None:
             self._store = open_people(mem.milvus_uri, f"{mem.milvus_collection}_people", store_layout(lm, mem),
                                       index=mem.index, hnsw_ef_search=mem.hnsw_ef_search, check=lm.bank_check())
         return MilvusPersonal(self._store, user)
 
-    def write(self, lm: LoadedModel, user: str, text: str, new_bank, **meta) -> Remembered:
+    def _carry_over(self, lm: LoadedModel, memory: PersonalMemory) -> None:
+        """A model with no file of a user yet (a new model, or a retrained adapter: another encoder) starts from the
+        newest file an earlier model wrote there: its memories re-encoded from their texts by this model, with their
+        ids, times and sources, and its history. Once a file (`CARRIED`), so memories deleted later stay deleted;
+        the earlier file stays as it was, for its model."""
+        folder, name = memory.path.parent, memory.path.name
+        done = json.loads((folder / CARRIED).read_text()) if (folder / CARRIED).is_file() else {}
+        earlier = [p for p in folder.glob("*.safetensors") if p.name != name]
+        if memory.path.exists() or name in done or not earlier:
+            return
+        source = max(earlier, key=lambda p: p.stat().st_mtime_ns)
+        try:
+            data = read_bank(source)
+        except BankError as e:  # (an unreadable earlier file: this model starts empty, the file stays as it is)
+            log.warning("memories of %s not carried over: %s", folder.name, e)
+            return
+        kept = [(t, m) for t, m in zip(data.texts or [], data.metadata or [None] * len(data.vectors)) if t]
+        if kept:
+            texts = [t for t, _ in kept]
+            keys, values = lm.encoder.encode(lm.model, lm.tokenizer, texts, batch_size=16, progress=False)
+            bank = empty_bank(self.cfg.memory, lm)
+            bank.add(keys, texts, [m or {} for _, m in kept], None if values is None else list(values))
+            bank.info = dict(bank.info, history=list(data.info.get("history", [])), carried_from=source.name)
+            if memory.adopt(bank):
+                log.info("%d memories of %s carried over from %s", len(kept), folder.name, source.name)
+        atomic_write(folder / CARRIED, lambda fh: fh.write(json.dumps({**done, name: source.name}).encode()))
+
+    def _new_bank(self, lm: LoadedModel) -> Callable[[], MemoryVectorDB]:
+        return lambda: empty_bank(self.cfg.memory, lm)
+
+    def write(self, lm: LoadedModel, user: str, text: str, **meta) -> Remembered:
         """Encode and keep one memory of `user` (not twice; a newer value of the same thing supersedes the older)."""
         keys, values = lm.encoder.encode(lm.model, lm.tokenizer, [text], batch_size=1, progress=False)
         entry, superseded = self.of(lm, user).add(keys, None if values is None else values[0], text,
-                                                   similar=self.similar, make_bank=new_bank, **meta)
+                                                   similar=self.similar, make_bank=self._new_bank(lm), **meta)
         if entry is None:
             return Remembered(note=f"Already remembered: {text}")
         return Remembered(written=(entry,), superseded=tuple(superseded))
 
-    def undo(self, lm: LoadedModel, user: str, change: Remembered, new_bank) -> Remembered:
+    def undo(self, lm: LoadedModel, user: str, change: Remembered) -> Remembered:
         """Undo one turn's change to `user`'s memory: what it wrote is removed, what it superseded or forgot is put
         back as it was. Memories the user has since deleted are left as they are."""
         memory = self.of(lm, user)
@@ -176,9 +213,20 @@ class People:
             keys, values = lm.encoder.encode(lm.model, lm.tokenizer, [e["text"] for e in back], batch_size=8,
                                              progress=False)
             for i, entry in enumerate(back):
-                kept = memory.restore(keys[i:i + 1], None if values is None else values[i], entry, make_bank=new_bank)
+                kept = memory.restore(keys[i:i + 1], None if values is None else values[i], entry,
+                                      make_bank=self._new_bank(lm))
                 restored += [kept] if kept is not None else []
         return Remembered(written=tuple(restored), forgotten=tuple(removed))
+
+    def forget_all(self, lm: LoadedModel, user: str) -> int:
+        """Delete every memory of `user` and their history: this model's, and the files earlier models wrote
+        (what a later model would carry over); how many this model's memory held."""
+        n = self.of(lm, user).clear()
+        if self.cfg.memory.store != "milvus":
+            for other in (self.folder / user).glob("*.safetensors"):
+                other.unlink(missing_ok=True)
+            (self.folder / user / CARRIED).unlink(missing_ok=True)
+        return n
 
     def forget(self, lm: LoadedModel, user: str, what: str) -> Remembered:
         """Remove the memory of `user` that reads closest to `what` (none when nothing is close)."""

@@ -235,14 +235,17 @@ class Service(SessionService):
         """The session's user's own memory."""
         return self.people.of(self.wait_model(), s.user)
 
+    def forget_everything(self, s: Session) -> int:
+        """Delete every memory of the session's user and their history, whichever model wrote them."""
+        return self.people.forget_all(self.wait_model(), s.user)
+
     def remember(self, s: Session, decision: Decision, source: str = "chat") -> Remembered:
         """Carry out a write decision on the session's user's memory (on the worker thread: it encodes)."""
         lm = self._model()
         if decision.forget:
             return self.people.forget(lm, s.user, decision.forget)
         if decision.write:
-            return self.people.write(lm, s.user, decision.write, lambda: self.banks.empty(lm), source=source,
-                                     conversation=f"session-{s.id}")
+            return self.people.write(lm, s.user, decision.write, source=source, conversation=f"session-{s.id}")
         return Remembered()
 
     def undo_change(self, s: Session) -> Remembered:
@@ -250,7 +253,7 @@ class Service(SessionService):
         if s.last_change is None:
             raise ServiceError("there is no change to your memories to undo")
         lm = self._model()
-        undone = self.people.undo(lm, s.user, s.last_change, lambda: self.banks.empty(lm))
+        undone = self.people.undo(lm, s.user, s.last_change)
         s.last_change = None
         return undone
 

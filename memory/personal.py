@@ -233,6 +233,15 @@ class PersonalMemory(Personal):
                 self._publish(bank)
             return gone
 
+    def adopt(self, bank: MemoryVectorDB) -> bool:
+        """Write `bank` (memories carried over from another model's file, re-encoded) as this person's file when
+        there is none yet; whether it was written (False when another process wrote one first)."""
+        with self._writing() as now:
+            if now is not None:
+                return False
+            self._publish(bank)
+            return True
+
     def clear(self) -> int:
         """Delete every memory and the history; how many memories there were."""
         with self._writing() as now:

@@ -4,12 +4,15 @@ live in one Milvus collection, the user its partition key, kept across a restart
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import threading
 
 import pytest
 
 from chat.config import load_config
-from chat.operations import edit_memory, forget_memories, my_memories, remember, undo_memory_change
+from chat.operations import (edit_memory, forget_all_memories, forget_memories, my_memories, remember,
+                             undo_memory_change)
 from chat.people import Remembered
 from chat.service import Service
 from decoding.events import RecallEvent
@@ -178,5 +181,64 @@ def test_an_edit_to_a_text_close_to_the_old_replaces_it_and_can_be_undone(tiny_l
         assert [m["text"] for m in svc.run(my_memories, s)] == ["The user's sister is called Lina."]
         result(svc.run(undo_memory_change, s))
         assert svc.run(my_memories, s) == [lena]
+    finally:
+        svc.close()
+
+
+def retrained(lm):
+    """`lm` as a retrained adapter makes it: the same model, another memory encoder's name (its digest)."""
+    encoder = copy.copy(lm.encoder)
+    encoder.base_name = f"{lm.encoder.base_name}@retrained"
+    return dataclasses.replace(lm, encoder=encoder)
+
+
+def test_a_new_model_carries_over_an_earlier_ones_memories_once(tiny_llama, tmp_path):
+    """A retrained adapter writes memories with another encoder, so it has its own file; it starts from the earlier
+    model's memories re-encoded from their texts (ids, times, history kept), once: a memory deleted after that stays
+    deleted across a restart, and "delete all" deletes every model's file."""
+    cfg = config(tmp_path, "faiss")
+    svc = started(cfg, tiny_llama)
+    svc.people.similar = Similar(duplicate=0.999, supersede=0.9)  # (tiny keys: the second dog supersedes the first)
+    s = svc.new_session("ada")
+    try:
+        drain(svc.chat(s, "Remember that my dog is called Rex.", [], SHORT, RECALL).request)
+        drain(svc.chat(s, "Remember that my dog is called Pocket.", [], SHORT, RECALL).request)
+        svc.people.similar = TINY
+        result(svc.run(remember, s, "My boat is called Wave."))
+        before, history, old_file = svc.run(my_memories, s), svc.personal(s).history, svc.personal(s).path
+    finally:
+        svc.close()
+    assert [h["text"] for h in history] == ["The user's dog is called Rex."]
+
+    new = retrained(tiny_llama)
+    svc = started(cfg, new)
+    s = svc.new_session("ada")
+    try:
+        mine = svc.personal(s)
+        assert mine.path != old_file and mine.path.is_file() and old_file.is_file()
+        assert svc.run(my_memories, s) == before and mine.history == history  # ids, times, sources, history
+        assert mine.bank.info["encoder"] == new.encoder.name
+        keys, _ = new.encoder.encode(new.model, new.tokenizer, [m["text"] for m in before], batch_size=4,
+                                     progress=False)
+        for m, key in zip(before, keys):  # the new encoder's keys: the memory head finds each by its own text
+            _, ids = mine.bank.topk(key, 1)
+            assert mine.find(m["id"])["index"] == int(ids[0])
+        svc.run(forget_memories, s, [m["id"] for m in before])  # the last ones: the file goes
+        assert not mine.path.exists()
+    finally:
+        svc.close()
+
+    svc = started(cfg, new)  # a restart: what was deleted is not carried over again
+    s = svc.new_session("ada")
+    try:
+        assert svc.run(my_memories, s) == [] and old_file.is_file()
+        result(svc.run(remember, s, "My boat is called Foam."))
+        assert svc.run(forget_all_memories, s) == 1
+        assert list((tmp_path / "users" / "ada").glob("*.safetensors")) == []  # every model's file
+    finally:
+        svc.close()
+    svc = started(cfg, tiny_llama)  # and the earlier model, too, finds nothing
+    try:
+        assert svc.run(my_memories, svc.new_session("ada")) == []
     finally:
         svc.close()
