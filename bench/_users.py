@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from training.facts import COLOURS, JOBS, RELATIVES, SPECIES, Names, chat_prompts
 from training.personal import FOODS as ALLERGIES
-from training.personal import KINDS, SPORTS, UPDATABLE, Told, told, update
+from training.personal import KINDS, SPORTS, UPDATABLE, PeopleNames, Told, told, update
 from training.remember import DAYS, FOODS, HOBBIES, OTHERS
 
 SPLIT = "eval"
@@ -169,10 +169,12 @@ def _untold(rng: random.Random, names: Names, said: list[Told], left: list[str])
     return out
 
 
-def make_user(index: int, seed: int, prompts: list[str]) -> User:
-    """User `index` of the run of `seed` (its asks about other users are added by `make_users`)."""
+def make_user(index: int, seed: int, prompts: list[str], real: float = 0.0) -> User:
+    """User `index` of the run of `seed` (its asks about other users are added by `make_users`); `real`: the share
+    of towns and pet names that are real ones of the held-out split (`training.personal.PeopleNames`; 0: invented
+    names alone, the users of every table so far)."""
     rng = random.Random(f"user_memory:{seed}:{index}")
-    names = Names(SPLIT, rng)
+    names = PeopleNames(SPLIT, rng, real)
     chit = _Chit(rng, names, prompts)
     changing = rng.choice(UPDATABLE)
     others = rng.sample([k for k in KINDS if k != changing], len(KINDS) - 1)
@@ -208,9 +210,9 @@ def leak_ask(user: User, other: User, rng: random.Random) -> Ask | None:
     return Ask("leak", rng.choice(t.questions), None, (t.value,))
 
 
-def make_users(n: int, seed: int = 0) -> list[User]:
+def make_users(n: int, seed: int = 0, real: float = 0.0) -> list[User]:
     prompts = chat_prompts(200, SPLIT, seed)
-    users = [make_user(i, seed, prompts) for i in range(n)]
+    users = [make_user(i, seed, prompts, real) for i in range(n)]
     rng = random.Random(f"user_memory:{seed}:leaks")
     for i, user in enumerate(users):
         if n > 1 and (ask := leak_ask(user, users[(i + 1) % n], rng)) is not None:

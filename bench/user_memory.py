@@ -268,6 +268,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--threads", type=int, help="CPU threads of the model (llama.cpp takes torch's count; "
                         "default: torch's, one a core): 1 on a machine shared with other work")
+    parser.add_argument("--real-values", type=float, default=0.0, metavar="SHARE",
+                        help="the share of towns and pet names that are real ones (London, Tokyo, Bella; held out "
+                        "from training like the invented ones); 0: invented names alone")
     parser.add_argument("--json", help="write every question, answer and verdict here")
     parser.add_argument("--set", dest="recall_overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a configuration override for the recall chat alone (e.g. model.adapter=FOLDER)")
@@ -282,7 +285,7 @@ def main() -> None:
     args.users = 2 if args.smoke else args.users
     overrides = [f"generation.max_new_tokens={args.max_new_tokens}", "generation.do_sample=false"]
 
-    users = make_users(args.users, args.seed)
+    users = make_users(args.users, args.seed, args.real_values)
     records, seconds, models = [], {}, {}
     anchors = [s for s in systems if s != "recall"]
     if "recall" in systems:

@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 import torch
 
 from training.facts import RELATIVES, SPECIES, Fact, Names, fact_stream
-from training.personal import KINDS, told
+from training.personal import KINDS, REAL_SHARE, PeopleNames, told
 
 IGNORE = -100
 REPEAT = "Repeat what you remember."
@@ -228,7 +228,7 @@ def people_examples(tokenizer, tokens, n: int, rng: random.Random, earlier) -> t
     its own, then another one that does not answer it; with nothing to read), and one more thing of its kind read
     from its own memory (as many answers read as "you haven't told me": with one, a trained model said so over
     right memories too)."""
-    names = Names("train", rng)
+    names = PeopleNames("train", rng, real=REAL_SHARE)
     reads, unread = [], []
     for _ in range(n):
         kind, other = rng.sample(KINDS, 2)

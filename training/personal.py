@@ -8,7 +8,8 @@ that ask for it ("What is my sister's name?"), the answer read from the memory (
 and the answer when the memory is not there ("You haven't told me your sister's name."). Some kinds change
 (`update`: "I moved to Brackholm." supersedes "I live in Porto.").
 
-Names come from `training.facts.Names` (a split never shares an invented name with the other); the telling and
+Names come from `PeopleNames`: `training.facts.Names` (a split never shares an invented name with the other), and
+with a share `real` real towns and pet names (`REAL_TOWNS`, `REAL_PETS`, split by the same hash); the telling and
 asking templates are split too, so an evaluation user says and asks things in words training never saw.
 `training.train` learns from the `train` split; `bench/user_memory.py` measures on `eval`.
 """
@@ -19,11 +20,48 @@ import random
 from dataclasses import dataclass
 
 from models.remember import about_the_user
-from training.facts import COLOURS, JOBS, RELATIVES, SPECIES, Names
+from training.facts import COLOURS, JOBS, RELATIVES, SPECIES, Names, split_of
 
 FOODS = ["peanuts", "shellfish", "gluten", "eggs", "mushrooms", "olives", "sesame", "strawberries"]
 HOBBIES = ["chess", "climbing", "knitting", "jazz piano", "gardening", "running", "painting", "sailing", "baking"]
 SPORTS = ["tennis", "football", "rowing", "cycling", "fencing", "judo", "volleyball", "badminton"]
+# Real towns and pet names. With invented towns alone a retrain learnt to read a town it does not know and to say
+# "You haven't told me where you live." over the memory of every real one (docs/benchmarks.md, "A memory of the
+# user"). Split as invented names are (`split_of`): the eval split's are London, Oslo, Munich, Tokyo, Sydney, ...
+REAL_TOWNS = (
+    "London", "Paris", "Berlin", "Madrid", "Rome", "Lisbon", "Porto", "Dublin", "Edinburgh", "Manchester", "Amsterdam",
+    "Brussels", "Vienna", "Prague", "Warsaw", "Budapest", "Athens", "Oslo", "Stockholm", "Copenhagen", "Helsinki",
+    "Zurich", "Geneva", "Munich", "Hamburg", "Milan", "Naples", "Barcelona", "Seville", "Valencia", "Lyon", "Marseille",
+    "Istanbul", "Cairo", "Nairobi", "Lagos", "Cape Town", "Mumbai", "Delhi", "Bangkok", "Singapore", "Tokyo", "Osaka",
+    "Seoul", "Beijing", "Shanghai", "Sydney", "Melbourne", "Auckland", "Toronto", "Vancouver", "Montreal", "New York",
+    "Boston", "Chicago", "Seattle", "San Francisco", "Los Angeles", "Austin", "Denver", "Mexico City", "Lima", "Bogota",
+    "Buenos Aires", "Santiago", "Rio de Janeiro", "Sao Paulo", "Havana", "Reykjavik", "Krakow", "Florence", "Venice",
+    "Bristol", "Glasgow", "Cardiff", "Leeds", "Liverpool", "Oxford", "Cambridge")
+REAL_PETS = ("Max", "Luna", "Bella", "Charlie", "Milo", "Daisy", "Rocky", "Coco", "Oscar", "Ruby", "Buddy", "Lola",
+             "Toby", "Molly", "Jack", "Rosie", "Teddy", "Bailey", "Simba", "Nala", "Ginger", "Pepper", "Shadow",
+             "Smokey", "Biscuit", "Poppy", "Whiskers", "Rex", "Felix", "Tiger", "Lucky", "Sunny", "Honey", "Pickles",
+             "Mango", "Ziggy")
+REAL_SHARE = 0.5  # of the towns and pet names people tell in training (`training.data.people_examples`)
+
+
+class PeopleNames(Names):
+    """`Names` of one split whose towns and pet names are real ones of that split a share `real` of the time (0: the
+    invented names alone, drawn exactly as `Names` draws them)."""
+
+    def __init__(self, split: str, rng: random.Random, real: float = 0.0):
+        super().__init__(split, rng)
+        self.real = real
+        self._towns = [t for t in REAL_TOWNS if split_of(t) == split]
+        self._pets = [p for p in REAL_PETS if split_of(p) == split]
+
+    def _real(self) -> bool:
+        return self.real > 0 and self.rng.random() < self.real
+
+    def town(self) -> str:
+        return self.rng.choice(self._towns) if self._real() else super().town()
+
+    def pet(self) -> str:
+        return self.rng.choice(self._pets) if self._real() else super().pet()
 
 
 @dataclass(frozen=True)

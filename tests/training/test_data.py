@@ -142,3 +142,35 @@ def test_general_questions_are_for_training_only():
     assert not {q for q, _ in GENERAL} & set(GENERAL_QUESTIONS)  # the held-out bench asks others
     with pytest.raises(ValueError, match="general_questions is 99"):
         general_questions(99)
+
+
+def test_people_tell_real_towns_and_pet_names_of_their_split_as_often_as_asked():
+    """A retrain on invented towns alone said "You haven't told me where you live." over every real town's memory;
+    people's training data tells real ones half the time, each split its own, and with none asked for the draws are
+    exactly the invented names' (the bench's users stay those of every table so far)."""
+    from training.facts import split_of
+    from training.personal import REAL_PETS, REAL_TOWNS, PeopleNames
+
+    invented, plain = PeopleNames("eval", random.Random(3)), Names("eval", random.Random(3))
+    assert [invented.town() for _ in range(20)] == [plain.town() for _ in range(20)]
+    assert [invented.pet() for _ in range(20)] == [plain.pet() for _ in range(20)]
+    for split in ("train", "eval"):
+        real = PeopleNames(split, random.Random(0), real=1.0)
+        towns, pets = {real.town() for _ in range(300)}, {real.pet() for _ in range(300)}
+        assert towns <= set(REAL_TOWNS) and pets <= set(REAL_PETS) and len(towns) >= 8
+        assert {split_of(t) for t in towns | pets} == {split}
+    half = PeopleNames("train", random.Random(0), real=0.5)
+    share = sum(half.town() in REAL_TOWNS for _ in range(400)) / 400
+    assert 0.4 < share < 0.6
+
+
+def test_training_people_live_in_real_towns_too(tiny_llama):
+    from training.data import people_examples
+    from training.personal import REAL_TOWNS
+
+    tok = tiny_llama.tokenizer
+    reads, _ = people_examples(tok, tiny_llama.tokens, 60, random.Random(0), lambda: None)
+    memories = [tok.decode(ex.fact_ids) for ex in reads if ex.fact_ids]
+    lived_in = [m for m in memories if "lives in" in m or "home is in" in m or "house is in" in m]
+    real = [m for m in lived_in if any(t in m for t in REAL_TOWNS)]
+    assert lived_in and 0.2 <= len(real) / len(lived_in) <= 0.8, lived_in
