@@ -299,7 +299,7 @@ class OpenAIRoutes:
             return f"data: {json.dumps(data)}\n\n"
 
         yield chunk({"role": "assistant", "content": ""})
-        text = StopText(body.stop)
+        text, finish = StopText(body.stop), None  # the finish chunk goes last (a notice can follow the answer's end)
         async for event in self.events(request, session, turn):
             if isinstance(event, TokenEvent) and event.text:
                 if out := text.push(event.text):
@@ -313,9 +313,11 @@ class OpenAIRoutes:
             elif isinstance(event, FinishEvent):
                 if out := text.finish():
                     yield chunk({"content": out})
-                yield chunk({}, FINISH[event.reason])
+                finish = chunk({}, FINISH[event.reason])
             elif isinstance(event, Failed):
                 yield f"data: {json.dumps({'error': {'message': event.message, 'type': 'server_error'}})}\n\n"
+        if finish is not None:
+            yield finish
         yield "data: [DONE]\n\n"
 
     async def whole(self, request: Request, session: Session, turn, body: ChatRequest) -> JSONResponse:

@@ -186,5 +186,8 @@ def test_a_fact_question_with_no_bank_is_answered_without_recall_junk(default_ap
         assert out.model_extra["notices"] == [NO_MEMORY], question  # it looked for a memory: the answer says so
     chunks = list(greedy(default_api, "Who keeps the lighthouse of Port Avel?", stream=True))
     assert [c.model_extra["notice"] for c in chunks if c.model_extra and "notice" in c.model_extra] == [NO_MEMORY]
+    # the notice comes at the answer's end, and the finish chunk still last (clients read the finish from it)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert [c.choices[0].finish_reason is not None for c in chunks].count(True) == 1
     plain = greedy(default_api, "What is the capital of France?")
     assert "Paris" in plain.choices[0].message.content and plain.model_extra["notices"] == []
