@@ -173,6 +173,7 @@ class BatchRecipe:
     kinds: Sequence[tuple[str, float]] = (("tokens", 1.0),)
     people_per_batch: int = 0  # things people told, each asked three ways: read from its memory, with another
                                # memory read (it answers "you haven't told me"), with nothing to read (the same)
+    wrong_reads: bool = True  # False: no read of another memory (its "haven't told" spread to right memories)
 
 
 def batches(tokenizer, tokens, replies: dict[str, list[int]],
@@ -205,7 +206,7 @@ def batches(tokenizer, tokens, replies: dict[str, list[int]],
                    for i in range(recipe.repeats_per_batch)]
         negatives = [negative(tokenizer, p, replies[p], earlier())
                      for p in rng.sample(prompts, min(recipe.chats_per_batch, len(prompts)))]
-        reads, unread = people_examples(tokenizer, tokens, recipe.people_per_batch, rng, earlier)
+        reads, unread = people_examples(tokenizer, tokens, recipe.people_per_batch, rng, earlier, recipe.wrong_reads)
         yield collate(questions + reads, repeats, unread + negatives, pad), facts
 
 
@@ -223,7 +224,8 @@ def wrong_memory(thing, other: str, rng: random.Random, names: Names) -> str:
     return re.sub(r"\b[Tt]he user\b", names.given(), told(kind, "train", rng, names, avoid=thing.value).memory)
 
 
-def people_examples(tokenizer, tokens, n: int, rng: random.Random, earlier) -> tuple[list[Example], list[Example]]:
+def people_examples(tokenizer, tokens, n: int, rng: random.Random, earlier,
+                    wrong_reads: bool = True) -> tuple[list[Example], list[Example]]:
     """`n` things people told (`training.personal`, training split), each asked three ways: (reading a memory:
     its own, then another one that does not answer it; with nothing to read), and one more thing of its kind read
     from its own memory (as many answers read as "you haven't told me": with one, a trained model said so over
@@ -240,7 +242,8 @@ def people_examples(tokenizer, tokens, n: int, rng: random.Random, earlier) -> t
         again = told(kind, "train", rng, names)
         reads.append(positive(tokenizer, tokens, Fact(again.memory, again.questions, again.answer, again.value,
                                                       again.kind), rng.choice(again.questions), history=earlier()))
-        reads.append(positive(tokenizer, tokens, dataclasses.replace(as_fact, answer=thing.missing), question,
-                              history=earlier(), read=wrong))
+        if wrong_reads:
+            reads.append(positive(tokenizer, tokens, dataclasses.replace(as_fact, answer=thing.missing), question,
+                                  history=earlier(), read=wrong))
         unread.append(unanswered(tokenizer, question, thing.missing, earlier()))
     return reads, unread

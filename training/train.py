@@ -56,6 +56,7 @@ class Recipe:
     history: float = 0.3  # share of questions and prompts that follow an earlier ordinary turn
     people_per_batch: int = 0  # things people told about themselves, each asked three ways (`training.data`)
     general_questions: int = 0  # general knowledge questions among the ordinary prompts (`training.facts`)
+    wrong_reads: bool = True  # people's things also read from another memory, answered "you haven't told me"
     init: str | None = None  # an adapter folder to go on training from (its LoRA, new rows and projector)
     reply_tokens: int = 32  # length of those answers
     values: tuple[str, ...] = ("tokens", "chunks:2", "chunks:4", "mean")  # value kinds a memory is read in
@@ -279,7 +280,7 @@ def train(lm, recipe: Recipe, out: Path, log_every: int = 10, keys: TextEncoder 
     stream = batches(tok, tokens, replies, BatchRecipe(recipe.facts_per_batch, recipe.chats_per_batch, recipe.seed,
                                                        recipe.repeats_per_batch, recipe.history,
                                                        tuple(zip(recipe.values, recipe.value_weights)),
-                                                       recipe.people_per_batch))
+                                                       recipe.people_per_batch, recipe.wrong_reads))
     evaluate = lambda: {k: round(v, 4) for k, v in  # noqa: E731
                         quick_eval(model, tok, tokens, encoder, recipe.eval_facts, recipe.seed).items()}
     started = time.perf_counter()
