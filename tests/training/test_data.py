@@ -174,3 +174,14 @@ def test_training_people_live_in_real_towns_too(tiny_llama):
     lived_in = [m for m in memories if "lives in" in m or "home is in" in m or "house is in" in m]
     real = [m for m in lived_in if any(t in m for t in REAL_TOWNS)]
     assert lived_in and 0.2 <= len(real) / len(lived_in) <= 0.8, lived_in
+
+
+def test_without_wrong_reads_a_told_thing_is_read_only_from_its_own_memories(tiny_llama):
+    tok = tiny_llama.tokenizer
+    replies = {p: tok(p.upper(), add_special_tokens=False)["input_ids"] for p in ("Hi!", "Thanks.")}
+    recipe = BatchRecipe(1, 2, seed=0, people_per_batch=2, wrong_reads=False)
+    batch, _ = next(batches(tok, tiny_llama.tokens, replies, recipe))
+    assert batch.input_ids.shape[0] == 1 + 2 * 2 + 2 + 2  # a fact, two reads of two things, two unread, two chats
+    answers = [tok.decode([t for t in batch.labels[row].tolist() if t != IGNORE], skip_special_tokens=True)
+               for row in range(1, 5)]
+    assert not any("haven't told me" in a for a in answers), answers  # every memory read answers its question
