@@ -4,7 +4,8 @@
 A logistic regression over the key encoder's embedding of the message, the same embedding the memory head's
 query already is (so deciding costs one dot product a turn); a question (a message ending in "?") is never
 written, whatever the score. Trained on invented messages of the training
-templates and names; measured on messages of templates and names it never saw (`eval`).
+templates and names (half the towns and pet names real ones: `training.personal.PeopleNames`); measured on messages
+of templates and names it never saw (`eval`).
 
     .venv/bin/python -m training.remember [--out assets/remember-decision.safetensors] [--per-kind 400]
 
@@ -23,7 +24,8 @@ from pathlib import Path
 import torch
 
 from models.remember import is_question
-from training.facts import COLOURS, JOBS, RELATIVES, SPECIES, Names, chat_prompts
+from training.facts import COLOURS, JOBS, RELATIVES, SPECIES, chat_prompts
+from training.personal import REAL_SHARE, PeopleNames
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "assets" / "remember-decision.safetensors"
@@ -75,7 +77,7 @@ OTHERS = {
 def messages(split: str, per_kind: int, seed: int = 0) -> tuple[list[str], list[int]]:
     """(messages, labels: 1 = worth keeping) of one split, balanced."""
     rng = random.Random(f"remember:{split}:{seed}")
-    names = Names(split, rng)
+    names = PeopleNames(split, rng, real=REAL_SHARE)  # invented and real towns and pet names, each split its own
 
     def fill(template: str) -> str:
         return template.format(given=names.given(), town=names.town(), pet=names.pet(), rel=rng.choice(RELATIVES),
