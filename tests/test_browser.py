@@ -204,9 +204,8 @@ def ask(page, question: str) -> str:
 
 def test_a_person_is_remembered_across_a_restart_and_sees_only_their_own(page, default_lm, tmp_path):
     """Log in, tell three things in one conversation (each "Remembered: ...", one undone and told again), restart the
-    server, ask in new conversations, see, edit and delete the memories in "About you"; another user sees none of
-    them. (Not yet: "you haven't told me" for what was never told: the shipped model answers from the closest
-    memory; docs/benchmarks.md, "A memory of the user".)"""
+    server, ask in new conversations, see, edit and delete the memories in "About you"; ask about something never
+    told and hear "you haven't told me"; another user sees none of them."""
     from chat import users
 
     path = tmp_path / "users.json"
@@ -234,6 +233,8 @@ def test_a_person_is_remembered_across_a_restart_and_sees_only_their_own(page, d
                                 ("Where do I live?", "Porto")]:
             answer = ask(page, question)
             assert "⟨memory" in answer and value in answer[answer.index("⟩") + 1:], (answer, page.inner_text("#status"))
+        never = ask(page, "What am I allergic to?")  # never told, and none of her memories is close to it
+        assert "haven't told me" in never and "⟨memory" not in never, never
         page.get_by_role("tab", name="Memory").click()
         page.wait_for_function("document.querySelector('#about-info').innerText.includes('3 memories')")
         listed = page.inner_text("#about-list")
@@ -261,4 +262,4 @@ def test_a_person_is_remembered_across_a_restart_and_sees_only_their_own(page, d
         page.locator("#message textarea").press("Enter")
         page.wait_for_function("document.querySelectorAll('#chatbot .bot').length > 0 && "
                                "document.querySelector('#status').innerText.includes('done')")
-        assert "Lena" not in page.inner_text("#chatbot")
+        assert "Lena" not in page.inner_text("#chatbot") and "haven't told me" in page.inner_text("#chatbot")

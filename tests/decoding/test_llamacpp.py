@@ -91,7 +91,7 @@ def test_a_bank_keyed_by_hidden_states_is_queried_with_llamacpps_recall_state(re
     bank.add(keys, [f"memory {i}" for i in range(64)])
     recall = Recall(recall_lm.tokens.recall, recall_lm.tokens.memory_pad, bank, RecallSettings(top_k=1))
     out = generate(recall_lm.model, {"input_ids": ids}, GenerationSettings(max_new_tokens=3), recall=recall)
-    (event,) = out.injections
+    event = out.injections[0]  # (the model may ask again within its 3 tokens: the first one's query is the point)
     # the score is the cosine of llama.cpp's <recall> state with transformers': 0.99809 (AVX2), 0.99803 (AVX)
     assert event.memory_index == 17 and event.score > 0.995 and event.position == ids.shape[1]
 

@@ -947,7 +947,8 @@ def test_a_prompt_ending_with_recall_recalls_first_as_the_plain_loop(pair2, spec
 @pytest.mark.slow
 def test_the_real_pair_drafted_by_its_own_gguf_answers_as_direct(smollm2):
     """The embedded SmolLM2 with its recall adapter (θ) against its base copy (t), drafted by llama.cpp on the
-    Q4_1 GGUF both come from: greedy equals direct, and most drafts are kept (the draft is close to q*)."""
+    Q4_1 GGUF both come from: greedy equals direct, and the draft is close enough to q* to pay (with the adapter
+    trained on people's memories: 10 of 20 drafts kept, 16 tokens in 6 verifies; the adapter before it kept more)."""
     tok = smollm2.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the sea."}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
@@ -965,7 +966,7 @@ def test_the_real_pair_drafted_by_its_own_gguf_answers_as_direct(smollm2):
         for spec in (False, True)
     ]
     assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
-    assert runs[1].accepted / runs[1].drafted > 0.5 and runs[1].rounds < 10
+    assert runs[1].accepted / runs[1].drafted >= 0.4 and runs[1].rounds <= 8  # at least 2 tokens a verify
 
 
 @pytest.mark.slow
