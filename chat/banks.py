@@ -59,7 +59,6 @@ def store_layout(lm: LoadedModel, mem: MemoryConfig) -> StoreLayout:
                        token_values=tokens, info=lm.encoder.describe())
 
 
-
 def empty_bank(mem: MemoryConfig, lm: LoadedModel) -> MemoryVectorDB:
     """An empty bank of the kind this model's encoder writes (the index and value precision of `memory`)."""
     keyed, tokens = lm.encoder.values.keyed, lm.encoder.values.kind == "tokens"
@@ -68,6 +67,7 @@ def empty_bank(mem: MemoryConfig, lm: LoadedModel) -> MemoryVectorDB:
                         value_dtype=mem.value_dtype, hnsw_ef_search=mem.hnsw_ef_search)
     db.info = lm.encoder.describe()
     return db
+
 
 class Banks:
     """The banks of every session. Thread-safe; model work is queued on `worker`."""

@@ -173,7 +173,8 @@ class BatchRecipe:
     kinds: Sequence[tuple[str, float]] = (("tokens", 1.0),)
     people_per_batch: int = 0  # things people told, each asked three ways: read from its memory, with another
                                # memory read (it answers "you haven't told me"), with nothing to read (the same)
-    wrong_reads: bool = True  # False: no read of another memory (its "haven't told" spread to right memories)
+    wrong_reads: bool = True  # False: not the second way (its "haven't told" spread to right memories; the shipped
+                              # adapter's stage 2 is trained without it)
 
 
 def batches(tokenizer, tokens, replies: dict[str, list[int]],
