@@ -30,8 +30,12 @@ from decoding.engine import Engine, Prompt, Recall, cache_length, cut_cache, mem
 from decoding.events import DoneEvent, Event, GenerationResult, RecallEvent
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
+from memory.personal import Only
 from models import LoadedModel
+from models.remember import mentions_the_user
 from models.vision import IMAGE_PAD, encode_with_images
+
+FIT_DEPTH = 8  # memories a question about its author is checked against (`Session._readable`)
 
 _SENTINEL = "\u2063RECALL-CHAT-ANSWER\u2063"
 _USER = "\u2063RECALL-CHAT-USER\u2063"  # where the user's own text goes in the template
@@ -259,14 +263,29 @@ class Conversation:
                                  "writes one hidden-state vector a memory (memory.values: state): use a bank it wrote")
             vector = encoder.message_query(text)
             query = lambda hidden: vector  # noqa: E731 - the message, not the <recall> state, is the query
-            if len(memory_db) and float(memory_db.topk(vector, 1)[0][0]) < settings.min_score:
-                memory_db = None  # nothing fits the message: the model answers from what it knows (`NoMemory`)
+            memory_db = self._readable(memory_db, vector, settings, text)
             if encoder.close is not None:
                 suffix = (self.lm.tokenizer.convert_tokens_to_ids(encoder.close),)
         embedding = encoder.embedding_for(memory_db) if memory_db is not None else None
         # with no memory to read, the model answers from what it knows: never a bare <recall> (`NoMemory`)
         return Recall(tokens.recall, tokens.memory_pad, memory_db, settings, embedding, query, suffix,
                       without_memory="answer").with_tokens(self.lm.model.get_input_embeddings())
+
+    def _readable(self, memory_db, vector: torch.Tensor, settings: RecallSettings, text: str):
+        """What the memory head may read for a message: None when no memory scores `min_score` (the model answers
+        from what it knows: `NoMemory`); for a message about its author with `fit_check` on, only the memories
+        among the best `FIT_DEPTH` that the fit check admits (`models.fits`; none admitted: None)."""
+        if not len(memory_db):
+            return memory_db
+        scores, ids = memory_db.topk(vector, FIT_DEPTH)
+        fits = scores >= settings.min_score
+        check = self.lm.encoder.fit_check if settings.fit_check and mentions_the_user(text) else None
+        if check is not None and fits.any():
+            keys = torch.nn.functional.normalize(torch.stack([memory_db.vector(int(i)) for i in ids[fits]]), dim=-1)
+            fits[fits.clone()] = check.admits(vector.reshape(1, -1).expand_as(keys), keys)
+        if not fits.any():
+            return None
+        return Only(memory_db, ids[fits], FIT_DEPTH) if check is not None else memory_db
 
     def _run(self, inputs, prompt_len, settings, recall: Recall, interrupt_event) -> Iterator[Event]:
         past = self.cache if self.cache is not None and cache_length(self.cache) < prompt_len else None

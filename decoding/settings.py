@@ -286,12 +286,13 @@ class RecallSettings:
     use_sampling: bool = False
     debug: bool = False
     min_score: float = -1.0  # "nothing fits": a memory scored under it is never read (-1: every memory may be)
+    fit_check: bool = False  # the chat's: a question about the user reads only memories its fit check admits
 
     def __post_init__(self):
         _validate(self, {
             "min_score": (float, False, lambda v: -1 <= v <= 1, "must be in [-1, 1] (a cosine similarity)"),
             "enabled": (bool, False, None, ""), "use_sampling": (bool, False, None, ""),
-            "debug": (bool, False, None, ""),
+            "debug": (bool, False, None, ""), "fit_check": (bool, False, None, ""),
             "top_k": (int, False, _GE0, "must be >= 0 (0 keeps all memories)"),
             "top_p": (float, False, lambda v: 0 < v <= 1, "must be in (0, 1] (1 turns it off)"),
             "temperature": (float, False, _GE0, "must be >= 0 (and > 0 when sampling)"),

@@ -315,6 +315,30 @@ class Joined(BankShape):
         label, bank = self.parts[i % len(self.parts)]
         return dataclasses.replace(bank.memory(i // len(self.parts), score), source=label)
 
+    def vector(self, i: int) -> torch.Tensor:
+        """The key of memory `i` of `topk`."""
+        label, bank = self.parts[i % len(self.parts)]
+        return bank.vector(i // len(self.parts))
+
     def source(self, i: int) -> tuple[str, int]:
         """(the label of memory `i`'s bank, its id there)."""
         return self.parts[i % len(self.parts)][0], i // len(self.parts)
+
+
+class Only:
+    """A bank whose memory head sees only some of its memories: `ids`, found among the `depth` best of the query
+    they were chosen for (the chat's fit check). Everything but `topk` is the wrapped bank's."""
+
+    def __init__(self, bank: Any, ids: Iterable[int], depth: int):
+        self.bank, self.ids, self.depth = bank, torch.tensor(sorted(set(int(i) for i in ids)), dtype=torch.int64), depth
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.bank, name)
+
+    def __len__(self) -> int:
+        return len(self.bank)
+
+    def topk(self, query: Any, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, ids = self.bank.topk(query, self.depth)
+        keep = torch.isin(ids, self.ids)
+        return scores[keep][:k], ids[keep][:k]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -35,6 +35,9 @@ from tqdm.auto import tqdm
 from memory import MemoryVectorDB
 from models.hidden import HiddenStateSpec, hidden_state, pool, right_pad
 from models.text_keys import TextEncoder
+
+if TYPE_CHECKING:
+    from models.fits import FitCheck
 
 PLACEMENTS = ("answer", "user")
 ENCODER_CONFIG = "memory_encoder.json"
@@ -120,6 +123,16 @@ class MemoryEncoder:
         self.spec, self.projector, self.base_name = spec, projector, name
         self.center, self.scale = center, scale
         self.placement, self.close = placement, close
+
+    @property
+    def fit_check(self) -> FitCheck | None:
+        """The shipped fit check (`models.fits`) when it was trained on this encoder's keys, else None (loaded once)."""
+        if "_fit_check" not in self.__dict__:
+            from models.fits import SHIPPED, FitCheck
+
+            check = FitCheck.load(SHIPPED) if self.keys is not None and SHIPPED.is_file() else None
+            self._fit_check = check if check is not None and check.key_encoder == self.keys.name else None
+        return self._fit_check
 
     @property
     def name(self) -> str:

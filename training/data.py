@@ -211,7 +211,7 @@ def batches(tokenizer, tokens, replies: dict[str, list[int]],
         yield collate(questions + reads, repeats, unread + negatives, pad), facts
 
 
-def wrong_memory(thing, other: str, rng: random.Random, names: Names) -> str:
+def wrong_memory(thing, other: str, rng: random.Random, names: Names, split: str = "train") -> str:
     """A memory of the person that does not answer `thing`'s questions: another relative's or pet's of the same kind
     ("Agnes is the user's uncle." for a question about a grandmother), another kind's, or the same kind's about
     someone else ("Lena lives in Porto.")."""
@@ -219,10 +219,10 @@ def wrong_memory(thing, other: str, rng: random.Random, names: Names) -> str:
     roll = rng.random()
     if r and roll < 0.5:
         pool = RELATIVES if kind == "relative" else SPECIES
-        return told(kind, "train", rng, names, r=rng.choice([x for x in pool if x != r])).memory
+        return told(kind, split, rng, names, r=rng.choice([x for x in pool if x != r])).memory
     if roll < 0.7:
-        return told(other, "train", rng, names).memory
-    return re.sub(r"\b[Tt]he user\b", names.given(), told(kind, "train", rng, names, avoid=thing.value).memory)
+        return told(other, split, rng, names).memory
+    return re.sub(r"\b[Tt]he user\b", names.given(), told(kind, split, rng, names, avoid=thing.value).memory)
 
 
 def people_examples(tokenizer, tokens, n: int, rng: random.Random, earlier,

@@ -274,3 +274,23 @@ def test_a_conversation_file_from_before_key_value_memories_loads(tiny_llama, ba
     again = Conversation(tiny_llama)
     again.load_json(json.dumps(data), tmp_path)
     assert again.messages[-1].recalls == conv.messages[-1].recalls and again.ids == conv.ids
+
+
+def test_a_question_about_the_user_reads_only_a_memory_the_fit_check_admits(tiny_llama):
+    from models import build_bank
+    from models.text_keys import TextEncoder
+
+    lm = kv_model(tiny_llama, TextEncoder(), "answer")  # the shipped key encoder: the fit check's
+    assert lm.encoder.fit_check is not None
+    texts = ["Nina is the user's cousin.", "The user's job is gardener.", FACTS[0]]
+    bank = build_bank(lm.model, lm.tokenizer, texts, lm.encoder, progress=False)
+    conv, checked = Conversation(lm), RecallSettings(min_score=0.3, fit_check=True)
+    # the score alone reads the cousin for a daughter (0.39 >= min_score): the user bench's abstention misses
+    assert conv.recall(bank, RecallSettings(min_score=0.3), "What's the name of my daughter?").bank is bank
+    assert conv.recall(bank, checked, "What's the name of my daughter?").bank is None  # "you haven't told me"
+    for question, right in [("Do you remember my cousin's name?", 0), ("What work do I do?", 1)]:
+        read = conv.recall(bank, checked, question)
+        _, ids = read.bank.topk(lm.encoder.message_query(question), 5)
+        assert ids.tolist() == [right], question
+    # a question not about the user is not checked: the score alone decides
+    assert conv.recall(bank, checked, "Who keeps the lighthouse of Port Avel?").bank is bank
