@@ -54,7 +54,7 @@ class Reply:
     written: list[str]
     superseded: list[str]
     seconds: float
-    memory_seconds: float  # the write decision, the write, and the recall's query and search of the bank
+    memory_seconds: float  # what the write decision, the write and the recall's query and search add to the turn
     step_seconds: float | None  # one decode step of this answer
     error: str | None = None
 
@@ -67,8 +67,9 @@ class App:
 
         self.overrides, self.recall_on = overrides, recall
         self._spent = 0.0
-        self._recall = Conversation.recall
+        self._recall, self._read = Conversation.recall, Conversation.read_ahead
         Conversation.recall = self._timed(self._recall)  # the message's query and the bank's search, each turn
+        Conversation.read_ahead = self._timed(self._read, sign=-1)  # (reading the prompt is not memory work)
         self._start()
 
     def _start(self) -> None:
@@ -80,14 +81,17 @@ class App:
         self.recall = dataclasses.replace(self.cfg.memory.autoregressive_recall, enabled=self.recall_on)
         people, svc = self.svc.people, self.svc
         people.decide, svc.remember = self._timed(people.decide), self._timed(svc.remember)
+        # the message's embedding made while its prompt is read (`Service._read_ahead`): what the turn waits for it
+        # past the read counts (the read itself is taken off again by `Conversation.read_ahead`'s timer)
+        svc._read_ahead = self._timed(svc._read_ahead)
 
-    def _timed(self, fn):
+    def _timed(self, fn, sign: int = 1):
         def run(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._spent += time.perf_counter() - t0
+                self._spent += sign * (time.perf_counter() - t0)
         return run
 
     def restart(self) -> None:
@@ -98,7 +102,7 @@ class App:
         from chat.session import Conversation
 
         self.svc.close()
-        Conversation.recall = self._recall
+        Conversation.recall, Conversation.read_ahead = self._recall, self._read
 
     async def _follow(self, s, text: str):
         last = None

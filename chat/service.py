@@ -9,6 +9,7 @@ here, and `state` is what the page shows of a session. Nothing here imports Grad
 from __future__ import annotations
 
 import threading
+from concurrent import futures
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Concatenate
@@ -55,6 +56,7 @@ class Service(SessionService):
         super().__init__(cfg)
         self.janitor = Janitor(self)
         self.worker = Worker()
+        self._embedder = futures.ThreadPoolExecutor(1, thread_name_prefix="embed")  # `_read_ahead`
         self.banks = Banks(cfg, self.worker, self._model, self.wait_model, self.files, text_search)
         self.people = People(cfg)
         if lm is not None:
@@ -68,6 +70,7 @@ class Service(SessionService):
     def close(self) -> None:
         self.janitor.close()
         self.worker.close()
+        self._embedder.shutdown(wait=True)
         self._stop_warm_up()
         super().close()
 
@@ -165,12 +168,32 @@ class Service(SessionService):
         else:
             conv.add_answer_text(text)
 
+    def _budget(self, settings: GenerationSettings) -> int:
+        """The most tokens a conversation may have before its answer."""
+        return min(self.limits.max_input_tokens, (self._model().spec.context or 2 ** 31) - settings.max_new_tokens)
+
+    def _read_ahead(self, conv: Conversation, text: str, images: Sequence[str], settings: GenerationSettings,
+                    recall_first: bool, interrupt: threading.Event) -> None:
+        """A message's memory work overlapped with reading its prompt: the key encoder embeds the message (the
+        write decision's input and the memory head's query, one batch) on a thread while the prompt is read into
+        the KV cache here (`Conversation.read_ahead`); returns when both are done, so the write decision and the
+        recall that follow find the embeddings made and the answer prefills one token. Only for a text message to
+        the plain loop, without recall first, whose prompt fits the limits; anything else runs in turn."""
+        encoder = conv.lm.encoder
+        if (encoder.keys is None or images or recall_first or settings.mixture.enabled or interrupt.is_set()
+                or conv.length_with(text) > self._budget(settings)):
+            return
+        embedded = self._embedder.submit(encoder.message_query, text)
+        try:
+            conv.read_ahead(text, interrupt)
+        finally:
+            futures.wait([embedded])  # (an error there comes again from the write decision or the recall)
+
     def _fit(self, conv: Conversation, text: str, images: Sequence[str], settings: GenerationSettings,
              recall_first: bool) -> int:
         """Make the conversation fit the limits with this message (drop the oldest turns when configured);
         returns how many turns were dropped, or raises naming the limit and the size."""
-        context = self._model().spec.context or 2 ** 31
-        budget = min(self.limits.max_input_tokens, context - settings.max_new_tokens)
+        budget = self._budget(settings)
         dropped = 0
         while (need := conv.length_with(text, images, recall_first)) > budget:
             if self.cfg.app.context_overflow != "drop_oldest" or len(conv.messages) < 2:
@@ -192,6 +215,7 @@ class Service(SessionService):
             with s.lock:
                 conv = self.conversation(s)
                 s.last_change = None
+                self._read_ahead(conv, text, images, settings, recall_first, interrupt)
                 try:
                     if changed := self.remember(s, self.people.decide(conv.lm, text)):
                         s.last_change = changed if changed.written or changed.forgotten else None

@@ -166,6 +166,28 @@ class Conversation:
         finally:
             self.messages, self.ids, self.pixels = saved
 
+    def read_ahead(self, text: str, interrupt_event=None) -> bool:
+        """Read the prompt a text message will make, all but its last token, into the KV cache now (the chat's
+        memory work runs meanwhile on another thread); `stream` then prefills one token. Only for a text model
+        whose uncached prompt holds no memory vector; whether it read. A stop while reading leaves no cache (the
+        next answer reads its whole prompt)."""
+        if self.lm.is_vision:
+            return False
+        saved = (self.messages, self.ids, self.pixels)
+        self.messages, self.pixels = list(self.messages), list(self.pixels)
+        try:
+            self.build_inputs(text)
+            ids = self.ids
+        finally:
+            self.messages, self.ids, self.pixels = saved
+        start = cache_length(self.cache) if self.cache is not None else 0
+        if len(ids) - 1 <= start or any(p >= start for p in self.memory):
+            return False
+        # (every memory vector is in the cache already: none is placed again)
+        prompt = Prompt({"input_ids": torch.tensor([ids[:-1]], dtype=torch.long)}, self.cache)
+        self.cache = Engine(self.lm, None, self.prefill_chunk).read(prompt, interrupt_event)
+        return self.cache is not None
+
     def drop_oldest_turn(self) -> None:
         """Forget the oldest user message and its answer; the rest keeps its exact tokens and memories."""
         if len(self.messages) < 2:

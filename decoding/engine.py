@@ -24,7 +24,7 @@ from decoding.batch import Batch
 from decoding.compiled import crop, seq_length
 from decoding.draft_head import draft_head_for
 from decoding.events import Event, RecallEvent
-from decoding.loop import stream_generate
+from decoding.loop import read_prompt, stream_generate
 from decoding.memory import MemorySelector, Recall, recall_step
 from decoding.mixture import stream_mixture
 from decoding.request import Controls, Prompt, generators
@@ -69,6 +69,13 @@ class Engine:
             interrupt=interrupt,
             controls=dataclasses.replace(controls, **drafts),
         )
+
+
+    def read(self, prompt: Prompt, interrupt: threading.Event | None = None) -> Any | None:
+        """Read `prompt` into its cache and choose nothing (`decoding.loop.read_prompt`): the cache, or None when
+        stopped first. An answer to the prompt with one more token then prefills that token alone."""
+        return read_prompt(self.lm.merged(), prompt, controls=Controls(prefill_chunk=self.prefill_chunk),
+                           interrupt=interrupt)
 
 
 def cache_length(cache: Any) -> int:

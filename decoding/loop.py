@@ -172,6 +172,26 @@ def _generate(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: threa
         yield from _decode(req, *start, interrupt, controls.output_logits, batch)
 
 
+def read_prompt(model: torch.nn.Module, prompt: Prompt, *, controls: Controls = Controls(),
+                interrupt: threading.Event | None = None) -> object | None:
+    """Read a prompt into its KV cache and choose nothing: the uncached part of `prompt` is prefilled as
+    `stream_generate` prefills it (in `controls.prefill_chunk` chunks, a stop checked between them). Returns the
+    cache, which then covers the whole prompt, or None when a stop came first. The chat reads a message's prompt
+    (all but its last token) while its memory work runs on another thread; the answer then prefills one token."""
+    prompt = Prompt.of(prompt)
+    req = prepare(model, prompt, GenerationSettings(max_new_tokens=1), None, None, controls)
+    req.fwd.reset_request_state()
+    try:
+        with torch.no_grad():
+            reading = _prefill(req, prompt.inputs, interrupt, controls.prefill_chunk)
+            while True:
+                next(reading)
+    except StopIteration as done:
+        return req.cache if done.value is not None else None
+    finally:
+        req.fwd.reset_request_state()
+
+
 def _prefill(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: threading.Event | None,
              prefill_chunk: int) -> Iterator[Event]:
     """1. Prefill the uncached part of the prompt, memory vectors at their positions; returns (the last

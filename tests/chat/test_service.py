@@ -607,3 +607,33 @@ def test_backend_auto_stays_on_transformers_for_what_only_it_runs():
     assert backend("generation.mixture.enabled=true") == "transformers"
     assert backend("model.quantize=int8") == "transformers"
     assert backend("model.backend=llamacpp", "generation.mixture.enabled=true") == "llamacpp"  # refused at the answer
+
+def test_a_messages_embedding_is_made_on_another_thread_while_its_prompt_is_read(tiny_llama, text_search, tmp_path,
+                                                                               monkeypatch):
+    import dataclasses
+
+    from chat.session import Conversation
+    from models.encoder import MemoryEncoder
+    from models.text_keys import TextEncoder
+
+    keys = TextEncoder(adapter=None)
+    lm = dataclasses.replace(tiny_llama, encoder=MemoryEncoder("tokens", keys, name="tiny", placement="answer",
+                                                               close="</recall>"))
+    where, reads = [], []
+    encode, read = keys.encode, Conversation.read_ahead
+    monkeypatch.setattr(keys, "encode", lambda texts, **kw: (  # where the key encoder runs (not a cache hit)
+        any(t not in keys._cache for t in texts) and where.append(threading.current_thread().name)) or
+        encode(texts, **kw))
+    monkeypatch.setattr(Conversation, "read_ahead", lambda self, *a: reads.append(read(self, *a)) or reads[-1])
+    svc = Service(config(f"memory.user_dir={tmp_path}"), lm, text_search=text_search)
+    try:
+        s = svc.new_session()
+        for text in ["My sister is called Lena.", "What is my sister's name?"]:
+            where.clear()
+            assert isinstance(drain(svc.chat(s, text, [], GREEDY, RecallSettings()).request)[-1], DoneEvent)
+            # the write decision, the write and the recall found the message embedded: one batch, on the thread
+            assert where and all(name.startswith("embed") for name in where), where
+        assert reads == [True, True]
+        assert [e["text"] for e in svc.personal(s).entries()] == ["The user's sister is called Lena."]
+    finally:
+        svc.close()

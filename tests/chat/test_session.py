@@ -294,3 +294,26 @@ def test_a_question_about_the_user_reads_only_a_memory_the_fit_check_admits(tiny
         assert ids.tolist() == [right], question
     # a question not about the user is not checked: the score alone decides
     assert conv.recall(bank, checked, "Who keeps the lighthouse of Port Avel?").bank is bank
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "default_lm"])
+def test_reading_a_prompt_ahead_changes_no_token_of_the_answer(model, request):
+    from decoding.engine import cache_length
+
+    lm = request.getfixturevalue(model)  # a transformers model and the default llama.cpp one
+    settings = GenerationSettings(max_new_tokens=12)
+    alone, ahead = Conversation(lm), Conversation(lm)
+    for text in ["Hello there, who are you?", "Tell me one thing about the sea."]:  # the second reads on a cache
+        assert ahead.read_ahead(text)
+        assert cache_length(ahead.cache) == ahead.length_with(text) - 1  # all but the last token: the answer prefills that one
+        run(alone, text, settings=settings)
+        run(ahead, text, settings=settings)
+        assert ahead.ids == alone.ids and ahead.messages[-1].text == alone.messages[-1].text
+
+
+def test_nothing_is_read_ahead_where_a_memory_vector_is_not_cached(tiny_llama, bank):
+    conv = Conversation(tiny_llama)
+    run(conv, "Who keeps the lighthouse?", settings=GREEDY, recall=RecallSettings(), memory_db=bank, recall_first=True)
+    assert conv.memory  # a memory was read into this conversation
+    conv.cache = None  # (as after loading it from a file)
+    assert not conv.read_ahead("And the ferry?") and conv.cache is None
