@@ -156,36 +156,34 @@ class Conversation:
         self.messages.append(Message("assistant", text, start=start, finish_reason="stop"))
         self.cache = None
 
-    def length_with(self, text: str, images: Sequence[str] = (), recall_first: bool = False) -> int:
-        """How many tokens the conversation would have with this message added (nothing is changed)."""
+    def ids_with(self, text: str, images: Sequence[str] = (), recall_first: bool = False) -> list[int]:
+        """The conversation's token ids with this message added (nothing is changed)."""
         saved = (self.messages, self.ids, self.pixels)
         self.messages, self.pixels = list(self.messages), list(self.pixels)
         try:
             self.build_inputs(text, images, recall_first)
-            return len(self.ids)
+            return self.ids
         finally:
             self.messages, self.ids, self.pixels = saved
+
+    def length_with(self, text: str, images: Sequence[str] = (), recall_first: bool = False) -> int:
+        """How many tokens the conversation would have with this message added (nothing is changed)."""
+        return len(self.ids_with(text, images, recall_first))
 
     def read_ahead(self, text: str, interrupt_event=None) -> bool:
         """Read the prompt a text message will make, all but its last token, into the KV cache now (the chat's
         memory work runs meanwhile on another thread); `stream` then prefills one token. Only for a text model
         whose uncached prompt holds no memory vector; whether it read. A stop while reading leaves no cache (the
-        next answer reads its whole prompt)."""
+        next answer reads its whole prompt), and so does a failure."""
         if self.lm.is_vision:
             return False
-        saved = (self.messages, self.ids, self.pixels)
-        self.messages, self.pixels = list(self.messages), list(self.pixels)
-        try:
-            self.build_inputs(text)
-            ids = self.ids
-        finally:
-            self.messages, self.ids, self.pixels = saved
+        ids = self.ids_with(text)
         start = cache_length(self.cache) if self.cache is not None else 0
         if len(ids) - 1 <= start or any(p >= start for p in self.memory):
             return False
         # (every memory vector is in the cache already: none is placed again)
-        prompt = Prompt({"input_ids": torch.tensor([ids[:-1]], dtype=torch.long)}, self.cache)
-        self.cache = Engine(self.lm, None, self.prefill_chunk).read(prompt, interrupt_event)
+        prompt, self.cache = Prompt({"input_ids": torch.tensor([ids[:-1]], dtype=torch.long)}, self.cache), None
+        self.cache = Engine(self.lm, None, self.prefill_chunk).read(prompt, interrupt_event)  # (failed: no cache)
         return self.cache is not None
 
     def drop_oldest_turn(self) -> None:

@@ -633,3 +633,16 @@ def test_a_stop_in_the_middle_of_a_k_slot_recall_leaves_no_partial_memory(tiny_l
     )
     assert nxt.sequences.tolist() == fresh.sequences.tolist()
     torch.testing.assert_close(nxt.logits, fresh.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_read_prompt_fills_the_cache_and_a_stop_between_chunks_leaves_none(tiny_llama):
+    from decoding.engine import Engine, cache_length
+    from decoding.request import Prompt
+
+    ids = torch.arange(100, 130)[None]  # 30 tokens: 8 chunks of 4
+    engine = Engine(tiny_llama, None, prefill_chunk=4)
+    cache = engine.read(Prompt({"input_ids": ids}))
+    assert cache_length(cache) == 30
+    stop = threading.Event()
+    stop.set()
+    assert engine.read(Prompt({"input_ids": ids}), stop) is None  # stopped after the first chunk
