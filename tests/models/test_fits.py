@@ -31,7 +31,7 @@ def test_the_check_turns_away_other_memories_and_keeps_the_right_ones(held_out):
     check = FitCheck.load(SHIPPED)
     assert check.key_encoder == encoder.name
     alone, checked = reads(None, persons, keys, queries), reads(check, persons, keys, queries)
-    # measured on 200 held-out people: score alone 0.933 / 0.664, with the check 0.906 / 0.898
+    # measured on these 60 (told read right / untold read nothing): score alone 0.917 / 0.669, checked 0.892 / 0.904
     assert alone["untold_read_nothing"] <= 0.75  # what the check is for: the score alone reads someone else's memory
     assert checked["untold_read_nothing"] >= 0.85
     assert checked["told_read_right"] >= 0.85 and checked["told_read_right"] >= alone["told_read_right"] - 0.06
