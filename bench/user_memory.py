@@ -69,7 +69,7 @@ class App:
         self._spent = 0.0
         self._recall, self._read = Conversation.recall, Conversation.read_ahead
         Conversation.recall = self._timed(self._recall)  # the message's query and the bank's search, each turn
-        Conversation.read_ahead = self._timed(self._read, sign=-1)  # (reading the prompt is not memory work)
+        Conversation.read_ahead = self._timed_steps(self._read, sign=-1)  # (reading the prompt is not memory work)
         self._start()
 
     def _start(self) -> None:
@@ -83,13 +83,24 @@ class App:
         people.decide, svc.remember = self._timed(people.decide), self._timed(svc.remember)
         # the message's embedding made while its prompt is read (`Service._read_ahead`): what the turn waits for it
         # past the read counts (the read itself is taken off again by `Conversation.read_ahead`'s timer)
-        svc._read_ahead = self._timed(svc._read_ahead)
+        svc._read_ahead = self._timed_steps(svc._read_ahead)
 
     def _timed(self, fn, sign: int = 1):
         def run(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
+            finally:
+                self._spent += sign * (time.perf_counter() - t0)
+        return run
+
+    def _timed_steps(self, fn, sign: int = 1):
+        """`_timed` of a generator: the time from its start to its end (one session at a time: the worker serves
+        nobody else between its steps)."""
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return (yield from fn(*args, **kwargs))
             finally:
                 self._spent += sign * (time.perf_counter() - t0)
         return run

@@ -168,12 +168,13 @@ class Service(SessionService):
         else:
             conv.add_answer_text(text)
 
-    def _budget(self, settings: GenerationSettings) -> int:
-        """The most tokens a conversation may have before its answer."""
-        return min(self.limits.max_input_tokens, (self._model().spec.context or 2 ** 31) - settings.max_new_tokens)
+    def _budget(self, settings: GenerationSettings) -> tuple[int, int]:
+        """(the most tokens a conversation may have before its answer, the model's context)."""
+        context = self._model().spec.context or 2 ** 31
+        return min(self.limits.max_input_tokens, context - settings.max_new_tokens), context
 
     def _read_ahead(self, conv: Conversation, text: str, images: Sequence[str], settings: GenerationSettings,
-                    recall_first: bool, interrupt: threading.Event) -> None:
+                    recall_first: bool, interrupt: threading.Event) -> Iterator[Any]:
         """A message's memory work overlapped with reading its prompt: the key encoder embeds the message (the
         write decision's input and the memory head's query, one batch) on a thread while the prompt is read into
         the KV cache here (`Conversation.read_ahead`); returns when both are done, so the write decision and the
@@ -181,11 +182,11 @@ class Service(SessionService):
         the plain loop, without recall first, whose prompt fits the limits; anything else runs in turn."""
         encoder = conv.lm.encoder
         if (encoder.keys is None or images or recall_first or settings.mixture.enabled or interrupt.is_set()
-                or conv.length_with(text) > self._budget(settings)):
+                or conv.length_with(text) > self._budget(settings)[0]):
             return
         embedded = self._embedder.submit(encoder.message_query, text)
         try:
-            conv.read_ahead(text, interrupt)
+            yield from conv.read_ahead(text, interrupt)  # (its chunks' events: the worker serves others between)
         finally:
             futures.wait([embedded])  # (an error there comes again from the write decision or the recall)
 
@@ -193,7 +194,7 @@ class Service(SessionService):
              recall_first: bool) -> int:
         """Make the conversation fit the limits with this message (drop the oldest turns when configured);
         returns how many turns were dropped, or raises naming the limit and the size."""
-        budget = self._budget(settings)
+        budget, context = self._budget(settings)
         dropped = 0
         while (need := conv.length_with(text, images, recall_first)) > budget:
             if self.cfg.app.context_overflow != "drop_oldest" or len(conv.messages) < 2:
@@ -215,7 +216,7 @@ class Service(SessionService):
             with s.lock:
                 conv = self.conversation(s)
                 s.last_change = None
-                self._read_ahead(conv, text, images, settings, recall_first, interrupt)
+                yield from self._read_ahead(conv, text, images, settings, recall_first, interrupt)
                 try:
                     if changed := self.remember(s, self.people.decide(conv.lm, text)):
                         s.last_change = changed if changed.written or changed.forgotten else None

@@ -18,7 +18,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
 from pydantic import ValidationError
@@ -86,6 +86,7 @@ class Conversation:
         self.placed: list[RecallEvent] = []  # memories read in the prompt of the answer to come
         self.pixels: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pixel_values, grid [1, 3]) per image
         self.cache = None  # KV cache over self.ids[:-1]
+        self.ahead: list[int] | None = None  # the ids the cache covers after `read_ahead`, until `_settle`
 
     # ----------------------------------------------------------------- building prompts
 
@@ -170,11 +171,13 @@ class Conversation:
         """How many tokens the conversation would have with this message added (nothing is changed)."""
         return len(self.ids_with(text, images, recall_first))
 
-    def read_ahead(self, text: str, interrupt_event=None) -> bool:
+    def read_ahead(self, text: str, interrupt_event=None) -> Generator[Event, None, bool]:
         """Read the prompt a text message will make, all but its last token, into the KV cache now (the chat's
-        memory work runs meanwhile on another thread); `stream` then prefills one token. Only for a text model
-        whose uncached prompt holds no memory vector; whether it read. A stop while reading leaves no cache (the
-        next answer reads its whole prompt), and so does a failure."""
+        memory work runs meanwhile on another thread), yielding its chunks' events; `stream` then prefills one
+        token. Only for a text model whose uncached prompt holds no memory vector; returns whether it read it all.
+        The cache then runs ahead of `ids` (`ahead`): whatever comes next keeps of it only what its ids begin
+        with (`_settle`), so a stop, or a failure before the answer, leaves the conversation as it was."""
+        self._settle()
         if self.lm.is_vision:
             return False
         ids = self.ids_with(text)
@@ -183,8 +186,23 @@ class Conversation:
             return False
         # (every memory vector is in the cache already: none is placed again)
         prompt, self.cache = Prompt({"input_ids": torch.tensor([ids[:-1]], dtype=torch.long)}, self.cache), None
-        self.cache = Engine(self.lm, None, self.prefill_chunk).read(prompt, interrupt_event)  # (failed: no cache)
-        return self.cache is not None
+        read = yield from Engine(self.lm, None, self.prefill_chunk).read(prompt, interrupt_event)  # (failed: no cache)
+        self.cache, self.ahead = (read, ids[:-1]) if read is not None else (prompt.cache, ids[:-1])
+        return read is not None
+
+    def _settle(self) -> None:
+        """After `read_ahead`: keep of the cache only the positions the conversation's ids still begin with."""
+        if self.ahead is None:
+            return
+        ahead, self.ahead = self.ahead, None
+        if self.cache is None:
+            return
+        same = next((i for i, (a, b) in enumerate(zip(ahead, self.ids)) if a != b), min(len(ahead), len(self.ids)))
+        keep = min(same, len(self.ids) - 1, cache_length(self.cache))
+        if keep <= 0:
+            self.cache = None
+        elif keep < cache_length(self.cache):
+            cut_cache(self.cache, keep)
 
     def drop_oldest_turn(self) -> None:
         """Forget the oldest user message and its answer; the rest keeps its exact tokens and memories."""
@@ -305,9 +323,10 @@ class Conversation:
             fits[fits.clone()] = check.admits(vector.reshape(1, -1).expand_as(keys), keys)
         if not fits.any():
             return None
-        return Only(memory_db, ids[fits], FIT_DEPTH) if check is not None else memory_db
+        return Only(memory_db, (scores[fits], ids[fits]), FIT_DEPTH) if check is not None else memory_db
 
     def _run(self, inputs, prompt_len, settings, recall: Recall, interrupt_event) -> Iterator[Event]:
+        self._settle()
         past = self.cache if self.cache is not None and cache_length(self.cache) < prompt_len else None
         answer = Message("assistant", "", start=prompt_len)
         result: GenerationResult | None = None

@@ -71,9 +71,10 @@ class Engine:
         )
 
 
-    def read(self, prompt: Prompt, interrupt: threading.Event | None = None) -> Any | None:
-        """Read `prompt` into its cache and choose nothing (`decoding.loop.read_prompt`): the cache, or None when
-        stopped first. An answer to the prompt with one more token then prefills that token alone."""
+    def read(self, prompt: Prompt, interrupt: threading.Event | None = None) -> Iterator[Event]:
+        """Read `prompt` into its cache and choose nothing (`decoding.loop.read_prompt`: its chunks' events, then
+        the cache as the generator's value, or None when stopped first). An answer to the prompt with one more
+        token then prefills that token alone."""
         return read_prompt(self.lm.merged(), prompt, controls=Controls(prefill_chunk=self.prefill_chunk),
                            interrupt=interrupt)
 

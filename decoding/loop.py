@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Iterator, Mapping
+from typing import Any, Generator, Iterator, Mapping
 
 import torch
 
@@ -173,19 +173,22 @@ def _generate(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: threa
 
 
 def read_prompt(model: torch.nn.Module, prompt: Prompt, *, controls: Controls = Controls(),
-                interrupt: threading.Event | None = None) -> object | None:
+                interrupt: threading.Event | None = None) -> Generator[PrefillEvent, None, Any]:
     """Read a prompt into its KV cache and choose nothing: the uncached part of `prompt` is prefilled as
-    `stream_generate` prefills it (in `controls.prefill_chunk` chunks, a stop checked between them). Returns the
-    cache, which then covers the whole prompt, or None when a stop came first. The chat reads a message's prompt
-    (all but its last token) while its memory work runs on another thread; the answer then prefills one token."""
+    `stream_generate` prefills it (in `controls.prefill_chunk` chunks, a `PrefillEvent` and a stop check between
+    them). Returns (as a generator's value) the cache, which then covers the whole prompt, or None when a stop
+    came first (the cache then holds a prefix of it). The chat reads a message's prompt (all but its last token)
+    while its memory work runs on another thread; the answer then prefills one token."""
     prompt = Prompt.of(prompt)
     req = prepare(model, prompt, GenerationSettings(max_new_tokens=1), None, None, controls)
     req.fwd.reset_request_state()
+    reading = _prefill(req, prompt.inputs, interrupt, controls.prefill_chunk)
     try:
-        with torch.no_grad():
-            reading = _prefill(req, prompt.inputs, interrupt, controls.prefill_chunk)
-            while True:
-                next(reading)
+        while True:
+            with torch.no_grad():  # (only while reading: never left off between the yields)
+                event = next(reading)
+            if isinstance(event, PrefillEvent):  # (a stop's finish events are the answer's to give, not the read's)
+                yield event
     except StopIteration as done:
         return req.cache if done.value is not None else None
     finally:

@@ -326,11 +326,13 @@ class Joined(BankShape):
 
 
 class Only:
-    """A bank whose memory head sees only some of its memories: `ids`, found among the `depth` best of the query
-    they were chosen for (the chat's fit check). Everything but `topk` is the wrapped bank's."""
+    """A bank whose memory head sees only some of its memories (the chat's fit check): `found`, the (scores, ids)
+    chosen among the `depth` best of the query, searched again at each read. Should the bank have changed so that
+    none of them is among those any more, the memories as chosen are read. Everything but `topk` is the wrapped
+    bank's."""
 
-    def __init__(self, bank: Any, ids: Iterable[int], depth: int):
-        self.bank, self.ids, self.depth = bank, torch.tensor(sorted(set(int(i) for i in ids)), dtype=torch.int64), depth
+    def __init__(self, bank: Any, found: tuple[torch.Tensor, torch.Tensor], depth: int):
+        self.bank, self.found, self.depth = bank, found, depth
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.bank, name)
@@ -340,5 +342,6 @@ class Only:
 
     def topk(self, query: Any, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         scores, ids = self.bank.topk(query, self.depth)
-        keep = torch.isin(ids, self.ids)
-        return scores[keep][:k], ids[keep][:k]
+        keep = torch.isin(ids, self.found[1])
+        scores, ids = (scores[keep], ids[keep]) if keep.any() else self.found
+        return scores[:k], ids[:k]

@@ -23,6 +23,7 @@ turn, and the same text always gives the same vector whatever conversation it ca
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -38,6 +39,8 @@ from models.text_keys import TextEncoder
 
 if TYPE_CHECKING:
     from models.fits import FitCheck
+
+log = logging.getLogger("models.encoder")
 
 PLACEMENTS = ("answer", "user")
 ENCODER_CONFIG = "memory_encoder.json"
@@ -131,7 +134,12 @@ class MemoryEncoder:
             from models.fits import SHIPPED, FitCheck
 
             check = FitCheck.load(SHIPPED) if self.keys is not None and SHIPPED.is_file() else None
-            self._fit_check = check if check is not None and check.key_encoder == self.keys.name else None
+            if check is not None and check.key_encoder != self.keys.name:
+                log.warning("the fit check was trained on the keys of %s, this model's are %s: questions about the "
+                            "user are read by the score alone (python -m training.fits trains one for them)",
+                            check.key_encoder, self.keys.name)
+                check = None
+            self._fit_check = check
         return self._fit_check
 
     @property

@@ -1,6 +1,6 @@
 """The fit check: does a memory answer what a person asks about themself? A small network over the pair of
 embeddings the memory head already scores (the message's query and the memory's key), trained by
-`training/fits.py` on invented people and shipped as `assets/memory-fits.safetensors` (about 200 KB).
+`training/fits.py` on invented people and shipped as `assets/memory-fits.safetensors` (50 KB).
 
 The memory head's cosine alone reads "Nina is the user's cousin." for "What's the name of my daughter?" (0.39, over
 `min_score`): a question about the user reads only memories this check admits, and with none the model says it

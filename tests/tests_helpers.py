@@ -100,3 +100,13 @@ def assert_decodes_alike(got, want, row: int = 0, suffix: int = 0, atol: float =
     torch.testing.assert_close(got.logits[row, steps], want.logits[row, steps], atol=atol, rtol=atol)
     same = lambda r: [(e.position, e.memory_index, e.length) for e in r.injections if e.row == row and e.position < end]  # noqa: E731
     assert same(got) == same(want)
+
+
+def returned(gen):
+    """Run a generator to its end: (its return value, the events it yielded)."""
+    events = []
+    try:
+        while True:
+            events.append(next(gen))
+    except StopIteration as done:
+        return done.value, events

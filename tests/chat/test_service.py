@@ -624,7 +624,12 @@ def test_a_messages_embedding_is_made_on_another_thread_while_its_prompt_is_read
     monkeypatch.setattr(keys, "encode", lambda texts, **kw: (  # where the key encoder runs (not a cache hit)
         any(t not in keys._cache for t in texts) and where.append(threading.current_thread().name)) or
         encode(texts, **kw))
-    monkeypatch.setattr(Conversation, "read_ahead", lambda self, *a: reads.append(read(self, *a)) or reads[-1])
+
+    def reading(self, *args):
+        reads.append((yield from read(self, *args)))
+        return reads[-1]
+
+    monkeypatch.setattr(Conversation, "read_ahead", reading)
     svc = Service(config(f"memory.user_dir={tmp_path}"), lm, text_search=text_search)
     try:
         s = svc.new_session()

@@ -7,6 +7,7 @@ from decoding.request import Controls, Prompt
 from decoding.memory import Recall
 
 from chat.session import Conversation, TextOnlyModelError
+from tests_helpers import returned
 from decoding import DoneEvent, GenerationSettings, RecallEvent, RecallSettings, TokenEvent, generate
 from memory import MemoryVectorDB
 
@@ -304,7 +305,7 @@ def test_reading_a_prompt_ahead_changes_no_token_of_the_answer(model, request):
     settings = GenerationSettings(max_new_tokens=12)
     alone, ahead = Conversation(lm), Conversation(lm)
     for text in ["Hello there, who are you?", "Tell me one thing about the sea."]:  # the second reads on a cache
-        assert ahead.read_ahead(text)
+        assert returned(ahead.read_ahead(text))[0]
         assert cache_length(ahead.cache) == ahead.length_with(text) - 1  # all but the last token: the answer prefills that one
         run(alone, text, settings=settings)
         run(ahead, text, settings=settings)
@@ -316,4 +317,23 @@ def test_nothing_is_read_ahead_where_a_memory_vector_is_not_cached(tiny_llama, b
     run(conv, "Who keeps the lighthouse?", settings=GREEDY, recall=RecallSettings(), memory_db=bank, recall_first=True)
     assert conv.memory  # a memory was read into this conversation
     conv.cache = None  # (as after loading it from a file)
-    assert not conv.read_ahead("And the ferry?") and conv.cache is None
+    assert returned(conv.read_ahead("And the ferry?")) == (False, []) and conv.cache is None
+
+
+@pytest.mark.parametrize("how", ["failed", "stopped"])
+def test_a_message_read_ahead_but_never_answered_leaves_the_conversation_as_it_was(tiny_llama, how):
+    """A failure between the read and the answer (the write decision, the recall), or a stop while reading: the
+    next message is answered as if the first had never been read."""
+    conv, fresh = Conversation(tiny_llama), Conversation(tiny_llama)
+    for c in (conv, fresh):
+        run(c, "Hello there, who are you?", settings=GREEDY)
+    stop = threading.Event()
+    if how == "stopped":
+        conv.prefill_chunk = 8  # (the first chunk reads past the template into the message)
+        stop.set()
+    done, _ = returned(conv.read_ahead("Nope, not that one at all.", stop))
+    assert done == (how == "failed")
+    longer = "Tell me one thing about the sea, and then one more thing about the ships on it."  # (its prompt is
+    for c in (conv, fresh):  # longer than the one read: the cache would be taken as its prefix)
+        run(c, longer, settings=GenerationSettings(max_new_tokens=12))
+    assert conv.ids == fresh.ids

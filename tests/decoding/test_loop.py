@@ -640,9 +640,11 @@ def test_read_prompt_fills_the_cache_and_a_stop_between_chunks_leaves_none(tiny_
     from decoding.request import Prompt
 
     ids = torch.arange(100, 130)[None]  # 30 tokens: 8 chunks of 4
+    from tests_helpers import returned
+
     engine = Engine(tiny_llama, None, prefill_chunk=4)
-    cache = engine.read(Prompt({"input_ids": ids}))
-    assert cache_length(cache) == 30
+    cache, events = returned(engine.read(Prompt({"input_ids": ids})))
+    assert cache_length(cache) == 30 and [e.done for e in events] == [4, 8, 12, 16, 20, 24, 28]  # the chunks' events
     stop = threading.Event()
     stop.set()
-    assert engine.read(Prompt({"input_ids": ids}), stop) is None  # stopped after the first chunk
+    assert returned(engine.read(Prompt({"input_ids": ids}), stop)) == (None, [events[0]])  # stopped after one chunk
