@@ -24,18 +24,16 @@ import torch
 from pydantic import ValidationError
 
 from chat.inputs import FORMAT, ConversationFile, check_conversation, decode_image, describe, encode_image, encode_vector
+from chat.reading import recall_context
 from chat.worker import Request
 from chat.users import LOCAL
 from decoding.engine import Engine, Prompt, Recall, cache_length, cut_cache, memory_now
 from decoding.events import DoneEvent, Event, GenerationResult, RecallEvent
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
-from memory.personal import Only
 from models import LoadedModel
-from models.remember import mentions_the_user
 from models.vision import IMAGE_PAD, encode_with_images
 
-FIT_DEPTH = 8  # memories a question about its author is checked against (`Session._readable`)
 
 _SENTINEL = "\u2063RECALL-CHAT-ANSWER\u2063"
 _USER = "\u2063RECALL-CHAT-USER\u2063"  # where the user's own text goes in the template
@@ -290,40 +288,8 @@ class Conversation:
             cut_cache(self.cache, length - 1)  # keep the cache short of the last token
 
     def recall(self, memory_db, settings: RecallSettings, text: str = "") -> Recall:
-        """The loop's recall context: this model's tokens, the bank, its memory embedding and, for a bank keyed
-        by text embeddings, the query (the key encoder's embedding of `text`, the user's message) and the
-        token that closes a memory (`</recall>` for a model trained to read memories between the two)."""
-        tokens, encoder = self.lm.tokens, self.lm.encoder
-        query, suffix = None, ()
-        if memory_db is not None and memory_db.has_values:
-            if encoder.keys is None:
-                raise ValueError(f"this bank's keys are text embeddings ({memory_db.info.get('keys')}) but {self.lm.name} "
-                                 "writes one hidden-state vector a memory (memory.values: state): use a bank it wrote")
-            vector = encoder.message_query(text)
-            query = lambda hidden: vector  # noqa: E731 - the message, not the <recall> state, is the query
-            memory_db = self._readable(memory_db, vector, settings, text)
-            if encoder.close is not None:
-                suffix = (self.lm.tokenizer.convert_tokens_to_ids(encoder.close),)
-        embedding = encoder.embedding_for(memory_db) if memory_db is not None else None
-        # with no memory to read, the model answers from what it knows: never a bare <recall> (`NoMemory`)
-        return Recall(tokens.recall, tokens.memory_pad, memory_db, settings, embedding, query, suffix,
-                      without_memory="answer").with_tokens(self.lm.model.get_input_embeddings())
-
-    def _readable(self, memory_db, vector: torch.Tensor, settings: RecallSettings, text: str):
-        """What the memory head may read for a message: None when no memory scores `min_score` (the model answers
-        from what it knows: `NoMemory`); for a message about its author with `fit_check` on, only the memories
-        among the best `FIT_DEPTH` that the fit check admits (`models.fits`; none admitted: None)."""
-        if not len(memory_db):
-            return memory_db
-        scores, ids = memory_db.topk(vector, FIT_DEPTH)
-        fits = scores >= settings.min_score
-        check = self.lm.encoder.fit_check if settings.fit_check and mentions_the_user(text) else None
-        if check is not None and fits.any():
-            keys = torch.nn.functional.normalize(torch.stack([memory_db.vector(int(i)) for i in ids[fits]]), dim=-1)
-            fits[fits.clone()] = check.admits(vector.reshape(1, -1).expand_as(keys), keys)
-        if not fits.any():
-            return None
-        return Only(memory_db, (scores[fits], ids[fits]), FIT_DEPTH) if check is not None else memory_db
+        """The loop's recall context for a message (`chat.reading.recall_context`)."""
+        return recall_context(self.lm, memory_db, settings, text)
 
     def _run(self, inputs, prompt_len, settings, recall: Recall, interrupt_event) -> Iterator[Event]:
         self._settle()
