@@ -34,7 +34,6 @@ from memory import MemoryVectorDB
 from models import LoadedModel
 from models.vision import IMAGE_PAD, encode_with_images
 
-
 _SENTINEL = "\u2063RECALL-CHAT-ANSWER\u2063"
 _USER = "\u2063RECALL-CHAT-USER\u2063"  # where the user's own text goes in the template
 
@@ -185,7 +184,7 @@ class Conversation:
         # (every memory vector is in the cache already: none is placed again)
         prompt, self.cache = Prompt({"input_ids": torch.tensor([ids[:-1]], dtype=torch.long)}, self.cache), None
         read = yield from Engine(self.lm, None, self.prefill_chunk).read(prompt, interrupt_event)  # (failed: no cache)
-        self.cache, self.ahead = (read, ids[:-1]) if read is not None else (prompt.cache, ids[:-1])
+        self.cache, self.ahead = (prompt.cache if read is None else read), ids[:-1]  # (stopped: a prefix read)
         return read is not None
 
     def _settle(self) -> None:

@@ -70,7 +70,6 @@ class Engine:
             controls=dataclasses.replace(controls, **drafts),
         )
 
-
     def read(self, prompt: Prompt, interrupt: threading.Event | None = None) -> Iterator[Event]:
         """Read `prompt` into its cache and choose nothing (`decoding.loop.read_prompt`: its chunks' events, then
         the cache as the generator's value, or None when stopped first). An answer to the prompt with one more

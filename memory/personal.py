@@ -251,7 +251,19 @@ class PersonalMemory(Personal):
             return len(now)
 
 
-class Newest:
+class View:
+    """A bank seen through another `topk`: everything else is the wrapped bank's."""
+
+    bank: Any
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.bank, name)
+
+    def __len__(self) -> int:
+        return len(self.bank)
+
+
+class Newest(View):
     """A person's memories as the memory head reads them: of the memories as close to the message as the best one
     (within `margin` of its score) and about the same thing (keys at least `same` similar to the best one's), only
     the newest is read. A told change ("We've just moved to Brackholm.") thus outranks the older memory ("The user
@@ -262,12 +274,6 @@ class Newest:
 
     def __init__(self, bank: Any, margin: float = 0.10, same: float = 0.45):
         self.bank, self.margin, self.same = bank, margin, same
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.bank, name)
-
-    def __len__(self) -> int:
-        return len(self.bank)
 
     def topk(self, query: Any, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         found = self.bank.search(query, len(self.bank) if k is None else k + CLOSEST)  # (near ties past the k-th)
@@ -317,15 +323,14 @@ class Joined(BankShape):
 
     def vector(self, i: int) -> torch.Tensor:
         """The key of memory `i` of `topk`."""
-        label, bank = self.parts[i % len(self.parts)]
-        return bank.vector(i // len(self.parts))
+        return self.parts[i % len(self.parts)][1].vector(i // len(self.parts))
 
     def source(self, i: int) -> tuple[str, int]:
         """(the label of memory `i`'s bank, its id there)."""
         return self.parts[i % len(self.parts)][0], i // len(self.parts)
 
 
-class Only:
+class Only(View):
     """A bank whose memory head sees only some of its memories (the chat's fit check): `found`, the (scores, ids)
     chosen among the `depth` best of the query, searched again at each read. Should the bank have changed so that
     none of them is among those any more, the memories as chosen are read. Everything but `topk` is the wrapped
@@ -333,12 +338,6 @@ class Only:
 
     def __init__(self, bank: Any, found: tuple[torch.Tensor, torch.Tensor], depth: int):
         self.bank, self.found, self.depth = bank, found, depth
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.bank, name)
-
-    def __len__(self) -> int:
-        return len(self.bank)
 
     def topk(self, query: Any, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         scores, ids = self.bank.topk(query, self.depth)
