@@ -34,7 +34,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
+from decoding.events import DoneEvent  # noqa: E402
 from decoding.graph import GraphDecoder  # noqa: E402
+from decoding.graph_stream import stream_graph  # noqa: E402
+from decoding.request import Controls, Prompt  # noqa: E402
 from decoding.loop import generate  # noqa: E402
 from decoding.memory import MemorySelector, Recall  # noqa: E402
 from decoding.processors import to_generation_config  # noqa: E402
@@ -190,6 +193,26 @@ def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.d
         graph_step.decoder = dec
         return out
 
+    def chat_graph():
+        """The chat's own answer on the same step (`decoding.graph_stream`: events, detokenizer, stop criteria,
+        read one step late), as `Engine.stream` runs it."""
+        dec = getattr(graph_step, "decoder", None)
+        if dec is None:
+            raise RuntimeError("the graph step did not compile: no chat measure")
+        dec.ready.set()
+
+        def run_k(k):
+            events = list(stream_graph(dec, Prompt({"input_ids": ids}), greedy(k), None, tokenizer, None,
+                                       Controls(eos_token_id=[]), lambda _: iter(())))
+            if not isinstance(events[-1], DoneEvent):
+                raise RuntimeError("the step did not take the request")
+            return events[-1].result
+
+        answers["chat"] = run_k(n).sequences[0, ids.shape[1]:].tolist()
+        out = per_token(run_k, n, repeats)
+        out["same_tokens_as_the_step"] = answers["chat"] == answers.get("graph")
+        return out
+
     def hf_static():
         t = time.perf_counter()
         for k in (n, 1, n, 1):  # the first calls compile (and record) for both cache lengths
@@ -269,6 +292,7 @@ def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.d
 
     eager_cost = 2 * repeats * (n + 1) * (0.03 if device == "cuda" else 0.05) + 5
     run.measure(name, "graph step", 80, graph_step)
+    run.measure(name, "chat on the graph step", 10, chat_graph)
     if args.static:
         run.measure(name, "transformers static generate", 30, hf_static)
     for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio is the target
@@ -325,6 +349,12 @@ def table(results: dict) -> str:
             f"{f'{bound:.3f}' if bound else '—'} | "
             f"{ratio(bound, gms)} | {ratio(gms, sms)} | {cell(m.get('transformers eager generate'), 'ttft_ms', '{:.1f}')} / "
             f"{cell(s, 'ttft_ms', '{:.1f}')} / {cell(g, 'ttft_ms', '{:.1f}')} |")
+    lines += ["", "| model | graph step ms/token | the chat's answer on it ms/token (events, detokenizer, criteria) | "
+              "same tokens |", "|---|---|---|---|"]
+    for name, m in results.get("models", {}).items():
+        c = m.get("chat on the graph step", {})
+        lines.append(f"| {name} | {cell(m.get('graph step'), 'ms_per_token')} | {cell(c, 'ms_per_token')} | "
+                     f"{c.get('same_tokens_as_the_step', '—') if isinstance(c, dict) else '—'} |")
     lines += ["", "| model | recall: memories | head ms | 16-slot span ms | in decode steps |", "|---|---|---|---|---|"]
     for name, m in results.get("models", {}).items():
         r = m.get("recall", {})

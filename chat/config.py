@@ -46,6 +46,8 @@ class ModelConfig:
     device: str = "auto"
     dtype: str = "float32"
     compile: bool = True  # compile the decode step in the background at start (text models; decoding/compiled.py)
+    graph_step: bool | str = "auto"  # answer on the graph step (decoding/graph_stream.py): auto (on CUDA) | true | false
+    graph_max_len: int = 4096  # positions of the graph step's static cache (a prompt and its answer past it: the loop)
     quantize: str = "none"  # none | int8: int8 weights and activations on the CPU (models/quantize.py; changes outputs)
     backend: str = "auto"  # auto (llama.cpp on a CPU) | transformers | llamacpp (a GGUF on llama.cpp, models/llamacpp.py)
     gguf_type: str = "q8_0"  # the embedded recall model's GGUF on llama.cpp: q8_0 | q4_1 | f16 | f32
@@ -56,6 +58,9 @@ class ModelConfig:
                "auto, cpu, mps, cuda or cuda:N")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype, "float32, bfloat16, float16")
         _check(isinstance(self.compile, bool), "compile", self.compile, "true, false")
+        _check(self.graph_step in ("auto", True, False), "graph_step", self.graph_step, "auto, true, false")
+        _check(isinstance(self.graph_max_len, int) and 64 <= self.graph_max_len <= 1 << 17, "graph_max_len",
+               self.graph_max_len, "an integer from 64 to 131072")
         _check(self.quantize in QUANTIZE, "quantize", self.quantize, ", ".join(QUANTIZE))
         _check(self.backend in ("auto", "transformers", "llamacpp"), "backend", self.backend,
                "auto, transformers, llamacpp")

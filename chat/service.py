@@ -24,7 +24,7 @@ from chat.session import Conversation, Session, text_only_message
 from chat.state import SessionState, bank_state, message_states
 from chat.textsearch import TextSearch
 from chat.worker import Notice, Request, ServiceError, Worker
-from decoding import compiled
+from decoding import compiled, graph
 from decoding.events import DoneEvent
 from decoding.mixture import MixtureResult
 from decoding.settings import GenerationSettings, RecallSettings
@@ -49,7 +49,7 @@ class Service(SessionService):
     def __init__(self, cfg: Config, lm: LoadedModel | None = None,
                  loader: Callable[[], LoadedModel] | None = None, text_search: TextSearch | None = None):
         self._lm = lm
-        self._warm_up: tuple[threading.Thread, compiled.CompiledStep] | None = None  # `model.compile`'s background compile
+        self._warm_up: tuple[threading.Thread, compiled.CompiledStep | None] | None = None  # the background compile
         self._loader = loader or (lambda: load_model(cfg.model.path, load_options(cfg)))
         if cfg.memory.store == "milvus":  # refuse to start, naming the URI, when nothing answers there
             MilvusBank.connect(cfg.memory.milvus_uri).close()
@@ -78,7 +78,8 @@ class Service(SessionService):
         """A background compile ends after the bucket it is compiling: nothing compiles on after the service."""
         if self._warm_up is not None:
             thread, step = self._warm_up
-            step.stop()
+            if step is not None:
+                step.stop()
             thread.join()
             self._warm_up = None
 
@@ -99,20 +100,37 @@ class Service(SessionService):
         return self._lm
 
     def _compile(self, lm: LoadedModel) -> None:
-        """With `model.compile`, compile the decode step of a text model in the background: answers
-        decode eagerly until it is ready, and the status line says so meanwhile."""
-        if self.cfg.model.compile and not lm.is_vision and lm.spec.can(COMPILE):
+        """In the background, for a model on transformers: with `model.graph_step`, warm up the graph step
+        (`decoding.graph`: compiled and captured on CUDA, eager elsewhere), then with `model.compile` compile the
+        loop's decode step (text models). Answers decode in the loop, eagerly, until each is ready; the status line
+        says so."""
+        if not lm.spec.can(COMPILE):
+            return
+        work = []
+        if self._graph_step_on(lm):
+            work.append(graph.enable(lm.merged(), max_len=self.cfg.model.graph_max_len,
+                                     compile=lm.device.type == "cuda").warm_up)
+        step = None
+        if self.cfg.model.compile and not lm.is_vision:
             step = compiled.enable(lm.merged())
-            thread = threading.Thread(target=step.warm_up, name="recall-chat-compile", daemon=True)
+            work.append(step.warm_up)
+        if work:
+            thread = threading.Thread(target=lambda: [w() for w in work], name="recall-chat-compile", daemon=True)
             thread.start()
             self._warm_up = (thread, step)
 
+    def _graph_step_on(self, lm: LoadedModel) -> bool:
+        on = self.cfg.model.graph_step
+        return lm.device.type == "cuda" if on == "auto" else bool(on)
+
     def _compile_state(self) -> str:
-        """"compiling the decode step…" while it compiles, "" otherwise (also when compiling failed or is off)."""
-        step = compiled.attached(self._lm.model) if self._lm else None
-        if step is None or step.ready.is_set() or step.error:
+        """"compiling the decode step…" while one compiles, "" otherwise (also when compiling failed or is off)."""
+        if self._lm is None:
             return ""
-        return "compiling the decode step…"
+        for step in (graph.attached(self._lm.model), compiled.attached(self._lm.model)):
+            if step is not None and not step.ready.is_set() and not step.error:
+                return "compiling the decode step…"
+        return ""
 
     def ready(self) -> Request:
         """A request that loads the model (when not yet loaded); submit it from a handler to show progress."""

@@ -86,8 +86,15 @@ class DeviceSampler:
                   pad: int, masked: bool) -> Kind | None:
         """Load a request's processors into the buffers; its `Kind`, or None when one of them has no tensor form
         here (the caller then runs `procs` itself on the host's queue)."""
-        if len(eos) > EOS_SLOTS:
-            return None
+        if masked and len(eos) > EOS_SLOTS:
+            raise ValueError(f"{len(eos)} EOS ids for a batch of rows; the graph step masks at most {EOS_SLOTS}")
+        # what `commit` reads, for every request (the fallback's too): the ring from slot 0, the rows' end
+        self.step.zero_()
+        self.unfinished.fill_(True)
+        self.eos.fill_(-1)
+        if eos:
+            self.eos[:min(len(eos), EOS_SLOTS)] = torch.tensor(eos[:EOS_SLOTS], device=self.device)
+        self.pad.fill_(pad)
         found: dict[type, object] = {}
         for p in procs:
             if type(p) not in _ORDER or type(p) in found:
@@ -116,12 +123,6 @@ class DeviceSampler:
         if MinPLogitsWarper in found:
             self.min_p.fill_(found[MinPLogitsWarper].min_p)
         self.seed.fill_(seed & 0x7FFFFFFF)
-        self.step.zero_()
-        self.unfinished.fill_(True)
-        self.eos.fill_(-1)
-        if eos:
-            self.eos[:len(eos)] = torch.tensor(eos, device=self.device)
-        self.pad.fill_(pad)
         self.counts.zero_()
         return Kind(do_sample, bias is not None, penalty is not None, TemperatureLogitsWarper in found,
                     TopKLogitsWarper in found, TopPLogitsWarper in found, MinPLogitsWarper in found, masked)

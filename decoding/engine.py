@@ -1,7 +1,8 @@
 """The engine as the chat uses it: one face, `Engine.stream(prompt, settings, recall, interrupt)` -> events.
 
 The engine chooses the decoder a request's settings ask for (the plain loop, which also decodes from
-layers by entropy, or the two-model mixture with its target and draft), makes once what a decoder needs
+layers by entropy, or the two-model mixture with its target and draft; on a model with a warmed-up graph step,
+`decoding.graph_stream` answers what that step takes and hands the rest to the loop), makes once what a decoder needs
 (the mixture's target and drafts are kept with the model), and refuses by name what the model's
 backend cannot run (`decoding.backend.require`). The chat keeps the conversation (its exact ids, its
 memory vectors, its cache, which the engine treats as opaque: `cache_length`, `cut_cache`) and reads the
@@ -13,17 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Iterator
-
-from typing import Any, Callable
+from typing import Any, Callable, Generator, Iterator
 
 import torch
 
+from decoding import graph
 from decoding.backend import require
 from decoding.batch import Batch
 from decoding.compiled import crop, seq_length
 from decoding.draft_head import draft_head_for
 from decoding.events import Event, RecallEvent
+from decoding.graph import GraphDecoder
+from decoding.graph_stream import GraphCache, read_graph, reads, stream_graph, without_handle
 from decoding.loop import read_prompt, stream_generate
 from decoding.memory import MemorySelector, Recall, recall_step
 from decoding.mixture import stream_mixture
@@ -52,8 +54,14 @@ class Engine:
         lm, controls = self.lm, Controls(prefill_chunk=self.prefill_chunk)
         mix = settings.mixture
         if not mix.enabled:
-            return stream_generate(lm.merged(), prompt, settings, recall=recall, tokenizer=lm.tokenizer,
-                                   interrupt=interrupt, controls=controls, batch=self.batch)
+            def loop(prompt: Prompt) -> Iterator[Event]:
+                return stream_generate(lm.merged(), prompt, settings, recall=recall, tokenizer=lm.tokenizer,
+                                       interrupt=interrupt, controls=controls, batch=self.batch)
+
+            decoder = self._graph()
+            if decoder is None:
+                return loop(without_handle(prompt))
+            return stream_graph(decoder, prompt, settings, recall, lm.tokenizer, interrupt, controls, loop)
         require(lm.spec, MIXTURE)
         target = lm.mixture_target(mix.target)  # q* of this model and its target (its own base by default), made once
         drafts = dict(draft_head=draft_head_for(lm, mix.head) if mix.speculative and mix.draft == "head" else None,
@@ -74,17 +82,38 @@ class Engine:
         """Read `prompt` into its cache and choose nothing (`decoding.loop.read_prompt`: its chunks' events, then
         the cache as the generator's value, or None when stopped first). An answer to the prompt with one more
         token then prefills that token alone."""
+        decoder = self._graph()
+        if decoder is not None and reads(decoder, prompt):
+            return read_graph(decoder, prompt, interrupt, self.prefill_chunk)
+        if isinstance(prompt.cache, GraphCache):  # (read on the loop, it would need the prompt's memory vectors)
+            return _nothing()
         return read_prompt(self.lm.merged(), prompt, controls=Controls(prefill_chunk=self.prefill_chunk),
                            interrupt=interrupt)
 
+    def _graph(self) -> GraphDecoder | None:
+        """The model's graph step when it is warmed up (`decoding.graph.enable`, `decoding.graph_stream`)."""
+        decoder = graph.attached(self.lm.merged())
+        return decoder if decoder is not None and decoder.ready.is_set() else None
+
+
+def _nothing() -> Generator[Event, None, None]:
+    """A read that reads nothing (no cache: the answer prefills its whole prompt)."""
+    return None
+    yield
+
 
 def cache_length(cache: Any) -> int:
-    """Positions a conversation's KV cache holds (either backend's)."""
+    """Positions a conversation's KV cache holds (either backend's, or the graph step's while its handle is live)."""
+    if isinstance(cache, GraphCache):
+        return cache.length if cache.live() else 0
     return seq_length(cache)
 
 
 def cut_cache(cache: Any, keep: int) -> None:
     """Keep the first `keep` positions of a conversation's KV cache."""
+    if isinstance(cache, GraphCache):
+        cache.length = min(cache.length, keep)
+        return
     crop(cache, seq_length(cache) - keep)
 
 

@@ -19,15 +19,19 @@ a tensor form run as transformers' processors after the replay (`DeviceSampler.c
 state is the memory head's query (exact search on the device, `MemoryVectorDB.topk`), its token is dropped,
 and choosing the memory reads its k scores back (the host needs the memory's slot count).
 
-What stays out: Qwen3-VL's mRoPE positions, padded batches, rows recalling in a batch and stop strings. This
-decoder is the standalone engine of `bench/gpu.py` and `tests/decoding/test_graph.py`; the chat's loop
-(`decoding/loop.py`) does not use it yet.
+Qwen3-VL's mRoPE positions go through the same buffer: a step feeds its text positions and adds the rotary
+offset its prompt's images left (`delta`, set at prefill) on the three rotary axes.
+
+What stays out: padded batches and rows recalling in a batch. `GraphDecoder.stream` is the standalone engine
+of `bench/gpu.py` and `tests/decoding/test_graph.py`; the chat answers on it through `decoding.graph_stream`,
+which adds the loop's events, stop strings and conversations.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from typing import Callable, ContextManager, Iterator
@@ -35,6 +39,7 @@ from typing import Callable, ContextManager, Iterator
 import torch
 from transformers import StaticCache
 
+from decoding.compiled import TRACING
 from decoding.memory import Recall
 from decoding.device_sampler import FULL, DeviceSampler, Kind
 from decoding.graph_inputs import Inputs
@@ -42,6 +47,7 @@ from decoding.graph_loop import Decoded, HostLoop
 from decoding.settings import GenerationSettings
 from models.modeling import backbone_and_head, head_logits, unwrap_model
 
+log = logging.getLogger("decoding.graph")
 SPANS = (17, 33)  # widths of the wide graphs: a recalled memory's slots and its suffix in one replay (16 + 1, 32 + 1)
 
 
@@ -59,9 +65,7 @@ class GraphStep:
                  spans: tuple[int, ...] = SPANS, compile: bool = True, graphs: str = "manual"):
         self.model = model
         self.backbone, self.head = backbone_and_head(model)
-        if hasattr(self.backbone, "get_rope_index"):
-            raise ValueError(f"{type(self.backbone).__name__} takes mRoPE positions [4, B, S]: the graph step feeds "
-                             "plain positions [B, S] (decode it with decoding.loop)")
+        self.mrope = hasattr(self.backbone, "get_rope_index")  # Qwen3-VL: positions [4, B, S] (text, then t/h/w)
         base = unwrap_model(model)
         self.embed = base.get_input_embeddings()
         param = next(base.parameters())
@@ -72,8 +76,11 @@ class GraphStep:
         self.one = Inputs.zeros(batch, 1, config.hidden_size, self.device, self.dtype)
         self.wide = {w: Inputs.zeros(batch, w, config.hidden_size, self.device, self.dtype) for w in self.spans}
         self.offsets = {w: torch.arange(w, device=self.device) for w in (1, *self.spans)}  # [W]
+        self.delta = torch.zeros((batch, 1), dtype=torch.long, device=self.device)  # mRoPE: rotary - text position
+        torch._dynamo.mark_static_address(self.delta)
         self.sampler = DeviceSampler(batch, self.embed.weight.shape[0], self.device)
         self.length = 0  # positions the cache holds (counted on the host)
+        self.ticket = 0  # prefills from position 0 so far: a handle on the cache is live while it is its ticket
         self.compiled = compile
         cuda = self.device.type == "cuda"
         self.mode = graphs if compile and cuda else "none"
@@ -92,6 +99,8 @@ class GraphStep:
     def _forward(self, ids: torch.Tensor, vector: torch.Tensor, flag: torch.Tensor, position: torch.Tensor,
                  last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         embeds = torch.where(flag[..., None], vector, self.embed(ids))  # [B, W, H]
+        if self.mrope:  # text positions, and the three rotary axes where the prompt's images left them
+            position = torch.cat([position[None], (position + self.delta)[None].expand(3, -1, -1)])  # [4, B, W]
         out = self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=self.cache,
                             use_cache=True).last_hidden_state  # [B, W, H]
         hidden = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [B, H]
@@ -126,7 +135,8 @@ class GraphStep:
         if key not in self._captured:
             try:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                # thread_local: the chat's loop may run on another thread meanwhile (only this one is captured)
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     outs = self._body(inputs, kind)
                 self._captured[key] = graph, outs
             except Exception as e:  # noqa: BLE001 - the proven path instead of none
@@ -139,21 +149,30 @@ class GraphStep:
         return outs
 
     @torch.no_grad()
-    def prefill(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start over: the prompt's embeddings [B, L, H] run eagerly from position 0; (the last state [B, H],
-        logits [B, V]). The next step's input position is L."""
+    def prefill(self, embeds: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None,
+                vision: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt embeddings [B, L, H] run eagerly from position `start` (the cache keeps the `start` positions
+        before them, an earlier prefill's or turn's); (the last state [B, H], logits [B, V]). The next step's input
+        position is start + L. `positions`: their position ids when they are not start.. (mRoPE's [4, B, L] of a
+        prompt with images, `decoding.forward.prefill_positions`), with the images' `vision` kwargs."""
         b, n = embeds.shape[:2]
-        if b != self.batch or n >= self.max_len:
-            raise ValueError(f"prompt of {b} rows x {n} positions; this step holds {self.batch} rows x "
-                             f"{self.max_len} positions")
+        if b != self.batch or start + n >= self.max_len or not 0 <= start <= self.length:
+            raise ValueError(f"prompt of {b} rows x {n} positions from {start}; this step holds {self.batch} rows x "
+                             f"{self.max_len} positions, {self.length} of them now")
         for layer in self.cache.layers:
             if layer.is_initialized:
-                layer.cumulative_length.zero_()
-        positions = torch.arange(n, device=self.device).expand(b, -1)
+                layer.cumulative_length.fill_(start)
+        self.ticket += start == 0  # starting over: what the cache held is gone
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.device).expand(b, -1)
+            if self.mrope:
+                positions = positions[None].expand(4, -1, -1)
+        if self.mrope:
+            self.delta.copy_(positions[1:2, :, -1].T - positions[0, :, -1:])
         hidden = self.backbone(inputs_embeds=embeds, position_ids=positions, past_key_values=self.cache,
-                               use_cache=True).last_hidden_state[:, -1]
-        self.length = n
-        self.one.position.fill_(n)
+                               use_cache=True, **(vision or {})).last_hidden_state[:, -1]
+        self.length = start + n
+        self.one.position.fill_(start + n)
         return hidden, head_logits(self.model, self.head, hidden)
 
     def step(self, kind: Kind | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,9 +253,25 @@ class GraphDecoder:
     def __init__(self, model: torch.nn.Module, **step_options):
         self.graph = GraphStep(model, **step_options)
         self.launch_guard: Callable[[], ContextManager] = contextlib.nullcontext  # around each step's launch (tests)
+        self.ready = threading.Event()  # set once warmed up: the chat's engine uses it from then on
+        self.busy = False  # a chat answer or read holds the step (`decoding.graph_stream`)
+        self.error: str | None = None
+
+    def __deepcopy__(self, memo) -> None:
+        return None  # a copy of the model (the mixture's base copy) starts without one
 
     def warm_up(self, spans: bool = True) -> float:
-        return self.graph.warm_up(spans=spans)
+        """Compile and capture (`GraphStep.warm_up`, holding `decoding.compiled.TRACING`); `ready` is set after.
+        A failure is logged and kept in `error`: the chat then decodes in its loop."""
+        try:
+            with TRACING:
+                seconds = self.graph.warm_up(spans=spans)
+        except Exception as e:  # noqa: BLE001 - the loop stays in charge
+            self.error = f"{type(e).__name__}: {e}"
+            log.warning("warming up the graph step failed, the chat decodes in its loop: %s", self.error)
+            return 0.0
+        self.ready.set()
+        return seconds
 
     def stream(self, input_ids: torch.Tensor, settings: GenerationSettings = GenerationSettings(), *,
                recall: Recall | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
@@ -252,9 +287,12 @@ class GraphDecoder:
         if recall is not None and recall.active and rows != 1:
             raise ValueError(f"recall in the graph decoder takes one row, got {rows} (decode them with decoding.loop)")
         run = HostLoop(self.graph, input_ids, settings, recall, eos_token_id, pad_token_id, keep_logits,
-                   out if out is not None else Decoded([], "length"))
+                       out if out is not None else Decoded([], "length"))
+        g = self.graph
         with torch.no_grad():
-            yield from run.tokens(interrupt, self.launch_guard)
+            hidden, logits = g.prefill(g.embed(run.prompt))
+            for tokens, forced in run.tokens(hidden, logits, interrupt, self.launch_guard):
+                yield from ([t] for t in tokens) if forced else [tokens]
 
     def generate(self, input_ids: torch.Tensor, settings: GenerationSettings = GenerationSettings(),
                  **kwargs) -> Decoded:
@@ -264,3 +302,22 @@ class GraphDecoder:
             pass
         return out
 
+
+
+_ATTR = "_recall_graph_decoder"
+
+
+def enable(model: torch.nn.Module, **step_options) -> GraphDecoder:
+    """Attach a `GraphDecoder` of one row to the model (not warmed up: `warm_up()` makes it `ready`); the chat's
+    engine answers on it from then on (`decoding.graph_stream`)."""
+    base = unwrap_model(model)
+    decoder = getattr(base, _ATTR, None)
+    if decoder is None:
+        decoder = GraphDecoder(model, batch=1, **step_options)
+        object.__setattr__(base, _ATTR, decoder)  # not a submodule: kept out of state_dict and .to()
+    return decoder
+
+
+def attached(model: torch.nn.Module) -> GraphDecoder | None:
+    """The decoder `enable` attached to the model, warmed up or not."""
+    return getattr(unwrap_model(model), _ATTR, None)

@@ -6,15 +6,21 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+from transformers import LogitsProcessorList
 
 from decoding.device_sampler import ReadBack
+from decoding.events import RecallEvent
 from decoding.memory import MemorySelector, Recall, recall_step
 from decoding.processors import build_logits_processor
 from decoding.sampling import draw
 from decoding.settings import GenerationSettings
+
+
+# (the query state [H], the position after `<recall>`) -> the memory's tokens, their vectors by position, its event
+Recaller = Callable[[torch.Tensor, int], tuple[list[int], dict[int, torch.Tensor], RecallEvent]]
 
 
 @dataclass
@@ -36,7 +42,8 @@ class HostLoop:
     sequence so far (`cur` positions), its recalls, and what it reports into `out`."""
 
     def __init__(self, g, input_ids: torch.Tensor, settings: GenerationSettings, recall: Recall | None,
-                 eos_token_id: int | list[int] | None, pad_token_id: int, keep_logits: bool, out: Decoded):
+                 eos_token_id: int | list[int] | None, pad_token_id: int, keep_logits: bool, out: Decoded,
+                 processors: LogitsProcessorList | None = None, recaller: Recaller | None = None):
         self.g, self.settings, self.recall, self.out, self.keep_logits = g, settings, recall, out, keep_logits
         self.t0 = time.perf_counter()
         self.input_ids = input_ids
@@ -45,8 +52,10 @@ class HostLoop:
         self.prompt = input_ids.to(g.device)
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.eos = eos
-        self.processors = build_logits_processor(settings, eos_token_id=eos or None, prompt_ids=self.prompt,
-                                                 vocab_size=g.embed.weight.shape[0])
+        if processors is None:
+            processors = build_logits_processor(settings, eos_token_id=eos or None, prompt_ids=self.prompt,
+                                                vocab_size=g.embed.weight.shape[0])
+        self.processors = processors
         seed = settings.seed if settings.seed is not None else int(torch.randint(1 << 31, ()))
         self.masked = rows > 1 and bool(eos)
         self.kind = g.sampler.configure(self.processors, do_sample=settings.do_sample, seed=seed, eos=eos,
@@ -60,8 +69,10 @@ class HostLoop:
         self.cur = length  # positions of the sequence so far
         self.generator = None if settings.seed is None else torch.Generator(g.device).manual_seed(settings.seed)
         self.selector = MemorySelector.of(recall, None if settings.seed is None else
-                                          torch.Generator().manual_seed(settings.seed)) if self.recall_on else None
+                                          torch.Generator().manual_seed(settings.seed)) \
+            if self.recall_on and recaller is None else None
         self.readback = ReadBack(g.sampler)
+        self.recaller = recaller or (lambda hidden, position: recall_step(self.selector, recall, hidden, 0, position))
 
     def keep(self, logits: torch.Tensor) -> None:
         if self.keep_logits:
@@ -89,7 +100,7 @@ class HostLoop:
         """Recall at the newest position (its final state `hidden` [1, H]); forward the memory's slots and suffix;
         (the forced tokens, the read-back slot of the token sampled after them)."""
         g, recall = self.g, self.recall
-        tokens, vectors, event = recall_step(self.selector, recall, hidden[0], 0, self.cur)
+        tokens, vectors, event = self.recaller(hidden[0], self.cur)
         self.out.recalls.append(event)
         self.out.memory_vectors.update(vectors)
         if self.host_side:
@@ -101,10 +112,10 @@ class HostLoop:
         self.out.steps += 1
         return tokens, self.advance(logits)
 
-    def start(self) -> tuple[list[int], int]:
-        """Prefill the prompt: (tokens forced at once, the read-back slot of the first sampled token)."""
+    def start(self, hidden: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], int]:
+        """After the prompt's prefill (its last state [B, H] and logits [B, V]): (tokens forced at once, the
+        read-back slot of the first sampled token)."""
         g = self.g
-        hidden, logits = g.prefill(g.embed(self.prompt))
         if self.recall_on and int(self.input_ids[0, -1]) == self.recall.recall_id:  # the prompt ends with <recall>
             self.pick(logits) if self.host_side else self.keep(logits)  # drawn and dropped: the span is forced
             return self.recall_span(hidden)
@@ -112,17 +123,20 @@ class HostLoop:
             g.sampler.commit(g.sampler.choose(logits, self.kind), g.one.ids, self.kind.masked)
         return [], self.advance(logits)
 
-    def forced(self, tokens: list[int]) -> Iterator[list[int]]:
-        for t in tokens:
-            self.out.tokens[0].append(t)
-            yield [t]
+    def forced(self, tokens: list[int]) -> Iterator[tuple[list[int], bool]]:
+        if tokens:
+            self.out.tokens[0].extend(tokens)
+            yield tokens, True
 
-    def tokens(self, interrupt: threading.Event | None, launch_guard) -> Iterator[list[int]]:
-        """The host loop: launch step n + 1, then read step n's tokens; a stop ends it one step later at most."""
+    def tokens(self, hidden: torch.Tensor, logits: torch.Tensor, interrupt: threading.Event | None,
+               launch_guard) -> Iterator[tuple[list[int], bool]]:
+        """The host loop after the prefill (its last state and logits): launch step n + 1, then read step n's
+        tokens; a stop ends it one step later at most. Yields (each row's token [B], False) a step, and
+        (a memory's forced span, True) for row 0 after its `<recall>`."""
         g, out, settings = self.g, self.out, self.settings
         out.tokens = [[] for _ in range(self.prompt.shape[0])]
         done = [False] * self.prompt.shape[0]
-        first, pending = self.start()
+        first, pending = self.start(hidden, logits)
         yield from self.forced(first)
         made = len(first)
         while True:
@@ -141,7 +155,7 @@ class HostLoop:
                 if not done[row]:
                     out.tokens[row].append(t)
                     done[row] = t in self.eos
-            yield tokens
+            yield tokens, False
             if all(done):
                 out.finish = "stop"
                 return

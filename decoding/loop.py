@@ -38,7 +38,7 @@ from decoding.settings import GenerationSettings
 log = logging.getLogger("decoding.loop")
 
 
-def _prefill_embeds(fwd: Backend, input_ids: torch.Tensor, past_len: int, rows: Rows,
+def prefill_embeds(fwd: Backend, input_ids: torch.Tensor, past_len: int, rows: Rows,
                     recall: Recall | None) -> torch.Tensor:
     """Token embeddings of the uncached prompt [B, S, H], memory vectors at their <|memory_pad|> positions."""
     emb = fwd.embed(input_ids[:, past_len:])
@@ -201,7 +201,7 @@ def _prefill(req: Request, inputs: Mapping[str, torch.Tensor], interrupt: thread
     position's state, its logits when the backend gives them, its position ids), or None when a stop came between chunks (the cache keeps the prefix)."""
     fwd, rows = req.fwd, req.rows
     positions = fwd.positions(inputs, req.input_ids, req.attention_mask)[..., req.past_len:]
-    embeds = _prefill_embeds(fwd, req.input_ids, req.past_len, rows, req.recall)
+    embeds = prefill_embeds(fwd, req.input_ids, req.past_len, rows, req.recall)
     vision = vision_suffix(inputs, req.past_len, fwd.device)
     todo = embeds.shape[1]
     chunk = todo if vision or req.attention_mask is not None else max(1, prefill_chunk)  # images stay whole

@@ -19,7 +19,7 @@ from decoding.graph import Decoded, GraphDecoder
 from decoding.loop import generate
 from decoding.memory import Recall
 from decoding.processors import build_logits_processor
-from decoding.request import Controls
+from decoding.request import Controls, Prompt
 from decoding.sampling import draw
 from decoding.settings import GenerationSettings, RecallSettings
 from memory.bank import MemoryVectorDB
@@ -334,3 +334,34 @@ def test_batched_equals_alone_on_the_gpu(cuda_model, graphed):
     both = GraphDecoder(cuda_model, batch=2, max_len=256, spans=())
     both.warm_up(spans=False)
     assert both.generate(ids, s).tokens == [graphed.generate(ids[r:r + 1], s).tokens[0] for r in range(2)]
+
+
+def told(events) -> list:
+    """Tokens, recalls and finishes of a stream of events, comparable across decoders."""
+    return [(type(e).__name__, *(getattr(e, k) for k in ("token_id", "memory_index", "reason") if hasattr(e, k)),
+             getattr(e, "position", None)) for e in events if type(e).__name__ in ("TokenEvent", "RecallEvent",
+                                                                                 "FinishEvent")]
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
+def test_the_chats_answer_on_the_step_is_the_loops(request, where):
+    """`decoding.graph_stream` (what `Engine.stream` runs on a model with a graph step): the loop's events, recalls
+    mid-answer and a repetition penalty included; on the GPU, no host sync in any step's launch."""
+    from decoding.graph_stream import GraphCache, stream_graph
+    from decoding.loop import stream_generate
+
+    model = request.getfixturevalue("model" if where == "cpu" else "cuda_model")
+    dec = request.getfixturevalue("eager" if where == "cpu" else "graphed")
+    recall = kv_recall(model)
+    s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),), repetition_penalty=1.1)
+    controls = Controls(eos_token_id=EOS)
+    ids = prompt(2)
+    want = list(stream_generate(model, {"input_ids": ids}, s, recall=recall, controls=controls))
+    dec.launch_guard = no_sync if where == "cuda" else contextlib.nullcontext
+    try:
+        got = list(stream_graph(dec, Prompt({"input_ids": ids}), s, recall, None, None, controls, None))
+    finally:
+        dec.launch_guard = contextlib.nullcontext
+    assert told(got) == told(want) and sum(type(e).__name__ == "RecallEvent" for e in got) >= 2
+    result = got[-1].result
+    assert isinstance(result.cache, GraphCache) and result.cache.length == result.sequences.shape[1] - 1

@@ -1,0 +1,200 @@
+"""The chat's answers on the graph step: `Engine` hands a request to `stream_graph` (and a read to `read_graph`) when
+its model has a warmed-up `GraphDecoder` attached (`decoding.graph.enable`: on a CUDA device at start,
+`model.graph_step`) and the step can take it.
+
+The request is resolved by `decoding.request.prepare`, as the loop's is (processors, criteria, EOS, rows,
+detokenizers), and its lifecycle is the loop's: each block of read-back tokens becomes events and finish reasons
+through `Request.events`, a `<recall>` gets its memory through `Request.recall_row`, a stop ends every row, and
+the result is `Request.result`. The tokens come from `decoding.graph_loop.HostLoop`, a step behind the device;
+the stopping criteria (stop strings, max_time) run over the host's copy of the sequence, so the device never
+waits for them.
+
+The KV cache is the step's one static cache. A result holds a `GraphCache`, a handle on it that stays live until
+the step starts over for another conversation: the next turn of the same conversation prefills only its new
+tokens; after another conversation's, it prefills its whole prompt again, memory vectors placed. The loop never
+receives a handle (it starts over too).
+
+Images are read at prefill as the loop reads them (Qwen3-VL's vision kwargs and mRoPE positions); the decode
+steps then add the rotary offset they left (`GraphStep.delta`).
+
+What the step does not take decodes in the loop, as before: a request while the step serves another (it joins
+the loop's batch), a video, entropy decoding, guidance, the mixture, rows of a batch, and a prompt whose answer
+could outgrow the step's cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable, Generator, Iterator
+
+import torch
+
+from decoding.events import DoneEvent, Event, PrefillEvent
+from decoding.graph import GraphDecoder, GraphStep
+from decoding.graph_loop import Decoded, HostLoop
+from decoding.forward import prefill_positions, vision_suffix
+from decoding.loop import prefill_embeds
+from decoding.memory import Recall
+from decoding.request import Controls, Prompt, Request, prepare
+from decoding.settings import GenerationSettings
+
+
+@dataclasses.dataclass
+class GraphCache:
+    """A conversation's first `length` positions in a graph step's static cache: valid while the step has not
+    started over for another conversation (`live`)."""
+
+    step: GraphStep
+    ticket: int
+    length: int
+
+    def live(self) -> bool:
+        return self.step.ticket == self.ticket
+
+
+def without_handle(prompt: Prompt) -> Prompt:
+    """The prompt as the loop takes it: a graph handle means nothing to it (it prefills the whole prompt)."""
+    return dataclasses.replace(prompt, cache=None) if isinstance(prompt.cache, GraphCache) else prompt
+
+
+TEXT = {"input_ids", "attention_mask"}
+IMAGES = {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
+
+
+def takes(decoder: GraphDecoder, prompt: Prompt, settings: GenerationSettings) -> bool:
+    """Whether the step answers this request now (else the loop does)."""
+    inputs, g = prompt.inputs, decoder.graph
+    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    return (not decoder.busy and ids.shape[0] == g.batch and (mask is None or bool(mask.all()))
+            and set(inputs) <= TEXT | IMAGES and settings.entropy_decoding is None
+            and settings.guidance_scale == 1 and not settings.mixture.enabled
+            and ids.shape[1] + settings.max_new_tokens + g.spans[-1] < g.max_len)
+
+
+def reads(decoder: GraphDecoder, prompt: Prompt) -> bool:
+    """Whether the step reads this prompt ahead now (a text prompt on no cache or on its handle)."""
+    ids = prompt.inputs["input_ids"]
+    return (not decoder.busy and set(prompt.inputs) <= TEXT and ids.shape[0] == decoder.graph.batch
+            and ids.shape[1] + 1 < decoder.graph.max_len
+            and (prompt.cache is None or isinstance(prompt.cache, GraphCache)))
+
+
+def _start(g: GraphStep, handle) -> int:
+    """Positions of the prompt the step already holds for it: a live handle's, else none (a prefill from 0 starts
+    the step over: every earlier handle is stale from then)."""
+    live = isinstance(handle, GraphCache) and handle.step is g and handle.live() and handle.length <= g.length
+    return handle.length if live else 0
+
+
+def _prefill(g: GraphStep, embeds: torch.Tensor, positions: torch.Tensor, vision: dict, past: int, total: int,
+             chunk: int, interrupt: threading.Event | None) -> Generator[PrefillEvent, None, tuple | None]:
+    """Read prompt embeddings [1, S, H] (position ids [.., 1, S]) from position `past`, `chunk` a forward (a prompt
+    with images in one), a `PrefillEvent` and a stop check between chunks; (the last state, its logits), or None
+    when stopped (the step then holds a prefix)."""
+    todo = embeds.shape[1]
+    chunk = todo if vision else max(1, chunk)
+    for start in range(0, todo, chunk):
+        end = min(todo, start + chunk)
+        with torch.no_grad():
+            out = g.prefill(embeds[:, start:end], past + start, positions[..., start:end], vision)
+        if end < todo:
+            yield PrefillEvent(past + end, total)
+            if interrupt is not None and interrupt.is_set():
+                return None
+    return out
+
+
+def read_graph(decoder: GraphDecoder, prompt: Prompt, interrupt: threading.Event | None,
+               chunk: int) -> Generator[PrefillEvent, None, GraphCache | None]:
+    """`Engine.read` on the step: the prompt (all of it uncached but what a live handle covers; it places no
+    memory vector, as the chat reads only prompts whose vectors are cached) into the step; its handle, or None
+    when stopped between chunks (a live handle given stays live, its positions untouched)."""
+    g, ids = decoder.graph, prompt.inputs["input_ids"].to(decoder.graph.device)
+    decoder.busy = True
+    try:
+        past = _start(g, prompt.cache)
+        positions = prefill_positions(g.backbone, prompt.inputs, ids, None)[..., past:]
+        done = yield from _prefill(g, g.embed(ids[:, past:]), positions, {}, past, ids.shape[1], chunk, interrupt)
+    finally:
+        decoder.busy = False
+    return GraphCache(g, g.ticket, ids.shape[1]) if done is not None else None
+
+
+def stream_graph(decoder: GraphDecoder, prompt: Prompt, settings: GenerationSettings, recall: Recall | None,
+                 tokenizer, interrupt: threading.Event | None, controls: Controls,
+                 otherwise: Callable[[Prompt], Iterator[Event]]) -> Iterator[Event]:
+    """The events of one answer, as `decoding.loop.stream_generate` gives them, decoded on the step; or, when the
+    step cannot take it at the moment it starts, `otherwise(prompt)`'s (the loop's)."""
+    if not takes(decoder, prompt, settings):
+        yield from otherwise(without_handle(prompt))
+        return
+    req = prepare(decoder.graph.model, prompt, settings, recall, tokenizer, controls, cached=False)
+    if interrupt is None or not interrupt.is_set():  # (stopped while waiting in a queue: the step is not touched)
+        decoder.busy = True
+        req.fwd.reset_request_state()
+        try:
+            yield from _answer(decoder, req, prompt, interrupt, controls)
+        finally:
+            decoder.busy = False
+            req.fwd.reset_request_state()
+    else:
+        yield from req.stop_all()
+    yield DoneEvent(req.result())
+
+
+def _answer(decoder: GraphDecoder, req: Request, prompt: Prompt, interrupt: threading.Event | None,
+            controls: Controls) -> Iterator[Event]:
+    g, rows = decoder.graph, req.rows
+    req.past_len = past = _start(g, prompt.cache)
+    embeds = prefill_embeds(req.fwd, req.input_ids, past, rows, req.recall)
+    positions = req.fwd.positions(prompt.inputs, req.input_ids, None)[..., past:]
+    vision = vision_suffix(prompt.inputs, past, g.device)
+    rows.seq = rows.seq.cpu()  # the criteria and the events read the host's copy
+    start = yield from _prefill(g, embeds, positions, vision, past, req.prompt_len, controls.prefill_chunk, interrupt)
+    req.cache = GraphCache(g, g.ticket, past)
+    req.prefill_s = time.perf_counter() - req.t0
+    if start is None:
+        req.cache.length = g.length
+        yield from req.stop_all()
+        return
+    t1 = time.perf_counter()
+    told: list[Event] = []  # a recall's events (the held `<recall>`, the recall), told with its span
+
+    def recaller(state: torch.Tensor, position: int):
+        tokens, vectors, events = req.recall_row(0, state)
+        rows.memory[0].update(vectors)
+        told.extend(events)
+        return tokens, vectors, events[-1]
+
+    out = Decoded([], "length")
+    run = HostLoop(g, req.input_ids, req.settings, req.recall if req.recall_on else None, req.eos, req.pad,
+                   controls.output_logits, out, processors=req.processors, recaller=recaller)
+    blocks = run.tokens(*start, None, decoder.launch_guard)
+    stopped = False
+    try:
+        for new, _ in blocks:  # a sampled token, or a memory's forced span
+            rows.write(torch.tensor([new]), [0])
+            still = not bool(req.criteria(rows.seq[:, :rows.cur], None)[0])
+            req.steps += 1
+            events, told[:] = [*told, *req.events(0, new, still)], []
+            yield from events
+            if not rows.alive[0]:
+                break
+            if interrupt is not None and interrupt.is_set():
+                stopped = True
+                break
+        else:  # the host loop ended on its own (the step's cache is full)
+            if rows.alive[0]:
+                yield rows.finish(0, "length")
+    finally:
+        blocks.close()
+    if stopped:
+        if rows.held:  # stopped right after `<recall>`: the recall never started, so its token is dropped
+            rows.held.clear()
+            rows.cur -= 1
+        yield from req.stop_all()
+    req.cache.length = rows.cur - 1  # as the loop's: all but the last token
+    req.kept_logits = out.logits[:req.steps]
+    req.decode_s = time.perf_counter() - t1

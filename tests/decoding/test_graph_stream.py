@@ -1,0 +1,212 @@
+"""The chat's answers on the graph step (`decoding/graph_stream.py`), on a CPU: the buffer step runs eagerly there
+(no CUDA graphs), the same code the GPU replays. A conversation on it is the loop's conversation, token for token
+and event for event, across turns, recalls, stops, reads ahead and other conversations taking the step."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from chat.session import Conversation
+from conftest import make_tiny_llama
+from decoding import graph
+from decoding.engine import cache_length
+from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
+from decoding.graph_stream import GraphCache
+from decoding.settings import GenerationSettings, RecallSettings
+from memory import MemoryVectorDB
+from tests_helpers import returned
+
+
+@pytest.fixture(scope="module")
+def graphed(smollm2_dir):
+    """The weights of `tiny_llama` (the same seed), with a warmed-up graph step attached."""
+    lm = make_tiny_llama(smollm2_dir)
+    decoder = graph.enable(lm.merged(), max_len=512, spans=(17,), compile=False)
+    decoder.warm_up()
+    assert decoder.ready.is_set() and decoder.error is None
+    return lm
+
+
+@pytest.fixture
+def bank(tiny_llama):
+    g = torch.Generator().manual_seed(3)
+    db = MemoryVectorDB(tiny_llama.hidden_size)
+    db.add(torch.randn(10, tiny_llama.hidden_size, generator=g), texts=[f"memory {i}" for i in range(10)])
+    return db
+
+
+def told(events) -> list:
+    """What a stream told, comparable across decoders: tokens with their text and position, recalls, finishes."""
+    out = []
+    for e in events:
+        if isinstance(e, TokenEvent):
+            out.append(("token", e.token_id, e.position, e.text))
+        elif isinstance(e, RecallEvent):
+            out.append(("recall", e.position, e.memory_index, e.length))
+        elif isinstance(e, FinishEvent):
+            out.append(("finish", e.reason))
+    return out
+
+
+def turn(conv, text, settings, bank=None, **kwargs) -> list:
+    events = list(conv.stream(text, settings=settings, memory_db=bank, **kwargs))
+    assert isinstance(events[-1], DoneEvent)
+    return told(events)
+
+
+def recalling(lm) -> GenerationSettings:
+    """Greedy, with `<recall>` raised so that the tiny random model recalls in the middle of its answers."""
+    return GenerationSettings(max_new_tokens=24, sequence_bias=(((lm.tokens.recall,), 6.0),))
+
+
+def test_a_conversation_on_the_graph_step_is_the_loops(graphed, tiny_llama, bank):
+    """Three turns (a memory read first, memories recalled mid-answer, a repetition penalty, a stop string): the
+    same events, ids and memory vectors as the loop's; each turn after the first prefills only its new tokens."""
+    on, off = Conversation(graphed), Conversation(tiny_llama)
+    decoder = graph.attached(graphed.merged())
+    turns = [("Who am I?", GenerationSettings(max_new_tokens=10), dict(recall_first=True)),
+             ("And then?", recalling(graphed), {}),
+             ("Tell me more.", GenerationSettings(max_new_tokens=16, repetition_penalty=1.3), {}),
+             ("Once more.", GenerationSettings(max_new_tokens=30, stop_strings=("e",)), {})]
+    recalls = 0
+    for i, (text, settings, kwargs) in enumerate(turns):
+        ticket = decoder.graph.ticket
+        got = turn(on, text, settings, bank, **kwargs)
+        assert got == turn(off, text, settings, bank, **kwargs), text
+        assert on.ids == off.ids and on.memory.keys() == off.memory.keys()
+        for p in on.memory:
+            torch.testing.assert_close(on.memory[p], off.memory[p])
+        assert isinstance(on.cache, GraphCache) and cache_length(on.cache) == len(on.ids) - 1
+        assert decoder.graph.ticket == ticket + (i == 0)  # only the first turn starts the step over
+        recalls += sum(e[0] == "recall" for e in got)
+    assert recalls >= 3 and on.messages[-1].finish_reason == "stop"  # (the stop string ended the last answer)
+
+
+def test_another_conversation_on_the_step_makes_the_first_read_its_prompt_again(graphed, tiny_llama, bank):
+    """B's turn starts the step over: A's handle is stale, and A's next turn prefills its whole prompt, its memory
+    vector placed again, and answers as the loop does."""
+    a, b, ref = Conversation(graphed), Conversation(graphed), Conversation(tiny_llama)
+    for conv in (a, ref):
+        turn(conv, "Who am I?", GenerationSettings(max_new_tokens=6), bank, recall_first=True)
+    assert a.memory and cache_length(a.cache) == len(a.ids) - 1
+    turn(b, "Hello there.", GenerationSettings(max_new_tokens=6))
+    assert not a.cache.live() and cache_length(a.cache) == 0
+    assert turn(a, "And then?", recalling(graphed), bank) == turn(ref, "And then?", recalling(graphed), bank)
+    assert a.ids == ref.ids
+
+
+def test_a_second_answer_while_the_step_is_busy_decodes_in_the_loop(graphed, tiny_llama):
+    """Two answers at once (the worker interleaves their generators): the first holds the step, the second runs in
+    the loop; both are the loop's answers."""
+    settings = GenerationSettings(max_new_tokens=12)
+    first, second = Conversation(graphed), Conversation(graphed)
+    refs = [Conversation(tiny_llama), Conversation(tiny_llama)]
+    one = first.stream("Hello there.", settings=settings)
+    started = [next(one) for _ in range(3)]
+    assert graph.attached(graphed.merged()).busy
+    two = turn(second, "What is the sea?", settings)
+    assert not isinstance(second.cache, GraphCache)  # (the loop's own cache)
+    rest = told(started + list(one))
+    assert not graph.attached(graphed.merged()).busy
+    assert rest == turn(refs[0], "Hello there.", settings) and two == turn(refs[1], "What is the sea?", settings)
+    assert first.ids == refs[0].ids and second.ids == refs[1].ids
+
+
+def test_a_stop_right_after_a_recall_on_the_step_leaves_nothing_half_done(graphed, bank):
+    conv, stop = Conversation(graphed), threading.Event()
+    for e in conv.stream("Remember", settings=GenerationSettings(max_new_tokens=20), memory_db=bank,
+                         interrupt_event=stop, recall_first=True):
+        if isinstance(e, RecallEvent):
+            stop.set()  # right after the memory was chosen
+    assert conv.messages[-1].finish_reason == "interrupted"
+    p = len(conv.ids) - 1
+    assert conv.ids[-1] == graphed.tokens.memory_pad and p in conv.memory and cache_length(conv.cache) == p
+    turn(conv, "Go on", GenerationSettings(max_new_tokens=6), bank)  # the next turn places its vector again
+    assert conv.messages[-1].finish_reason in ("length", "stop") and p in conv.memory
+
+
+def test_a_stop_mid_answer_ends_within_one_block(graphed):
+    conv, stop, tokens = Conversation(graphed), threading.Event(), 0
+    for e in conv.stream("Tell me a story.", settings=GenerationSettings(max_new_tokens=40), interrupt_event=stop):
+        tokens += isinstance(e, TokenEvent)
+        if tokens == 5:
+            stop.set()
+    assert tokens == 5 and conv.messages[-1].finish_reason == "interrupted"
+    assert cache_length(conv.cache) == len(conv.ids) - 1
+
+
+def test_a_prompt_read_ahead_on_the_step_changes_no_token(graphed, tiny_llama):
+    ahead, alone = Conversation(graphed), Conversation(tiny_llama)
+    settings = GenerationSettings(max_new_tokens=12)
+    for text in ["Hello there, who are you?", "Tell me one thing about the sea."]:
+        assert returned(ahead.read_ahead(text))[0]
+        assert isinstance(ahead.cache, GraphCache) and cache_length(ahead.cache) == ahead.length_with(text) - 1
+        assert turn(ahead, text, settings) == turn(alone, text, settings)
+        assert ahead.ids == alone.ids
+
+
+@pytest.mark.parametrize("settings", [GenerationSettings(max_new_tokens=500),  # (the step holds 512 positions)
+                                      GenerationSettings(max_new_tokens=6, entropy_decoding="trough")],
+                         ids=["longer-than-the-step", "entropy"])
+def test_what_the_step_does_not_take_decodes_in_the_loop(graphed, tiny_llama, settings):
+    on, off = Conversation(graphed), Conversation(tiny_llama)
+    assert turn(on, "Hi", settings) == turn(off, "Hi", settings)
+    assert on.ids == off.ids and not isinstance(on.cache, GraphCache)
+
+
+def test_the_service_answers_on_the_graph_step_when_configured(smollm2_dir, tiny_llama):
+    """`model.graph_step: true` (on a CPU: the eager buffer step): the model loads with the step attached and warmed
+    up in the background, and the answers, asked through the service, are those of a service without it; `auto`
+    attaches none on a CPU, and a value that is neither is refused by name."""
+    from chat.config import ConfigError, load_config
+    from chat.service import Service
+    from chat.textsearch import TextSearch
+    from tests_helpers import result
+
+    def config(*more):
+        return load_config(overrides=["model.compile=false", *more], environ={})
+
+    search = TextSearch()
+    on = Service(config("model.graph_step=true"), loader=lambda: make_tiny_llama(smollm2_dir), text_search=search)
+    off = Service(config("model.graph_step=false"), tiny_llama, text_search=search)
+    auto = Service(config(), loader=lambda: make_tiny_llama(smollm2_dir), text_search=search)
+    try:
+        result(on.ready())
+        decoder = graph.attached(on.lm.merged())
+        assert decoder is not None and decoder.ready.wait(60) and not decoder.graph.compiled
+        result(auto.ready())
+        assert graph.attached(auto.lm.merged()) is None  # (no CUDA here)
+        a, b = on.new_session(), off.new_session()
+        settings, recall = GenerationSettings(max_new_tokens=10), RecallSettings(enabled=False)
+        for text in ["Hi there", "Tell me about the sea."]:
+            for svc, s in ((on, a), (off, b)):
+                result(svc.chat(s, text, [], settings, recall).request)
+            assert a.conv.ids == b.conv.ids and a.conv.messages[-1].text == b.conv.messages[-1].text
+            assert isinstance(a.conv.cache, GraphCache) and a.conv.cache.live()
+    finally:
+        for svc in (on, off, auto):
+            svc.close()
+    with pytest.raises(ConfigError, match="graph_step is 'maybe'; allowed: auto, true, false"):
+        config("model.graph_step=maybe")
+
+
+def test_a_conversation_with_an_image_on_the_step_is_the_loops(smollm2_dir, tiny_qwen3vl, small_image):
+    """Qwen3-VL: the image read at prefill (vision kwargs, mRoPE positions), then text steps whose rotary positions
+    continue where the image left them; a second turn on the cache of the first. The loop's tokens and events."""
+    from conftest import make_tiny_qwen3vl
+
+    lm = make_tiny_qwen3vl(smollm2_dir)
+    decoder = graph.enable(lm.merged(), max_len=512, spans=(17,), compile=False)
+    decoder.warm_up()
+    on, off = Conversation(lm), Conversation(tiny_qwen3vl)
+    settings = GenerationSettings(max_new_tokens=10)
+    for text, images in [("What is in this picture?", [str(small_image)]), ("And its colours?", [])]:
+        ticket = decoder.graph.ticket
+        got = told(on.stream(text, images, settings=settings))
+        assert got == told(off.stream(text, images, settings=settings)), text
+        assert on.ids == off.ids and isinstance(on.cache, GraphCache)
+        assert decoder.graph.ticket == ticket + bool(images)  # (only the first turn starts the step over)
+    assert int(decoder.graph.delta[0, 0]) < 0  # the image's rotary positions run behind its text positions
