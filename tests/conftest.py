@@ -22,6 +22,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3VLCo
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from memory import MemoryVectorDB
 from models import LoadedModel, embedded_model_dir, ensure_special_tokens, LoadOptions, load_model
 from models.vision import CHAT_TEMPLATE, IMAGE_PAD, VISION_END, VISION_START, load_image_processor
 
@@ -103,6 +104,15 @@ def tiny_llama(smollm2_dir) -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_qwen3vl(smollm2_dir) -> LoadedModel:
     return make_tiny_qwen3vl(smollm2_dir)
+
+
+@pytest.fixture
+def bank(tiny_llama):
+    """Ten memories keyed by random vectors of `tiny_llama`'s hidden size (hidden-state keys and values)."""
+    g = torch.Generator().manual_seed(3)
+    db = MemoryVectorDB(tiny_llama.hidden_size)
+    db.add(torch.randn(10, tiny_llama.hidden_size, generator=g), texts=[f"memory {i}" for i in range(10)])
+    return db
 
 
 @pytest.fixture(scope="session")

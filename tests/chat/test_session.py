@@ -9,17 +9,8 @@ from decoding.memory import Recall
 from chat.session import Conversation, TextOnlyModelError
 from tests_helpers import returned
 from decoding import DoneEvent, GenerationSettings, RecallEvent, RecallSettings, TokenEvent, generate
-from memory import MemoryVectorDB
 
 GREEDY = GenerationSettings(max_new_tokens=8)
-
-
-@pytest.fixture
-def bank(tiny_llama):
-    g = torch.Generator().manual_seed(3)
-    db = MemoryVectorDB(tiny_llama.hidden_size)
-    db.add(torch.randn(10, tiny_llama.hidden_size, generator=g), texts=[f"memory {i}" for i in range(10)])
-    return db
 
 
 def run(conv, *args, **kwargs):

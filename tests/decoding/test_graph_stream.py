@@ -16,7 +16,6 @@ from decoding.engine import cache_length
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 from decoding.graph_stream import GraphCache
 from decoding.settings import GenerationSettings, RecallSettings
-from memory import MemoryVectorDB
 from tests_helpers import returned
 
 
@@ -28,14 +27,6 @@ def graphed(smollm2_dir):
     decoder.warm_up()
     assert decoder.ready.is_set() and decoder.error is None
     return lm
-
-
-@pytest.fixture
-def bank(tiny_llama):
-    g = torch.Generator().manual_seed(3)
-    db = MemoryVectorDB(tiny_llama.hidden_size)
-    db.add(torch.randn(10, tiny_llama.hidden_size, generator=g), texts=[f"memory {i}" for i in range(10)])
-    return db
 
 
 def told(events) -> list:
