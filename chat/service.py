@@ -49,7 +49,7 @@ class Service(SessionService):
     def __init__(self, cfg: Config, lm: LoadedModel | None = None,
                  loader: Callable[[], LoadedModel] | None = None, text_search: TextSearch | None = None):
         self._lm = lm
-        self._warm_up: tuple[threading.Thread, compiled.CompiledStep | None] | None = None  # the background compile
+        self._warm_up: tuple[threading.Thread, list] | None = None  # the background compile, and what it warms up
         self._loader = loader or (lambda: load_model(cfg.model.path, load_options(cfg)))
         if cfg.memory.store == "milvus":  # refuse to start, naming the URI, when nothing answers there
             MilvusBank.connect(cfg.memory.milvus_uri).close()
@@ -77,8 +77,8 @@ class Service(SessionService):
     def _stop_warm_up(self) -> None:
         """A background compile ends after the bucket it is compiling: nothing compiles on after the service."""
         if self._warm_up is not None:
-            thread, step = self._warm_up
-            if step is not None:
+            thread, steps = self._warm_up
+            for step in steps:
                 step.stop()
             thread.join()
             self._warm_up = None
@@ -106,18 +106,19 @@ class Service(SessionService):
         says so."""
         if not lm.spec.can(COMPILE):
             return
-        work = []
+        steps: list = []
         if self._graph_step_on(lm):
-            work.append(graph.enable(lm.merged(), max_len=self.cfg.model.graph_max_len,
-                                     compile=lm.device.type == "cuda").warm_up)
-        step = None
+            decoder = graph.enable(lm.merged(), max_slots=self.cfg.memory.max_slots,
+                                   max_len=self.cfg.model.graph_max_len, compile=lm.device.type == "cuda")
+            steps.append((decoder, lambda: decoder.warm_up(settings=(self.cfg.generation,))))
         if self.cfg.model.compile and not lm.is_vision:
             step = compiled.enable(lm.merged())
-            work.append(step.warm_up)
-        if work:
-            thread = threading.Thread(target=lambda: [w() for w in work], name="recall-chat-compile", daemon=True)
+            steps.append((step, step.warm_up))
+        if steps:
+            thread = threading.Thread(target=lambda: [warm() for _, warm in steps], name="recall-chat-compile",
+                                      daemon=True)
             thread.start()
-            self._warm_up = (thread, step)
+            self._warm_up = (thread, [step for step, _ in steps])
 
     def _graph_step_on(self, lm: LoadedModel) -> bool:
         on = self.cfg.model.graph_step

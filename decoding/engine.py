@@ -97,7 +97,7 @@ class Engine:
 
 
 def _nothing() -> Generator[Event, None, None]:
-    """A read that reads nothing (no cache: the answer prefills its whole prompt)."""
+    """A read that reads nothing (the conversation keeps its cache as it was)."""
     return None
     yield
 

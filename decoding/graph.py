@@ -44,6 +44,7 @@ from decoding.memory import Recall
 from decoding.device_sampler import FULL, DeviceSampler, Kind
 from decoding.graph_inputs import Inputs
 from decoding.graph_loop import Decoded, HostLoop
+from decoding.processors import build_logits_processor
 from decoding.settings import GenerationSettings
 from models.modeling import backbone_and_head, head_logits, unwrap_model
 
@@ -218,26 +219,33 @@ class GraphStep:
             start += n
         return out
 
-    def warm_up(self, prompt: int = 4, spans: bool = True) -> float:
-        """Compile the forward for each width, run every sampler operation once, and capture the greedy graphs on a
-        dummy prompt; the cache is left empty. Returns the seconds it took."""
+    def warm_up(self, prompt: int = 4, spans: bool = True, kinds: tuple[Kind | None, ...] = (),
+                stop: threading.Event | None = None) -> float:
+        """Compile the forward for each width, run every sampler operation once, and capture the graphs of greedy
+        decoding, of the fallback (processors after the replay) and of `kinds`, on a dummy prompt; the cache is left
+        empty. A `stop` set ends it between graphs (the rest are captured when first used). Returns the seconds."""
         t0 = time.perf_counter()
         greedy = Kind()
         with torch.no_grad():
             self.prefill(self.embed(torch.zeros((self.batch, prompt), dtype=torch.long, device=self.device)))
             widths = self.spans if spans else ()
             for _ in range(3 if self.mode == "trees" else 2):  # compile (and, for trees, record and replay)
+                if stop is not None and stop.is_set():
+                    break
                 self._body(self.one, None) if self.mode == "manual" else self.step(greedy)
                 for w in widths:
                     self.forward_span([0, 0], {0: torch.zeros(self.embed.weight.shape[1], device=self.device,
                                                               dtype=self.dtype)}) if self.mode != "manual" else \
                         self._body(self.wide[w], None)
             self.sampler.choose(torch.zeros((self.batch, self.sampler.vocab), device=self.device), FULL)
-            if self.mode == "manual":
-                self.length = 0
-                self.step(greedy)
-                for w in widths:
-                    self._run(self.wide[w], greedy)
+            for kind in dict.fromkeys((greedy, None, *kinds)) if self.mode == "manual" else ():
+                for width in (1, *widths):
+                    if stop is not None and stop.is_set():
+                        break
+                    for layer in self.cache.layers:  # (a capture does not run: its replay moves the cache on)
+                        layer.cumulative_length.fill_(prompt)
+                    self.one.position.fill_(prompt)
+                    self._run(self.one if width == 1 else self.wide[width], kind)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
         self.length = 0
@@ -254,24 +262,36 @@ class GraphDecoder:
         self.graph = GraphStep(model, **step_options)
         self.launch_guard: Callable[[], ContextManager] = contextlib.nullcontext  # around each step's launch (tests)
         self.ready = threading.Event()  # set once warmed up: the chat's engine uses it from then on
+        self._stop = threading.Event()
         self.busy = False  # a chat answer or read holds the step (`decoding.graph_stream`)
+        self.max_slots = 128  # the most value slots of a memory the chat may recall (room kept for one in the cache)
         self.error: str | None = None
 
     def __deepcopy__(self, memo) -> None:
         return None  # a copy of the model (the mixture's base copy) starts without one
 
-    def warm_up(self, spans: bool = True) -> float:
-        """Compile and capture (`GraphStep.warm_up`, holding `decoding.compiled.TRACING`); `ready` is set after.
-        A failure is logged and kept in `error`: the chat then decodes in its loop."""
+    def warm_up(self, spans: bool = True, settings: tuple[GenerationSettings, ...] = ()) -> float:
+        """Compile and capture (`GraphStep.warm_up`, holding `decoding.compiled.TRACING`), also the graphs of the
+        processors of `settings` (the configured defaults); `ready` is set after, unless `stop()` came first. A
+        failure is logged and kept in `error`: the chat then decodes in its loop."""
+        g = self.graph
         try:
+            kinds = tuple(g.sampler.configure(build_logits_processor(s, eos_token_id=None, prompt_ids=torch.zeros(
+                (g.batch, 1), dtype=torch.long, device=g.device), vocab_size=g.sampler.vocab), do_sample=s.do_sample,
+                seed=0, eos=[], pad=0, masked=False) for s in settings)
             with TRACING:
-                seconds = self.graph.warm_up(spans=spans)
+                seconds = g.warm_up(spans=spans, kinds=kinds, stop=self._stop)
         except Exception as e:  # noqa: BLE001 - the loop stays in charge
             self.error = f"{type(e).__name__}: {e}"
             log.warning("warming up the graph step failed, the chat decodes in its loop: %s", self.error)
             return 0.0
-        self.ready.set()
+        if not self._stop.is_set():
+            self.ready.set()
         return seconds
+
+    def stop(self) -> None:
+        """End a warm-up between two graphs (the decoder then stays unready: the chat decodes in its loop)."""
+        self._stop.set()
 
     def stream(self, input_ids: torch.Tensor, settings: GenerationSettings = GenerationSettings(), *,
                recall: Recall | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
@@ -307,14 +327,16 @@ class GraphDecoder:
 _ATTR = "_recall_graph_decoder"
 
 
-def enable(model: torch.nn.Module, **step_options) -> GraphDecoder:
+def enable(model: torch.nn.Module, max_slots: int = 128, **step_options) -> GraphDecoder:
     """Attach a `GraphDecoder` of one row to the model (not warmed up: `warm_up()` makes it `ready`); the chat's
-    engine answers on it from then on (`decoding.graph_stream`)."""
+    engine answers on it from then on (`decoding.graph_stream`). `max_slots`: the most value slots of a memory it
+    may recall (the chat's `memory.max_slots`)."""
     base = unwrap_model(model)
     decoder = getattr(base, _ATTR, None)
     if decoder is None:
         decoder = GraphDecoder(model, batch=1, **step_options)
         object.__setattr__(base, _ATTR, decoder)  # not a submodule: kept out of state_dict and .to()
+    decoder.max_slots = max_slots
     return decoder
 
 

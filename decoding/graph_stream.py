@@ -63,14 +63,18 @@ TEXT = {"input_ids", "attention_mask"}
 IMAGES = {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
 
 
-def takes(decoder: GraphDecoder, prompt: Prompt, settings: GenerationSettings) -> bool:
-    """Whether the step answers this request now (else the loop does)."""
+def takes(decoder: GraphDecoder, prompt: Prompt, settings: GenerationSettings, recall: Recall | None) -> bool:
+    """Whether the step answers this request now (else the loop does). A seeded draw is the loop's (`generate`'s
+    draws for the seed); the answer, a recalled memory of up to `decoder.max_slots` slots forced whole past it, and
+    the padding of the widest span must fit in the step's cache."""
     inputs, g = prompt.inputs, decoder.graph
     ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    room = decoder.max_slots + len(recall.suffix) if recall is not None and recall.active else 0
     return (not decoder.busy and ids.shape[0] == g.batch and (mask is None or bool(mask.all()))
             and set(inputs) <= TEXT | IMAGES and settings.entropy_decoding is None
             and settings.guidance_scale == 1 and not settings.mixture.enabled
-            and ids.shape[1] + settings.max_new_tokens + g.spans[-1] < g.max_len)
+            and not (settings.do_sample and settings.seed is not None)
+            and ids.shape[1] + settings.max_new_tokens + room + g.spans[-1] < g.max_len)
 
 
 def reads(decoder: GraphDecoder, prompt: Prompt) -> bool:
@@ -112,8 +116,8 @@ def read_graph(decoder: GraphDecoder, prompt: Prompt, interrupt: threading.Event
     memory vector, as the chat reads only prompts whose vectors are cached) into the step; its handle, or None
     when stopped between chunks (a live handle given stays live, its positions untouched)."""
     g, ids = decoder.graph, prompt.inputs["input_ids"].to(decoder.graph.device)
-    decoder.busy = True
     try:
+        decoder.busy = True
         past = _start(g, prompt.cache)
         positions = prefill_positions(g.backbone, prompt.inputs, ids, None)[..., past:]
         done = yield from _prefill(g, g.embed(ids[:, past:]), positions, {}, past, ids.shape[1], chunk, interrupt)
@@ -127,19 +131,20 @@ def stream_graph(decoder: GraphDecoder, prompt: Prompt, settings: GenerationSett
                  otherwise: Callable[[Prompt], Iterator[Event]]) -> Iterator[Event]:
     """The events of one answer, as `decoding.loop.stream_generate` gives them, decoded on the step; or, when the
     step cannot take it at the moment it starts, `otherwise(prompt)`'s (the loop's)."""
-    if not takes(decoder, prompt, settings):
+    if not takes(decoder, prompt, settings, recall):
         yield from otherwise(without_handle(prompt))
         return
     req = prepare(decoder.graph.model, prompt, settings, recall, tokenizer, controls, cached=False)
-    if interrupt is None or not interrupt.is_set():  # (stopped while waiting in a queue: the step is not touched)
-        decoder.busy = True
-        req.fwd.reset_request_state()
+    if interrupt is None or not interrupt.is_set():
         try:
+            decoder.busy = True
+            req.fwd.reset_request_state()
             yield from _answer(decoder, req, prompt, interrupt, controls)
         finally:
             decoder.busy = False
             req.fwd.reset_request_state()
-    else:
+    else:  # stopped while waiting in a queue: the step is not touched, the conversation keeps its handle
+        req.cache = prompt.cache if isinstance(prompt.cache, GraphCache) else None
         yield from req.stop_all()
     yield DoneEvent(req.result())
 
@@ -148,6 +153,8 @@ def _answer(decoder: GraphDecoder, req: Request, prompt: Prompt, interrupt: thre
             controls: Controls) -> Iterator[Event]:
     g, rows = decoder.graph, req.rows
     req.past_len = past = _start(g, prompt.cache)
+    if past >= req.prompt_len:
+        raise ValueError(f"the cache covers {past} tokens but the prompt has only {req.prompt_len}")
     embeds = prefill_embeds(req.fwd, req.input_ids, past, rows, req.recall)
     positions = req.fwd.positions(prompt.inputs, req.input_ids, None)[..., past:]
     vision = vision_suffix(prompt.inputs, past, g.device)
@@ -196,5 +203,5 @@ def _answer(decoder: GraphDecoder, req: Request, prompt: Prompt, interrupt: thre
             rows.cur -= 1
         yield from req.stop_all()
     req.cache.length = rows.cur - 1  # as the loop's: all but the last token
-    req.kept_logits = out.logits[:req.steps]
+    req.kept_logits, req.scored = out.logits[:req.steps], req.steps  # (not the step launched after the last read)
     req.decode_s = time.perf_counter() - t1

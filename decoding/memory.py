@@ -108,18 +108,18 @@ class Recall:
 
 class NoMemory(LogitsProcessor):
     """Recall with nothing to read, in `answer` mode: `<recall>` and `<|memory_pad|>` are suppressed, so the model
-    answers from what it knows; `wanted` marks each row whose first choice was `<recall>` at some step (on the
+    answers from what it knows; `wanted` marks, per call, each row whose first choice was `<recall>` (on the
     device: no host sync). Runs last, after the request's other processors."""
 
     def __init__(self, recall: Recall, start: int = -1, eos: Sequence[int] = ()):
         self.recall_id = recall.recall_id
         self.ids = [recall.recall_id, recall.memory_pad_id]
         self.start, self.eos = start, list(eos)  # the prompt's length; the end tokens
-        self.wanted: torch.Tensor | None = None  # [rows] bool
+        self.wanted: list[torch.Tensor] = []  # per call: [rows] bool
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         first = scores.argmax(-1) == self.recall_id  # [rows]
-        self.wanted = first if self.wanted is None else self.wanted | first
+        self.wanted.append(first)
         scores = scores.clone()
         scores[:, self.ids] = -float("inf")
         if input_ids.shape[1] == self.start and self.eos:  # a row that wanted a memory first answers something:
@@ -136,11 +136,13 @@ class NoMemory(LogitsProcessor):
             return None
         return cls(recall, start, eos)
 
-    def rows(self, batch: int) -> list[bool]:
-        """Per row of the batch: did the model want a memory? (Entropy decoding scores [B*L] rows: any layer.)"""
-        if self.wanted is None:
+    def rows(self, batch: int, calls: int | None = None) -> list[bool]:
+        """Per row of the batch: did the model want a memory, in the first `calls` calls (None: all; a decoder that
+        scores a step ahead leaves its last out)? (Entropy decoding scores [B*L] rows: any layer.)"""
+        wanted = self.wanted[:calls]
+        if not wanted:
             return [False] * batch
-        return self.wanted.view(batch, -1).any(-1).tolist()
+        return torch.stack([w.view(batch, -1).any(-1) for w in wanted]).any(0).tolist()
 
 
 def recall_step(selector: "MemorySelector", recall: Recall, hidden: torch.Tensor, row: int,

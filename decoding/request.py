@@ -173,6 +173,7 @@ class Request:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0
+    scored: int | None = None  # steps whose scores count (the graph step scores one more than it keeps; None: all)
     kept_logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -246,7 +247,7 @@ class Request:
             decode_seconds=self.decode_s, steps=self.steps,
             logits=torch.stack(self.kept_logits, dim=1) if self.kept_logits else None,
             entropy=self.entropy.trace(sequences) if self.entropy is not None else None,
-            missed_recall=self.no_memory.rows(self.batch) if self.no_memory is not None else None, **extra,
+            missed_recall=self.no_memory.rows(self.batch, self.scored) if self.no_memory is not None else None, **extra,
             attention_mask=None if rows.mask is None else rows.mask[:, :rows.cur])
 
 

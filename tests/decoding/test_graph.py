@@ -365,3 +365,19 @@ def test_the_chats_answer_on_the_step_is_the_loops(request, where):
     assert told(got) == told(want) and sum(type(e).__name__ == "RecallEvent" for e in got) >= 2
     result = got[-1].result
     assert isinstance(result.cache, GraphCache) and result.cache.length == result.sequences.shape[1] - 1
+
+
+def test_a_memory_that_could_outgrow_the_steps_cache_is_answered_by_the_loop(model):
+    """Memories of up to 40 slots (`max_slots`): an answer that could not hold one in the step's cache is refused by
+    the step, so the loop answers it whole (the step alone would run out of positions mid-answer)."""
+    from decoding.graph_stream import stream_graph
+    from decoding.loop import stream_generate
+
+    dec = GraphDecoder(model, max_len=48, spans=(17,), compile=False)
+    dec.max_slots = 40
+    recall = kv_recall(model, max_slots=40, min_slots=35)
+    ids, s = torch.cat([prompt(1), torch.tensor([[RECALL]])], 1), GenerationSettings(max_new_tokens=4)
+    want = list(stream_generate(model, {"input_ids": ids}, s, recall=recall))
+    got = list(stream_graph(dec, Prompt({"input_ids": ids}), s, recall, None, None, Controls(),
+                            lambda p: stream_generate(model, p.inputs, s, recall=recall)))
+    assert told(got) == told(want) and want[-1].result.sequences.shape[1] > 48  # (the memory alone: 35-40 slots)

@@ -201,3 +201,45 @@ def test_a_conversation_with_an_image_on_the_step_is_the_loops(smollm2_dir, tiny
         assert on.ids == off.ids and isinstance(on.cache, GraphCache)
         assert decoder.graph.ticket == ticket + bool(images)  # (only the first turn starts the step over)
     assert int(decoder.graph.delta[0, 0]) < 0  # the image's rotary positions run behind its text positions
+
+
+def test_what_the_step_reads_one_step_ahead_never_shows(graphed, tiny_llama):
+    """The step scores the step after the last token before the host reads that token: an answer ended by its EOS,
+    whose next step would have wanted `<recall>` (nothing to read: `NoMemory`), says no memory was wanted, as the
+    loop's does."""
+    from decoding.graph_stream import stream_graph
+    from decoding.loop import stream_generate
+    from decoding.memory import Recall
+    from decoding.request import Controls, Prompt
+    from tests_helpers import ForceTokens
+
+    ids = torch.tensor([Conversation(graphed).ids_with("Hello there.")])
+    eos, settings = graphed.tokenizer.eos_token_id, GenerationSettings(max_new_tokens=8)
+    recall = Recall(graphed.tokens.recall, graphed.tokens.memory_pad, None, without_memory="answer")
+    controls = Controls(logits_processor=[ForceTokens(ids.shape[1] + 2, [eos, graphed.tokens.recall])])
+    on = list(stream_graph(graph.attached(graphed.merged()), Prompt({"input_ids": ids}), settings, recall,
+                           graphed.tokenizer, None, controls, None))[-1].result
+    off = list(stream_generate(tiny_llama.merged(), {"input_ids": ids}, settings, recall=recall,
+                               tokenizer=tiny_llama.tokenizer, controls=controls))[-1].result
+    assert on.sequences.tolist() == off.sequences.tolist() and on.sequences[0, -1] == eos
+    assert on.missed_recall == off.missed_recall == [False]
+
+
+def test_a_stop_before_the_answer_starts_keeps_the_conversations_place(graphed):
+    conv, stop = Conversation(graphed), threading.Event()
+    turn(conv, "Hello there.", GenerationSettings(max_new_tokens=6))
+    held = cache_length(conv.cache)
+    stop.set()
+    assert turn(conv, "And then?", GenerationSettings(max_new_tokens=6), interrupt_event=stop)[-1] == \
+        ("finish", "interrupted")
+    assert isinstance(conv.cache, GraphCache) and conv.cache.live() and cache_length(conv.cache) == held
+
+
+def test_a_seeded_draw_is_the_loops_and_an_unseeded_one_runs_on_the_step(graphed, tiny_llama):
+    """A seed promises `generate`'s draws (the loop's); without one, sampling runs in the step's graph."""
+    seeded = GenerationSettings(max_new_tokens=12, do_sample=True, top_k=20, seed=5)
+    on, off = Conversation(graphed), Conversation(tiny_llama)
+    assert turn(on, "Hello there.", seeded) == turn(off, "Hello there.", seeded)
+    assert not isinstance(on.cache, GraphCache)
+    turn(on, "And then?", GenerationSettings(max_new_tokens=12, do_sample=True, top_k=20))
+    assert isinstance(on.cache, GraphCache)
