@@ -1,10 +1,11 @@
 """The request's processors and draw as tensor operations on fixed device buffers: the part of a decode step that
 `decoding/graph.py` captures in the same CUDA graph as the forward, so a step is one replay and nothing else.
 
-`kind_of` reads the request's transformers `LogitsProcessorList` (built by `decoding.processors`, the order of
-`generate`) and returns a `Kind` when every processor has a tensor form here: one-token `sequence_bias`, the
-repetition penalty (no left padding), temperature, top-k, top-p and min-p, in that order, with transformers'
-own operations (so the processed scores are theirs); `None` otherwise (the documented fallback: multi-token
+`DeviceSampler.configure` reads the request's transformers `LogitsProcessorList` (built by `decoding.processors`,
+the order of `generate`) and returns a `Kind` when every processor has a tensor form here: one-token
+`sequence_bias`, the repetition penalty (no left padding), temperature, top-k, top-p and min-p, in that order, and
+the chat's `decoding.memory.NoMemory` last (its record of a wanted memory kept on the device, `wanted_at`), with
+the same operations (so the processed scores are theirs); `None` otherwise (the documented fallback: multi-token
 sequence biases, n-gram bans, bad words, min-length, forced tokens, suppressions, typical/epsilon/eta,
 watermarking, guidance; those run as transformers' processors on the host's queue, outside the graph, and
 some of them synchronise). The kind says which operations a graph holds; their values (penalty, temperature,
@@ -30,6 +31,8 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper, TopPLogitsWarper,
 )
 
+from decoding.memory import NoMemory
+
 RING = 4  # steps of tokens kept for the host's read-back (it reads one step behind)
 EOS_SLOTS = 8  # EOS ids a request may name (the rest of the buffer is -1)
 _M = 0xFFFFFFFF
@@ -47,10 +50,12 @@ class Kind:
     top_p: bool = False
     min_p: bool = False
     masked: bool = False  # finished rows of a batch go on with padding
+    no_memory: bool = False  # `<recall>` and `<|memory_pad|>` suppressed, wanting a memory recorded (NoMemory)
     commit: bool = True  # False: the tokens are counted (penalty) but nothing is chosen (a long span's first parts)
 
 
-FULL = Kind(True, True, True, True, True, True, True, True)  # every operation (warm-up: each op's first run)
+FULL = Kind(True, True, True, True, True, True, True, True, True)  # every operation (warm-up: each op's first run)
+NEVER = 1 << 62  # `wanted_at` of a row that never wanted a memory
 _ORDER = (SequenceBiasLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
           TopPLogitsWarper, MinPLogitsWarper)
 
@@ -81,11 +86,14 @@ class DeviceSampler:
         self.host = torch.zeros((RING, batch), dtype=torch.long, pin_memory=device.type == "cuda")
         self.rows = torch.arange(batch, device=device)
         self.token_hash = _mix(torch.arange(vocab, device=device) * 0x27D4EB2F & _M)  # [V]
+        self.recall_id, self.suppress, self.first_ends = z(1), z(vocab, dtype=torch.bool), z(vocab, dtype=torch.bool)
+        self.wanted_at = z(batch) + NEVER  # the first commit whose choice, before NoMemory, was `<recall>`
 
     def configure(self, procs: LogitsProcessorList, *, do_sample: bool, seed: int, eos: list[int],
-                  pad: int, masked: bool) -> Kind | None:
+                  pad: int, masked: bool, prompt: int = -1) -> Kind | None:
         """Load a request's processors into the buffers; its `Kind`, or None when one of them has no tensor form
-        here (the caller then runs `procs` itself on the host's queue)."""
+        here (the caller then runs `procs` itself on the host's queue). `prompt`: the prompt's length (a `NoMemory`
+        last, made for it, applies its first-token rule at the first commit)."""
         if masked and len(eos) > EOS_SLOTS:
             raise ValueError(f"{len(eos)} EOS ids for a batch of rows; the graph step masks at most {EOS_SLOTS}")
         # what `commit` reads, for every request (the fallback's too): the ring from slot 0, the rows' end
@@ -95,6 +103,9 @@ class DeviceSampler:
         if eos:
             self.eos[:min(len(eos), EOS_SLOTS)] = torch.tensor(eos[:EOS_SLOTS], device=self.device)
         self.pad.fill_(pad)
+        no_memory = procs[-1] if len(procs) and isinstance(procs[-1], NoMemory) else None
+        if no_memory is not None:
+            procs = procs[:-1]
         found: dict[type, object] = {}
         for p in procs:
             if type(p) not in _ORDER or type(p) in found:
@@ -124,8 +135,17 @@ class DeviceSampler:
             self.min_p.fill_(found[MinPLogitsWarper].min_p)
         self.seed.fill_(seed & 0x7FFFFFFF)
         self.counts.zero_()
+        self.suppress.zero_()
+        self.first_ends.zero_()
+        self.wanted_at.fill_(NEVER)
+        if no_memory is not None:
+            self.recall_id.fill_(no_memory.recall_id)
+            self.suppress[no_memory.ids] = True
+            if no_memory.start == prompt and no_memory.eos:
+                self.first_ends[no_memory.eos] = True
         return Kind(do_sample, bias is not None, penalty is not None, TemperatureLogitsWarper in found,
-                    TopKLogitsWarper in found, TopPLogitsWarper in found, MinPLogitsWarper in found, masked)
+                    TopKLogitsWarper in found, TopPLogitsWarper in found, MinPLogitsWarper in found, masked,
+                    no_memory is not None)
 
     def see(self, ids: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Count tokens [B, W] into the rows' sequences (`valid` [B, W] bool: which of them are real)."""
@@ -139,8 +159,17 @@ class DeviceSampler:
             s = s + self.bias
         if kind.penalty:
             s = torch.where(self.counts > 0, torch.where(s < 0, s * self.penalty, s / self.penalty), s)
-        if not kind.sample:
-            return s
+        if kind.sample:
+            s = self._warp(s, kind)
+        if kind.no_memory:  # NoMemory, last: a row whose first choice was <recall> is recorded (its first commit)
+            first = s.argmax(-1) == self.recall_id  # [B]
+            self.wanted_at.copy_(torch.where(first & (self.wanted_at == NEVER), self.step, self.wanted_at))
+            s = s.masked_fill(self.suppress, -float("inf"))  # ... and answers: not the end at the first token
+            s = s.masked_fill(first[:, None] & self.first_ends & (self.step == 0), -float("inf"))
+        return s
+
+    def _warp(self, s: torch.Tensor, kind: Kind) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p, as transformers' warpers."""
         if kind.temperature:
             s = s / self.temperature
         if kind.top_k:

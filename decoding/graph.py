@@ -276,11 +276,12 @@ class GraphDecoder:
         failure is logged and kept in `error`: the chat then decodes in its loop."""
         g = self.graph
         try:
-            kinds = tuple(g.sampler.configure(build_logits_processor(s, eos_token_id=None, prompt_ids=torch.zeros(
+            kinds = [g.sampler.configure(build_logits_processor(s, eos_token_id=None, prompt_ids=torch.zeros(
                 (g.batch, 1), dtype=torch.long, device=g.device), vocab_size=g.sampler.vocab), do_sample=s.do_sample,
-                seed=0, eos=[], pad=0, masked=False) for s in settings)
+                seed=0, eos=[], pad=0, masked=False) for s in settings]
+            kinds += [dataclasses.replace(k, no_memory=True) for k in kinds if k is not None]  # (with no bank)
             with TRACING:
-                seconds = g.warm_up(spans=spans, kinds=kinds, stop=self._stop)
+                seconds = g.warm_up(spans=spans, kinds=tuple(kinds), stop=self._stop)
         except Exception as e:  # noqa: BLE001 - the loop stays in charge
             self.error = f"{type(e).__name__}: {e}"
             log.warning("warming up the graph step failed, the chat decodes in its loop: %s", self.error)

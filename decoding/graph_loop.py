@@ -59,7 +59,7 @@ class HostLoop:
         seed = settings.seed if settings.seed is not None else int(torch.randint(1 << 31, ()))
         self.masked = rows > 1 and bool(eos)
         self.kind = g.sampler.configure(self.processors, do_sample=settings.do_sample, seed=seed, eos=eos,
-                                        pad=pad_token_id, masked=self.masked)
+                                        pad=pad_token_id, masked=self.masked, prompt=length)
         if self.kind is not None and self.kind.penalty:
             g.sampler.see(self.prompt)
         self.host_side = self.kind is None  # the fallback: processors and draw after the replay, on the host's queue

@@ -204,4 +204,6 @@ def _answer(decoder: GraphDecoder, req: Request, prompt: Prompt, interrupt: thre
         yield from req.stop_all()
     req.cache.length = rows.cur - 1  # as the loop's: all but the last token
     req.kept_logits, req.scored = out.logits[:req.steps], req.steps  # (not the step launched after the last read)
+    if req.no_memory is not None and run.kind is not None:  # NoMemory ran in the graph: its record is on the device
+        req.no_memory.wanted, req.scored = [g.sampler.wanted_at < req.steps], None
     req.decode_s = time.perf_counter() - t1

@@ -183,6 +183,33 @@ def test_the_graph_sampler_processes_as_transformers(settings):
     torch.testing.assert_close(sampler.scores(scores, kind), procs(seen, scores.clone()), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("settings", [GenerationSettings(), SAMPLED[1], SAMPLED[2]],
+                         ids=["greedy", "top-k-top-p", "min-p-penalty-bias"])
+def test_no_memory_in_the_graph_is_the_processors(settings):
+    """The chat's `NoMemory` (nothing to read): `<recall>` (7) and `<|memory_pad|>` (8) suppressed, the end (9) not
+    a first token of a row that wanted a memory, and which rows wanted one, at the first step and a later one."""
+    from decoding.memory import NoMemory
+
+    g = torch.Generator().manual_seed(2)
+    seen = torch.tensor([[9, 3]]).expand(6, -1)
+    for step, scores in enumerate([torch.randn(6, 10, generator=g), torch.randn(6, 10, generator=g)]):
+        scores[::2, 7] = 9.0  # rows 0, 2, 4 want a memory
+        no_memory = NoMemory(Recall(7, 8), start=2, eos=[9])
+        procs = build_logits_processor(settings, eos_token_id=None, prompt_ids=seen, vocab_size=10)
+        procs.append(no_memory)
+        sampler = DeviceSampler(6, 10, torch.device("cpu"))
+        kind = sampler.configure(procs, do_sample=settings.do_sample, seed=5, eos=[], pad=0, masked=False, prompt=2)
+        assert kind is not None and kind.no_memory
+        if kind.penalty:
+            sampler.see(seen)
+        sampler.step.fill_(step)  # (the first-token rule holds at the first commit alone)
+        row_seen = seen if step == 0 else torch.cat([seen, seen[:, :1]], 1)
+        torch.testing.assert_close(sampler.scores(scores, kind), procs(row_seen, scores.clone()), atol=0, rtol=0)
+        wanted = torch.stack(no_memory.wanted).any(0)
+        assert wanted[::2].all() and not wanted.all()
+        assert (sampler.wanted_at == step).tolist() == wanted.tolist()
+
+
 @pytest.mark.parametrize("settings", SAMPLED, ids=["plain", "top-k-top-p", "min-p-penalty-bias", "temp-top-p-min-p"])
 def test_the_graph_draw_has_the_reference_distribution(settings):
     """The in-graph draw (Gumbel-max over hashed uniforms): across rows at one step, and across steps of one row,

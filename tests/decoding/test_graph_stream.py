@@ -243,3 +243,17 @@ def test_a_seeded_draw_is_the_loops_and_an_unseeded_one_runs_on_the_step(graphed
     assert not isinstance(on.cache, GraphCache)
     turn(on, "And then?", GenerationSettings(max_new_tokens=12, do_sample=True, top_k=20))
     assert isinstance(on.cache, GraphCache)
+
+
+@pytest.mark.parametrize("bias", [0.0, 8.0], ids=["answers", "wants-a-memory"])
+def test_with_nothing_to_read_the_step_suppresses_recall_in_its_graph(graphed, tiny_llama, bias):
+    """No bank: `NoMemory` runs inside the step's graph (its kind, not the fallback); the loop's tokens, and the same
+    record of whether the model wanted a memory (`<recall>` raised by a bias: it did)."""
+    settings = GenerationSettings(max_new_tokens=10, sequence_bias=(((graphed.tokens.recall,), bias),))
+    results = []
+    for lm in (graphed, tiny_llama):
+        events = list(Conversation(lm).stream("Who keeps the lighthouse?", settings=settings))
+        results.append((told(events), events[-1].result.missed_recall))
+    assert results[0] == results[1] and results[0][1] == [bias > 0]
+    sampler = graph.attached(graphed.merged()).graph.sampler  # (set only when NoMemory has its tensor form)
+    assert bool(sampler.suppress[graphed.tokens.recall]) and bool(sampler.suppress[graphed.tokens.memory_pad])
