@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, Generator, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -25,7 +25,7 @@ from decoding.compiled import crop, seq_length
 from decoding.draft_head import draft_head_for
 from decoding.events import Event, RecallEvent
 from decoding.graph import GraphDecoder
-from decoding.graph_stream import GraphCache, read_graph, reads, stream_graph, without_handle
+from decoding.graph_stream import GraphCache, for_the_loop, read_graph, reads, stream_graph
 from decoding.loop import read_prompt, stream_generate
 from decoding.memory import MemorySelector, Recall, recall_step
 from decoding.mixture import stream_mixture
@@ -60,7 +60,7 @@ class Engine:
 
             decoder = self._graph()
             if decoder is None:
-                return loop(without_handle(prompt))
+                return loop(for_the_loop(prompt))
             return stream_graph(decoder, prompt, settings, recall, lm.tokenizer, interrupt, controls, loop)
         require(lm.spec, MIXTURE)
         target = lm.mixture_target(mix.target)  # q* of this model and its target (its own base by default), made once
@@ -85,9 +85,7 @@ class Engine:
         decoder = self._graph()
         if decoder is not None and reads(decoder, prompt):
             return read_graph(decoder, prompt, interrupt, self.prefill_chunk)
-        if isinstance(prompt.cache, GraphCache):  # (read on the loop, it would need the prompt's memory vectors)
-            return _nothing()
-        return read_prompt(self.lm.merged(), prompt, controls=Controls(prefill_chunk=self.prefill_chunk),
+        return read_prompt(self.lm.merged(), for_the_loop(prompt), controls=Controls(prefill_chunk=self.prefill_chunk),
                            interrupt=interrupt)
 
     def _graph(self) -> GraphDecoder | None:
@@ -96,23 +94,17 @@ class Engine:
         return decoder if decoder is not None and decoder.ready.is_set() else None
 
 
-def _nothing() -> Generator[Event, None, None]:
-    """A read that reads nothing (the conversation keeps its cache as it was)."""
-    return None
-    yield
-
-
 def cache_length(cache: Any) -> int:
-    """Positions a conversation's KV cache holds (either backend's, or the graph step's while its handle is live)."""
+    """Positions a conversation's KV cache holds (either backend's, or its handle on the graph step)."""
     if isinstance(cache, GraphCache):
-        return cache.length if cache.live() else 0
+        return cache.valid()
     return seq_length(cache)
 
 
 def cut_cache(cache: Any, keep: int) -> None:
     """Keep the first `keep` positions of a conversation's KV cache."""
     if isinstance(cache, GraphCache):
-        cache.length = min(cache.length, keep)
+        cache.cut(keep)
         return
     crop(cache, seq_length(cache) - keep)
 

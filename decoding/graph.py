@@ -71,7 +71,7 @@ class GraphStep:
         self.embed = base.get_input_embeddings()
         param = next(base.parameters())
         self.device, self.dtype = param.device, param.dtype
-        config = base.config.get_text_config(decoder=True)
+        self.config = config = base.config.get_text_config(decoder=True)
         self.batch, self.max_len, self.spans = batch, max_len, tuple(sorted(spans))
         self.cache = StaticCache(config=config, max_cache_len=max_len)
         self.one = Inputs.zeros(batch, 1, config.hidden_size, self.device, self.dtype)
@@ -81,7 +81,8 @@ class GraphStep:
         torch._dynamo.mark_static_address(self.delta)
         self.sampler = DeviceSampler(batch, self.embed.weight.shape[0], self.device)
         self.length = 0  # positions the cache holds (counted on the host)
-        self.ticket = 0  # prefills from position 0 so far: a handle on the cache is live while it is its ticket
+        self.owner: Callable[[], object] | None = None  # weakref to the conversation's handle whose positions the
+        # cache holds (`decoding.graph_stream.GraphCache`): it takes them with it before they are overwritten
         self.compiled = compile
         cuda = self.device.type == "cuda"
         self.mode = graphs if compile and cuda else "none"
@@ -163,7 +164,8 @@ class GraphStep:
         for layer in self.cache.layers:
             if layer.is_initialized:
                 layer.cumulative_length.fill_(start)
-        self.ticket += start == 0  # starting over: what the cache held is gone
+        if start == 0:
+            self.release()  # starting over: the conversation whose positions the cache held takes them with it
         if positions is None:
             positions = torch.arange(start, start + n, device=self.device).expand(b, -1)
             if self.mrope:
@@ -175,6 +177,13 @@ class GraphStep:
         self.length = start + n
         self.one.position.fill_(start + n)
         return hidden, head_logits(self.model, self.head, hidden)
+
+    def release(self) -> None:
+        """The cache's owner (a weakref's conversation handle with a `hold()`) copies its positions out of it."""
+        owner = self.owner() if self.owner is not None else None
+        self.owner = None
+        if owner is not None:
+            owner.hold()
 
     def step(self, kind: Kind | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One position a row: the token in `one.ids` at `one.position` -> (state [B, H], logits [B, V]), the

@@ -9,10 +9,12 @@ the result is `Request.result`. The tokens come from `decoding.graph_loop.HostLo
 the stopping criteria (stop strings, max_time) run over the host's copy of the sequence, so the device never
 waits for them.
 
-The KV cache is the step's one static cache. A result holds a `GraphCache`, a handle on it that stays live until
-the step starts over for another conversation: the next turn of the same conversation prefills only its new
-tokens; after another conversation's, it prefills its whole prompt again, memory vectors placed. The loop never
-receives a handle (it starts over too).
+The KV cache is the step's one static cache, which one conversation owns at a time. A result holds a
+`GraphCache`, the conversation's handle on its positions there: the next turn of the same conversation prefills
+only its new tokens. When another conversation takes the step, the owner's positions are copied out into its
+handle first (`GraphStep.release`: a copy of its keys and values, far cheaper on a GPU than reading the prompt
+again), and copied back when it next answers on the step; the loop's cache of an earlier turn is copied in the same
+way, and a turn the loop answers gets the handle's positions as a cache of its own (`for_the_loop`).
 
 Images are read at prefill as the loop reads them (Qwen3-VL's vision kwargs and mRoPE positions); the decode
 steps then add the rotary offset they left (`GraphStep.delta`).
@@ -27,10 +29,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import weakref
 from typing import Callable, Generator, Iterator
 
 import torch
+from transformers import DynamicCache
 
+from decoding.compiled import seq_length
 from decoding.events import DoneEvent, Event, PrefillEvent
 from decoding.graph import GraphDecoder, GraphStep
 from decoding.graph_loop import Decoded, HostLoop
@@ -41,22 +46,54 @@ from decoding.request import Controls, Prompt, Request, prepare
 from decoding.settings import GenerationSettings
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class GraphCache:
-    """A conversation's first `length` positions in a graph step's static cache: valid while the step has not
-    started over for another conversation (`live`)."""
+    """A conversation's KV cache on a graph step, its first `length` positions: in the step's static cache while
+    the conversation owns it (`resident`), else `held` here (keys and values [1, heads, length, dim] a layer,
+    copied out when another conversation took the step: `GraphStep.release`)."""
 
     step: GraphStep
-    ticket: int
     length: int
+    held: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def live(self) -> bool:
-        return self.step.ticket == self.ticket
+    def resident(self) -> bool:
+        return self.step.owner is not None and self.step.owner() is self
+
+    def valid(self) -> int:
+        """Positions it holds: `length`, resident or held; 0 for a handle a later one of its conversation replaced."""
+        return self.length if self.held is not None or self.resident() else 0
+
+    def hold(self) -> None:
+        self.held = [(layer.keys[:, :, :self.length].clone(), layer.values[:, :, :self.length].clone())
+                     for layer in self.step.cache.layers]
+
+    def own(self) -> None:
+        """Become the step's owner (its positions are in the static cache)."""
+        self.held, self.step.owner = None, weakref.ref(self)
+
+    def cut(self, keep: int) -> None:
+        self.length = min(self.length, keep)
+        if self.held is not None:
+            self.held = [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in self.held]
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys and values [1, heads, length, dim] a layer (of the static cache, when resident)."""
+        if self.held is not None:
+            return self.held
+        return [(layer.keys[:, :, :self.length], layer.values[:, :, :self.length]) for layer in self.step.cache.layers]
 
 
-def without_handle(prompt: Prompt) -> Prompt:
-    """The prompt as the loop takes it: a graph handle means nothing to it (it prefills the whole prompt)."""
-    return dataclasses.replace(prompt, cache=None) if isinstance(prompt.cache, GraphCache) else prompt
+def for_the_loop(prompt: Prompt) -> Prompt:
+    """The prompt as the loop takes it: a graph handle becomes a cache of the loop's own (a copy of its positions)."""
+    handle = prompt.cache
+    if not isinstance(handle, GraphCache):
+        return prompt
+    if not handle.valid():
+        return dataclasses.replace(prompt, cache=None)
+    cache = DynamicCache(config=handle.step.config)
+    for i, (k, v) in enumerate(handle.layers()):
+        cache.update(k.clone(), v.clone(), i)
+    return dataclasses.replace(prompt, cache=cache)
 
 
 TEXT = {"input_ids", "attention_mask"}
@@ -78,18 +115,35 @@ def takes(decoder: GraphDecoder, prompt: Prompt, settings: GenerationSettings, r
 
 
 def reads(decoder: GraphDecoder, prompt: Prompt) -> bool:
-    """Whether the step reads this prompt ahead now (a text prompt on no cache or on its handle)."""
+    """Whether the step reads this prompt ahead now (a text prompt)."""
     ids = prompt.inputs["input_ids"]
     return (not decoder.busy and set(prompt.inputs) <= TEXT and ids.shape[0] == decoder.graph.batch
-            and ids.shape[1] + 1 < decoder.graph.max_len
-            and (prompt.cache is None or isinstance(prompt.cache, GraphCache)))
+            and ids.shape[1] + 1 < decoder.graph.max_len)
 
 
-def _start(g: GraphStep, handle) -> int:
-    """Positions of the prompt the step already holds for it: a live handle's, else none (a prefill from 0 starts
-    the step over: every earlier handle is stale from then)."""
-    live = isinstance(handle, GraphCache) and handle.step is g and handle.live() and handle.length <= g.length
-    return handle.length if live else 0
+def _seat(g: GraphStep, cache) -> int:
+    """Put a conversation's cache (its graph handle, or the loop's cache of an earlier turn) in the step's static
+    cache, the previous owner's positions copied out first; the positions it covers (0: none to reuse)."""
+    if isinstance(cache, GraphCache) and cache.step is g and cache.resident():
+        return cache.length
+    g.release()
+    if isinstance(cache, GraphCache):
+        kv, n = (cache.layers(), cache.length) if cache.step is g and cache.valid() else ([], 0)
+    elif cache is not None and not any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        n = seq_length(cache)
+        kv = [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in cache.layers]
+    else:
+        kv, n = [], 0
+    if not n or not all(layer.is_initialized for layer in g.cache.layers):
+        return 0
+    for layer, (k, v) in zip(g.cache.layers, kv):
+        layer.keys[:, :, :n].copy_(k)
+        layer.values[:, :, :n].copy_(v)
+        layer.cumulative_length.fill_(n)
+    g.length = n
+    if isinstance(cache, GraphCache):
+        cache.own()  # (its positions are in the step again: what it held is let go)
+    return n
 
 
 def _prefill(g: GraphStep, embeds: torch.Tensor, positions: torch.Tensor, vision: dict, past: int, total: int,
@@ -112,18 +166,22 @@ def _prefill(g: GraphStep, embeds: torch.Tensor, positions: torch.Tensor, vision
 
 def read_graph(decoder: GraphDecoder, prompt: Prompt, interrupt: threading.Event | None,
                chunk: int) -> Generator[PrefillEvent, None, GraphCache | None]:
-    """`Engine.read` on the step: the prompt (all of it uncached but what a live handle covers; it places no
-    memory vector, as the chat reads only prompts whose vectors are cached) into the step; its handle, or None
-    when stopped between chunks (a live handle given stays live, its positions untouched)."""
+    """`Engine.read` on the step: the prompt (all of it past what its cache covers; it places no memory vector, as
+    the chat reads only prompts whose vectors are cached) into the step; its handle, or None when stopped between
+    chunks (the cache given then still covers what it did)."""
     g, ids = decoder.graph, prompt.inputs["input_ids"].to(decoder.graph.device)
     try:
         decoder.busy = True
-        past = _start(g, prompt.cache)
+        past = _seat(g, prompt.cache)
         positions = prefill_positions(g.backbone, prompt.inputs, ids, None)[..., past:]
         done = yield from _prefill(g, g.embed(ids[:, past:]), positions, {}, past, ids.shape[1], chunk, interrupt)
     finally:
         decoder.busy = False
-    return GraphCache(g, g.ticket, ids.shape[1]) if done is not None else None
+    if done is None:
+        return None
+    handle = GraphCache(g, ids.shape[1])
+    handle.own()
+    return handle
 
 
 def stream_graph(decoder: GraphDecoder, prompt: Prompt, settings: GenerationSettings, recall: Recall | None,
@@ -132,7 +190,7 @@ def stream_graph(decoder: GraphDecoder, prompt: Prompt, settings: GenerationSett
     """The events of one answer, as `decoding.loop.stream_generate` gives them, decoded on the step; or, when the
     step cannot take it at the moment it starts, `otherwise(prompt)`'s (the loop's)."""
     if not takes(decoder, prompt, settings, recall):
-        yield from otherwise(without_handle(prompt))
+        yield from otherwise(for_the_loop(prompt))
         return
     req = prepare(decoder.graph.model, prompt, settings, recall, tokenizer, controls, cached=False)
     if interrupt is None or not interrupt.is_set():
@@ -143,8 +201,8 @@ def stream_graph(decoder: GraphDecoder, prompt: Prompt, settings: GenerationSett
         finally:
             decoder.busy = False
             req.fwd.reset_request_state()
-    else:  # stopped while waiting in a queue: the step is not touched, the conversation keeps its handle
-        req.cache = prompt.cache if isinstance(prompt.cache, GraphCache) else None
+    else:  # stopped while waiting in a queue: the step is not touched, the conversation keeps its cache
+        req.cache = prompt.cache
         yield from req.stop_all()
     yield DoneEvent(req.result())
 
@@ -152,7 +210,7 @@ def stream_graph(decoder: GraphDecoder, prompt: Prompt, settings: GenerationSett
 def _answer(decoder: GraphDecoder, req: Request, prompt: Prompt, interrupt: threading.Event | None,
             controls: Controls) -> Iterator[Event]:
     g, rows = decoder.graph, req.rows
-    req.past_len = past = _start(g, prompt.cache)
+    req.past_len = past = _seat(g, prompt.cache)
     if past >= req.prompt_len:
         raise ValueError(f"the cache covers {past} tokens but the prompt has only {req.prompt_len}")
     embeds = prefill_embeds(req.fwd, req.input_ids, past, rows, req.recall)
@@ -160,10 +218,11 @@ def _answer(decoder: GraphDecoder, req: Request, prompt: Prompt, interrupt: thre
     vision = vision_suffix(prompt.inputs, past, g.device)
     rows.seq = rows.seq.cpu()  # the criteria and the events read the host's copy
     start = yield from _prefill(g, embeds, positions, vision, past, req.prompt_len, controls.prefill_chunk, interrupt)
-    req.cache = GraphCache(g, g.ticket, past)
+    req.cache = GraphCache(g, past)
     req.prefill_s = time.perf_counter() - req.t0
     if start is None:
         req.cache.length = g.length
+        req.cache.own()
         yield from req.stop_all()
         return
     t1 = time.perf_counter()
@@ -203,6 +262,7 @@ def _answer(decoder: GraphDecoder, req: Request, prompt: Prompt, interrupt: thre
             rows.cur -= 1
         yield from req.stop_all()
     req.cache.length = rows.cur - 1  # as the loop's: all but the last token
+    req.cache.own()
     req.kept_logits, req.scored = out.logits[:req.steps], req.steps  # (not the step launched after the last read)
     if req.no_memory is not None and run.kind is not None:  # NoMemory ran in the graph: its record is on the device
         req.no_memory.wanted, req.scored = [g.sampler.wanted_at < req.steps], None

@@ -42,10 +42,23 @@ def told(events) -> list:
     return out
 
 
+GREEDY = GenerationSettings(max_new_tokens=12)
+
+
 def turn(conv, text, settings, bank=None, **kwargs) -> list:
     events = list(conv.stream(text, settings=settings, memory_db=bank, **kwargs))
     assert isinstance(events[-1], DoneEvent)
     return told(events)
+
+
+@pytest.fixture
+def prefills(graphed, monkeypatch) -> list[int]:
+    """The position each prefill of `graphed`'s step starts from, as they happen."""
+    g = graph.attached(graphed.merged()).graph
+    starts, prefill = [], g.prefill
+    monkeypatch.setattr(g, "prefill", lambda embeds, start=0, *a, **k: starts.append(start) or prefill(embeds, start,
+                                                                                                         *a, **k))
+    return starts
 
 
 def recalling(lm) -> GenerationSettings:
@@ -53,40 +66,41 @@ def recalling(lm) -> GenerationSettings:
     return GenerationSettings(max_new_tokens=24, sequence_bias=(((lm.tokens.recall,), 6.0),))
 
 
-def test_a_conversation_on_the_graph_step_is_the_loops(graphed, tiny_llama, bank):
-    """Three turns (a memory read first, memories recalled mid-answer, a repetition penalty, a stop string): the
+def test_a_conversation_on_the_graph_step_is_the_loops(graphed, tiny_llama, bank, prefills):
+    """Four turns (a memory read first, memories recalled mid-answer, a repetition penalty, a stop string): the
     same events, ids and memory vectors as the loop's; each turn after the first prefills only its new tokens."""
     on, off = Conversation(graphed), Conversation(tiny_llama)
-    decoder = graph.attached(graphed.merged())
     turns = [("Who am I?", GenerationSettings(max_new_tokens=10), dict(recall_first=True)),
              ("And then?", recalling(graphed), {}),
              ("Tell me more.", GenerationSettings(max_new_tokens=16, repetition_penalty=1.3), {}),
              ("Once more.", GenerationSettings(max_new_tokens=30, stop_strings=("e",)), {})]
     recalls = 0
     for i, (text, settings, kwargs) in enumerate(turns):
-        ticket = decoder.graph.ticket
+        held, prefills[:] = cache_length(on.cache) if on.cache is not None else 0, []
         got = turn(on, text, settings, bank, **kwargs)
         assert got == turn(off, text, settings, bank, **kwargs), text
         assert on.ids == off.ids and on.memory.keys() == off.memory.keys()
         for p in on.memory:
             torch.testing.assert_close(on.memory[p], off.memory[p])
         assert isinstance(on.cache, GraphCache) and cache_length(on.cache) == len(on.ids) - 1
-        assert decoder.graph.ticket == ticket + (i == 0)  # only the first turn starts the step over
+        assert prefills == [held] and (held > 0) == (i > 0)  # what the cache held is not read again
         recalls += sum(e[0] == "recall" for e in got)
     assert recalls >= 3 and on.messages[-1].finish_reason == "stop"  # (the stop string ended the last answer)
 
 
-def test_another_conversation_on_the_step_makes_the_first_read_its_prompt_again(graphed, tiny_llama, bank):
-    """B's turn starts the step over: A's handle is stale, and A's next turn prefills its whole prompt, its memory
-    vector placed again, and answers as the loop does."""
-    a, b, ref = Conversation(graphed), Conversation(graphed), Conversation(tiny_llama)
-    for conv in (a, ref):
+def test_conversations_taking_turns_on_the_step_keep_their_positions(graphed, tiny_llama, bank, prefills):
+    """B's turn takes the step: A's positions are copied out with its handle first; A's next turn copies them back
+    and prefills only its new tokens, and both answer as the loop does, turn after turn."""
+    a, b, ref_a, ref_b = Conversation(graphed), Conversation(graphed), Conversation(tiny_llama), Conversation(tiny_llama)
+    for conv in (a, ref_a):
         turn(conv, "Who am I?", GenerationSettings(max_new_tokens=6), bank, recall_first=True)
-    assert a.memory and cache_length(a.cache) == len(a.ids) - 1
-    turn(b, "Hello there.", GenerationSettings(max_new_tokens=6))
-    assert not a.cache.live() and cache_length(a.cache) == 0
-    assert turn(a, "And then?", recalling(graphed), bank) == turn(ref, "And then?", recalling(graphed), bank)
-    assert a.ids == ref.ids
+    assert a.memory and cache_length(a.cache) == len(a.ids) - 1 and a.cache.resident()
+    for text in ["Hello there.", "And then?", "Tell me more."]:
+        for conv, ref in ((b, ref_b), (a, ref_a)):
+            held, prefills[:] = cache_length(conv.cache) if conv.cache is not None else 0, []
+            assert turn(conv, text, recalling(graphed), bank) == turn(ref, text, recalling(graphed), bank)
+            assert conv.ids == ref.ids and prefills == [held]
+        assert a.cache.resident() and b.cache.held is not None and cache_length(b.cache) == len(b.ids) - 1
 
 
 def test_a_second_answer_while_the_step_is_busy_decodes_in_the_loop(graphed, tiny_llama):
@@ -176,7 +190,7 @@ def test_the_service_answers_on_the_graph_step_when_configured(smollm2_dir, tiny
             for svc, s in ((on, a), (off, b)):
                 result(svc.chat(s, text, [], settings, recall).request)
             assert a.conv.ids == b.conv.ids and a.conv.messages[-1].text == b.conv.messages[-1].text
-            assert isinstance(a.conv.cache, GraphCache) and a.conv.cache.live()
+            assert isinstance(a.conv.cache, GraphCache) and a.conv.cache.resident()
     finally:
         for svc in (on, off, auto):
             svc.close()
@@ -195,11 +209,11 @@ def test_a_conversation_with_an_image_on_the_step_is_the_loops(smollm2_dir, tiny
     on, off = Conversation(lm), Conversation(tiny_qwen3vl)
     settings = GenerationSettings(max_new_tokens=10)
     for text, images in [("What is in this picture?", [str(small_image)]), ("And its colours?", [])]:
-        ticket = decoder.graph.ticket
+        held = cache_length(on.cache) if on.cache is not None else 0
         got = told(on.stream(text, images, settings=settings))
         assert got == told(off.stream(text, images, settings=settings)), text
         assert on.ids == off.ids and isinstance(on.cache, GraphCache)
-        assert decoder.graph.ticket == ticket + bool(images)  # (only the first turn starts the step over)
+        assert (held > 0) == (not images) and cache_length(on.cache) == len(on.ids) - 1
     assert int(decoder.graph.delta[0, 0]) < 0  # the image's rotary positions run behind its text positions
 
 
@@ -232,17 +246,22 @@ def test_a_stop_before_the_answer_starts_keeps_the_conversations_place(graphed):
     stop.set()
     assert turn(conv, "And then?", GenerationSettings(max_new_tokens=6), interrupt_event=stop)[-1] == \
         ("finish", "interrupted")
-    assert isinstance(conv.cache, GraphCache) and conv.cache.live() and cache_length(conv.cache) == held
+    assert isinstance(conv.cache, GraphCache) and conv.cache.resident() and cache_length(conv.cache) == held
 
 
-def test_a_seeded_draw_is_the_loops_and_an_unseeded_one_runs_on_the_step(graphed, tiny_llama):
-    """A seed promises `generate`'s draws (the loop's); without one, sampling runs in the step's graph."""
+def test_a_seeded_draw_is_the_loops_and_the_next_turn_takes_the_loops_cache_onto_the_step(graphed, tiny_llama,
+                                                                                         prefills):
+    """A seed promises `generate`'s draws (the loop's); the next turn on the step copies the loop's cache in and
+    prefills only its new tokens; a turn the loop answers then gets the step's positions as a cache of its own."""
     seeded = GenerationSettings(max_new_tokens=12, do_sample=True, top_k=20, seed=5)
     on, off = Conversation(graphed), Conversation(tiny_llama)
     assert turn(on, "Hello there.", seeded) == turn(off, "Hello there.", seeded)
-    assert not isinstance(on.cache, GraphCache)
-    turn(on, "And then?", GenerationSettings(max_new_tokens=12, do_sample=True, top_k=20))
-    assert isinstance(on.cache, GraphCache)
+    assert not isinstance(on.cache, GraphCache) and prefills == []
+    held = cache_length(on.cache)
+    assert turn(on, "And then?", GREEDY) == turn(off, "And then?", GREEDY)
+    assert isinstance(on.cache, GraphCache) and prefills == [held]
+    assert turn(on, "Once more.", seeded) == turn(off, "Once more.", seeded)  # (the loop, on a copy of the step's)
+    assert on.ids == off.ids and not isinstance(on.cache, GraphCache)
 
 
 @pytest.mark.parametrize("bias", [0.0, 8.0], ids=["answers", "wants-a-memory"])
