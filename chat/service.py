@@ -110,7 +110,8 @@ class Service(SessionService):
         if self._graph_step_on(lm):
             decoder = graph.enable(lm.merged(), max_slots=self.cfg.memory.max_slots,
                                    max_len=self.cfg.model.graph_max_len, compile=lm.device.type == "cuda")
-            steps.append((decoder, lambda: decoder.warm_up(settings=(self.cfg.generation,))))
+            steps.append((decoder, lambda: decoder.warm_up(settings=(self.cfg.generation,),
+                                                           eos=list(lm.spec.eos_token_ids or []))))
         if self.cfg.model.compile and not lm.is_vision:
             step = compiled.enable(lm.merged())
             steps.append((step, step.warm_up))

@@ -4,8 +4,8 @@
 `DeviceSampler.configure` reads the request's transformers `LogitsProcessorList` (built by `decoding.processors`,
 the order of `generate`) and returns a `Kind` when every processor has a tensor form here: one-token
 `sequence_bias`, the repetition penalty (no left padding), temperature, top-k, top-p and min-p, in that order, and
-the chat's `decoding.memory.NoMemory` last (its record of a wanted memory kept on the device, `wanted_at`), with
-the same operations (so the processed scores are theirs); `None` otherwise (the documented fallback: multi-token
+the chat's `decoding.memory.NoMemory` before the warpers (its record of a wanted memory kept on the device,
+`wanted_at`), with the same operations (so the processed scores are theirs); `None` otherwise (the documented fallback: multi-token
 sequence biases, n-gram bans, bad words, min-length, forced tokens, suppressions, typical/epsilon/eta,
 watermarking, guidance; those run as transformers' processors on the host's queue, outside the graph, and
 some of them synchronise). The kind says which operations a graph holds; their values (penalty, temperature,
@@ -103,9 +103,12 @@ class DeviceSampler:
         if eos:
             self.eos[:min(len(eos), EOS_SLOTS)] = torch.tensor(eos[:EOS_SLOTS], device=self.device)
         self.pad.fill_(pad)
-        no_memory = procs[-1] if len(procs) and isinstance(procs[-1], NoMemory) else None
-        if no_memory is not None:
-            procs = procs[:-1]
+        at = next((i for i, p in enumerate(procs) if isinstance(p, NoMemory)), None)
+        no_memory = None if at is None else procs[at]
+        if no_memory is not None:  # where `before_warpers` puts it: after the bias and the penalty, before the rest
+            if any(type(p) not in _ORDER[:2] for p in procs[:at]) or any(type(p) in _ORDER[:2] for p in procs[at:]):
+                return None
+            procs = [*procs[:at], *procs[at + 1:]]
         found: dict[type, object] = {}
         for p in procs:
             if type(p) not in _ORDER or type(p) in found:
@@ -159,13 +162,13 @@ class DeviceSampler:
             s = s + self.bias
         if kind.penalty:
             s = torch.where(self.counts > 0, torch.where(s < 0, s * self.penalty, s / self.penalty), s)
+        if kind.no_memory:  # NoMemory, before the warpers
+            first = s.argmax(-1) == self.recall_id  # [B]: rows that want a memory (recorded at their first commit)
+            self.wanted_at.copy_(torch.where(first & (self.wanted_at == NEVER), self.step, self.wanted_at))
+            s = s.masked_fill(self.suppress, -float("inf"))  # <recall> and <|memory_pad|>
+            s = s.masked_fill(first[:, None] & self.first_ends & (self.step == 0), -float("inf"))  # (no first end)
         if kind.sample:
             s = self._warp(s, kind)
-        if kind.no_memory:  # NoMemory, last: a row whose first choice was <recall> is recorded (its first commit)
-            first = s.argmax(-1) == self.recall_id  # [B]
-            self.wanted_at.copy_(torch.where(first & (self.wanted_at == NEVER), self.step, self.wanted_at))
-            s = s.masked_fill(self.suppress, -float("inf"))  # ... and answers: not the end at the first token
-            s = s.masked_fill(first[:, None] & self.first_ends & (self.step == 0), -float("inf"))
         return s
 
     def _warp(self, s: torch.Tensor, kind: Kind) -> torch.Tensor:

@@ -195,6 +195,20 @@ class GraphStep:
         self.length += 1
         return out
 
+    def _width(self, left: int) -> int:
+        """The graph a span's next part takes: the smallest that holds the `left` tokens, else the widest."""
+        return next((w for w in self.spans if w >= left), self.spans[-1])
+
+    def room_for(self, n: int) -> bool:
+        """Whether a span of `n` forced positions fits from `one.position` on (its padded replays included)."""
+        length = self.length
+        while n > 0:
+            width = self._width(n)
+            if length + width > self.max_len:
+                return False
+            length, n = length + min(width, n), n - min(width, n)
+        return True
+
     def forward_span(self, tokens: list[int], vectors: dict[int, torch.Tensor],
                      kind: Kind | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forced positions from `one.position` on, the same for every row: `tokens`, with `vectors[i]` [H] (model
@@ -204,7 +218,7 @@ class GraphStep:
             raise ValueError("this step was built without span graphs (spans=())")
         out, start = None, 0
         while start < len(tokens):
-            width = next((w for w in self.spans if w >= len(tokens) - start), self.spans[-1])
+            width = self._width(len(tokens) - start)
             if self.length + width > self.max_len:  # the padded width is written before it is cropped
                 raise ValueError(f"no room for a span of {len(tokens)} in the static cache ({self.length} of "
                                  f"{self.max_len} positions held)")
@@ -243,18 +257,22 @@ class GraphStep:
                     break
                 self._body(self.one, None) if self.mode == "manual" else self.step(greedy)
                 for w in widths:
+                    if stop is not None and stop.is_set():
+                        break
                     self.forward_span([0, 0], {0: torch.zeros(self.embed.weight.shape[1], device=self.device,
                                                               dtype=self.dtype)}) if self.mode != "manual" else \
                         self._body(self.wide[w], None)
             self.sampler.choose(torch.zeros((self.batch, self.sampler.vocab), device=self.device), FULL)
             for kind in dict.fromkeys((greedy, None, *kinds)) if self.mode == "manual" else ():
-                for width in (1, *widths):
+                # (a memory longer than the widest span replays it first without committing a token)
+                long = () if kind is None or not widths else ((widths[-1], dataclasses.replace(kind, commit=False)),)
+                for width, variant in ((1, kind), *((w, kind) for w in widths), *long):
                     if stop is not None and stop.is_set():
                         break
                     for layer in self.cache.layers:  # (a capture does not run: its replay moves the cache on)
                         layer.cumulative_length.fill_(prompt)
                     self.one.position.fill_(prompt)
-                    self._run(self.one if width == 1 else self.wide[width], kind)
+                    self._run(self.one if width == 1 else self.wide[width], variant)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
         self.length = 0
@@ -279,25 +297,41 @@ class GraphDecoder:
     def __deepcopy__(self, memo) -> None:
         return None  # a copy of the model (the mixture's base copy) starts without one
 
-    def warm_up(self, spans: bool = True, settings: tuple[GenerationSettings, ...] = ()) -> float:
+    def warm_up(self, spans: bool = True, settings: tuple[GenerationSettings, ...] = (),
+                eos: list[int] | None = None) -> float:
         """Compile and capture (`GraphStep.warm_up`, holding `decoding.compiled.TRACING`), also the graphs of the
-        processors of `settings` (the configured defaults); `ready` is set after, unless `stop()` came first. A
-        failure is logged and kept in `error`: the chat then decodes in its loop."""
+        processors of `settings` (the configured defaults; `eos`: the model's end ids), with nothing to read too;
+        `ready` is set after, unless `stop()` came first (a stop asked before it began too). A failure is logged
+        and kept in `error`: the chat then decodes in its loop."""
         g = self.graph
         try:
-            kinds = [g.sampler.configure(build_logits_processor(s, eos_token_id=None, prompt_ids=torch.zeros(
-                (g.batch, 1), dtype=torch.long, device=g.device), vocab_size=g.sampler.vocab), do_sample=s.do_sample,
-                seed=0, eos=[], pad=0, masked=False) for s in settings]
-            kinds += [dataclasses.replace(k, no_memory=True) for k in kinds if k is not None]  # (with no bank)
+            kinds = [kind for s in settings if (kind := self._kind(s, eos)) is not None]
+            kinds += [dataclasses.replace(k, no_memory=True) for k in kinds]  # (no bank: the chat's NoMemory)
             with TRACING:
                 seconds = g.warm_up(spans=spans, kinds=tuple(kinds), stop=self._stop)
         except Exception as e:  # noqa: BLE001 - the loop stays in charge
             self.error = f"{type(e).__name__}: {e}"
             log.warning("warming up the graph step failed, the chat decodes in its loop: %s", self.error)
             return 0.0
-        if not self._stop.is_set():
+        finally:
+            stopped = self._stop.is_set()
+            self._stop.clear()
+        if not stopped:
             self.ready.set()
         return seconds
+
+    def _kind(self, settings: GenerationSettings, eos: list[int] | None) -> Kind | None:
+        """The sampler kind a request of these settings runs (None: the fallback, or settings that need what a
+        warm-up has not: guidance's second model)."""
+        g = self.graph
+        ids = torch.zeros((g.batch, 1), dtype=torch.long, device=g.device)
+        try:
+            procs = build_logits_processor(dataclasses.replace(settings, guidance_scale=1.0, negative_prompt=None),
+                                           eos_token_id=eos or None, prompt_ids=ids, vocab_size=g.sampler.vocab)
+        except ValueError:
+            return None
+        return g.sampler.configure(procs, do_sample=settings.do_sample, seed=0, eos=list(eos or []), pad=0,
+                                   masked=False)
 
     def stop(self) -> None:
         """End a warm-up between two graphs (the decoder then stays unready: the chat decodes in its loop)."""

@@ -27,6 +27,7 @@ could outgrow the step's cache.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 import weakref
@@ -44,6 +45,13 @@ from decoding.loop import prefill_embeds
 from decoding.memory import Recall
 from decoding.request import Controls, Prompt, Request, prepare
 from decoding.settings import GenerationSettings
+
+
+log = logging.getLogger("decoding.graph_stream")
+
+
+class NoRoom(ValueError):
+    """A recalled memory does not fit in what is left of the step's cache."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,8 +99,8 @@ def for_the_loop(prompt: Prompt) -> Prompt:
     if not handle.valid():
         return dataclasses.replace(prompt, cache=None)
     cache = DynamicCache(config=handle.step.config)
-    for i, (k, v) in enumerate(handle.layers()):
-        cache.update(k.clone(), v.clone(), i)
+    for i, (k, v) in enumerate(handle.layers()):  # (a resident handle's are views of the step's cache: copied)
+        cache.update(k if handle.held is not None else k.clone(), v if handle.held is not None else v.clone(), i)
     return dataclasses.replace(prompt, cache=cache)
 
 
@@ -173,6 +181,8 @@ def read_graph(decoder: GraphDecoder, prompt: Prompt, interrupt: threading.Event
     try:
         decoder.busy = True
         past = _seat(g, prompt.cache)
+        if past >= ids.shape[1]:
+            raise ValueError(f"the cache covers {past} tokens but the prompt has only {ids.shape[1]}")
         positions = prefill_positions(g.backbone, prompt.inputs, ids, None)[..., past:]
         done = yield from _prefill(g, g.embed(ids[:, past:]), positions, {}, past, ids.shape[1], chunk, interrupt)
     finally:
@@ -230,6 +240,10 @@ def _answer(decoder: GraphDecoder, req: Request, prompt: Prompt, interrupt: thre
 
     def recaller(state: torch.Tensor, position: int):
         tokens, vectors, events = req.recall_row(0, state)
+        if not g.room_for(len(tokens)):  # a memory longer than `max_slots` near the end of the step's cache
+            rows.injections.pop()
+            raise NoRoom(f"a memory of {len(tokens)} positions at position {position}: the graph step holds "
+                         f"{g.max_len}")
         rows.memory[0].update(vectors)
         told.extend(events)
         return tokens, vectors, events[-1]
@@ -254,6 +268,11 @@ def _answer(decoder: GraphDecoder, req: Request, prompt: Prompt, interrupt: thre
         else:  # the host loop ended on its own (the step's cache is full)
             if rows.alive[0]:
                 yield rows.finish(0, "length")
+    except NoRoom as e:  # the answer ends where its cache does, before the `<recall>` it could not read
+        log.warning("the answer ends at the graph step's cache (model.graph_max_len): %s", e)
+        told.clear()
+        rows.cur -= rows.cur > req.prompt_len  # (a `<recall>` the answer wrote is dropped; the prompt's stays)
+        yield rows.finish(0, "length")
     finally:
         blocks.close()
     if stopped:

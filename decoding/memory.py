@@ -109,7 +109,8 @@ class Recall:
 class NoMemory(LogitsProcessor):
     """Recall with nothing to read, in `answer` mode: `<recall>` and `<|memory_pad|>` are suppressed, so the model
     answers from what it knows; `wanted` marks, per call, each row whose first choice was `<recall>` (on the
-    device: no host sync). Runs last, after the request's other processors."""
+    device: no host sync). Runs where `generate` runs a suppression: after the request's other processors, before
+    its warpers (`decoding.processors.before_warpers`), so a top-k, top-p or min-p never keeps `<recall>` alone."""
 
     def __init__(self, recall: Recall, start: int = -1, eos: Sequence[int] = ()):
         self.recall_id = recall.recall_id

@@ -122,6 +122,17 @@ def build_logits_processor(
     return procs
 
 
+WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
+           EpsilonLogitsWarper, EtaLogitsWarper, WatermarkLogitsProcessor)  # (and the watermark, after them)
+
+
+def before_warpers(procs: LogitsProcessorList, proc) -> LogitsProcessorList:
+    """`procs` with `proc` inserted where a suppression goes in `generate`'s order: before the warpers (so a
+    top-k, top-p or min-p never keeps only what it then suppresses)."""
+    at = next((i for i, p in enumerate(procs) if isinstance(p, WARPERS)), len(procs))
+    return LogitsProcessorList([*procs[:at], proc, *procs[at:]])
+
+
 def _warpers(s: GenerationSettings, device: torch.device) -> list:
     """The former "warpers" of a sampled answer, in `generate`'s order; min_tokens_to_keep is 1 without beams."""
     warpers = []

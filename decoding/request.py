@@ -26,7 +26,7 @@ from decoding.entropy import EntropyDecoder, repeat_rows
 from decoding.events import Event, FinishEvent, GenerationResult, RecallEvent, TokenEvent
 from decoding.backend import Backend, backend_for, require
 from decoding.memory import MemorySelector, NoMemory, Recall, recall_step
-from decoding.processors import NegativePrompt, build_logits_processor, build_stopping_criteria
+from decoding.processors import NegativePrompt, before_warpers, build_logits_processor, build_stopping_criteria
 from decoding.settings import GenerationSettings
 from models.spec import GUIDANCE, LAYERS, ROWS
 
@@ -167,7 +167,7 @@ class Request:
     rows: Rows
     entropy: EntropyDecoder | None  # entropy-based layer choice (seed 002)
     rng: torch.Generator | None = None  # a seeded request's own random state (None: the global one)
-    no_memory: NoMemory | None = None  # recall off in `answer` mode: the <recall> suppressor, last of `processors`
+    no_memory: NoMemory | None = None  # recall off in `answer` mode: the <recall> suppressor, before the warpers
     tool_call_end: int | None = None  # `</tool_call>`'s id when the tokenizer has it as one token (early stop only)
     t0: float = 0.0
     prefill_s: float = 0.0
@@ -317,7 +317,7 @@ def prepare(model, prompt: Prompt, settings: GenerationSettings, recall: Recall 
         entropy.check(processors)
     no_memory = NoMemory.of(recall, recall_on, prompt_len, eos)
     if no_memory is not None:
-        processors = LogitsProcessorList([*processors, no_memory])
+        processors = before_warpers(processors, no_memory)
     criteria = build_stopping_criteria(settings, prompt_length=prompt_len, eos_token_id=eos or None,
                                        tokenizer=tokenizer, max_position_embeddings=context)
     if controls.stopping_criteria:

@@ -18,7 +18,7 @@ from decoding.device_sampler import DeviceSampler
 from decoding.graph import Decoded, GraphDecoder
 from decoding.loop import generate
 from decoding.memory import Recall
-from decoding.processors import build_logits_processor
+from decoding.processors import before_warpers, build_logits_processor
 from decoding.request import Controls, Prompt
 from decoding.sampling import draw
 from decoding.settings import GenerationSettings, RecallSettings
@@ -195,8 +195,8 @@ def test_no_memory_in_the_graph_is_the_processors(settings):
     for step, scores in enumerate([torch.randn(6, 10, generator=g), torch.randn(6, 10, generator=g)]):
         scores[::2, 7] = 9.0  # rows 0, 2, 4 want a memory
         no_memory = NoMemory(Recall(7, 8), start=2, eos=[9])
-        procs = build_logits_processor(settings, eos_token_id=None, prompt_ids=seen, vocab_size=10)
-        procs.append(no_memory)
+        procs = before_warpers(build_logits_processor(settings, eos_token_id=None, prompt_ids=seen, vocab_size=10),
+                               no_memory)
         sampler = DeviceSampler(6, 10, torch.device("cpu"))
         kind = sampler.configure(procs, do_sample=settings.do_sample, seed=5, eos=[], pad=0, masked=False, prompt=2)
         assert kind is not None and kind.no_memory
@@ -370,16 +370,18 @@ def told(events) -> list:
                                                                                  "FinishEvent")]
 
 
+@pytest.mark.parametrize("bank", ["memories", "none"])
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
-def test_the_chats_answer_on_the_step_is_the_loops(request, where):
+def test_the_chats_answer_on_the_step_is_the_loops(request, where, bank):
     """`decoding.graph_stream` (what `Engine.stream` runs on a model with a graph step): the loop's events, recalls
-    mid-answer and a repetition penalty included; on the GPU, no host sync in any step's launch."""
+    mid-answer and a repetition penalty included, or with nothing to read `<recall>` suppressed in the graph
+    (`NoMemory`) and the same record of it; on the GPU, no host sync in any step's launch."""
     from decoding.graph_stream import GraphCache, stream_graph
     from decoding.loop import stream_generate
 
     model = request.getfixturevalue("model" if where == "cpu" else "cuda_model")
     dec = request.getfixturevalue("eager" if where == "cpu" else "graphed")
-    recall = kv_recall(model)
+    recall = kv_recall(model) if bank == "memories" else Recall(RECALL, PAD, None, without_memory="answer")
     s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),), repetition_penalty=1.1)
     controls = Controls(eos_token_id=EOS)
     ids = prompt(2)
@@ -389,8 +391,10 @@ def test_the_chats_answer_on_the_step_is_the_loops(request, where):
         got = list(stream_graph(dec, Prompt({"input_ids": ids}), s, recall, None, None, controls, None))
     finally:
         dec.launch_guard = contextlib.nullcontext
-    assert told(got) == told(want) and sum(type(e).__name__ == "RecallEvent" for e in got) >= 2
+    recalls = sum(type(e).__name__ == "RecallEvent" for e in got)
+    assert told(got) == told(want) and (recalls >= 2 if bank == "memories" else recalls == 0)
     result = got[-1].result
+    assert result.missed_recall == want[-1].result.missed_recall == (None if bank == "memories" else [True])
     assert isinstance(result.cache, GraphCache) and result.cache.length == result.sequences.shape[1] - 1
 
 
@@ -408,3 +412,18 @@ def test_a_memory_that_could_outgrow_the_steps_cache_is_answered_by_the_loop(mod
     got = list(stream_graph(dec, Prompt({"input_ids": ids}), s, recall, None, None, Controls(),
                             lambda p: stream_generate(model, p.inputs, s, recall=recall)))
     assert told(got) == told(want) and want[-1].result.sequences.shape[1] > 48  # (the memory alone: 35-40 slots)
+    dec.max_slots = 8  # (a bank whose memories are longer than it says): the answer ends where the step's cache does
+    got = list(stream_graph(dec, Prompt({"input_ids": ids}), s, recall, None, None, Controls(), None))
+    assert told(got) == [("FinishEvent", "length", None)] and got[-1].result.sequences.tolist() == ids.tolist()
+
+
+def test_a_warm_up_takes_every_configured_setting_and_a_stop_ends_only_itself(model):
+    """Configured defaults the warm-up cannot build processors for alone (guidance's second model, a length penalty
+    without an end id given) leave the step ready; a stop asked before a warm-up ends that one, not the next."""
+    dec = GraphDecoder(model, max_len=128, spans=(17,), compile=False)
+    dec.stop()
+    dec.warm_up()
+    assert not dec.ready.is_set() and dec.error is None
+    dec.warm_up(settings=(GenerationSettings(guidance_scale=1.5), GenerationSettings(
+        do_sample=True, exponential_decay_length_penalty=(4, 1.1)), GenerationSettings(do_sample=True, top_k=5)))
+    assert dec.ready.is_set() and dec.error is None

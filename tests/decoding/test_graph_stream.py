@@ -276,3 +276,15 @@ def test_with_nothing_to_read_the_step_suppresses_recall_in_its_graph(graphed, t
     assert results[0] == results[1] and results[0][1] == [bias > 0]
     sampler = graph.attached(graphed.merged()).graph.sampler  # (set only when NoMemory has its tensor form)
     assert bool(sampler.suppress[graphed.tokens.recall]) and bool(sampler.suppress[graphed.tokens.memory_pad])
+
+
+def test_a_top_p_that_would_keep_only_recall_still_answers(graphed, tiny_llama):
+    """`NoMemory` suppresses before the warpers: with `<recall>` far ahead and top-p 0.5 (which kept it alone, and
+    NoMemory then took it: the loop's draw failed on all -inf scores, the step's drew token 0), both answer."""
+    for lm, seed in ((graphed, None), (tiny_llama, 3)):  # (unseeded: on the step; seeded: in the loop)
+        settings = GenerationSettings(max_new_tokens=6, do_sample=True, top_p=0.5, seed=seed,
+                                      sequence_bias=(((lm.tokens.recall,), 12.0),))
+        events = list(Conversation(lm).stream("Who keeps the lighthouse?", settings=settings))
+        tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
+        assert len(tokens) >= 1 and 0 not in tokens and lm.tokens.recall not in tokens
+        assert events[-1].result.missed_recall == [True]
