@@ -5,10 +5,10 @@
 the order of `generate`) and returns a `Kind` when every processor has a tensor form here: one-token
 `sequence_bias`, the repetition penalty (no left padding), temperature, top-k, top-p and min-p, in that order, and
 the chat's `decoding.memory.NoMemory` before the warpers (its record of a wanted memory kept on the device,
-`wanted_at`), with the same operations (so the processed scores are theirs); `None` otherwise (the documented fallback: multi-token
-sequence biases, n-gram bans, bad words, min-length, forced tokens, suppressions, typical/epsilon/eta,
-watermarking, guidance; those run as transformers' processors on the host's queue, outside the graph, and
-some of them synchronise). The kind says which operations a graph holds; their values (penalty, temperature,
+`wanted_at`), with the same operations (so the processed scores are theirs); `None` otherwise (the documented
+fallback: multi-token sequence biases, n-gram bans, bad words, min-length, forced tokens, suppressions,
+typical/epsilon/eta, watermarking, guidance; those run as transformers' processors on the host's queue, outside the
+graph, and some of them synchronise). The kind says which operations a graph holds; their values (penalty, temperature,
 k, ...) live in buffers, so a new request with other values replays the same graph.
 
 The draw is the Gumbel-max race: argmax(scores + G), G = -log(-log U), which picks i with probability

@@ -91,7 +91,8 @@ def test_a_conversation_on_the_graph_step_is_the_loops(graphed, tiny_llama, bank
 def test_conversations_taking_turns_on_the_step_keep_their_positions(graphed, tiny_llama, bank, prefills):
     """B's turn takes the step: A's positions are copied out with its handle first; A's next turn copies them back
     and prefills only its new tokens, and both answer as the loop does, turn after turn."""
-    a, b, ref_a, ref_b = Conversation(graphed), Conversation(graphed), Conversation(tiny_llama), Conversation(tiny_llama)
+    a, b = Conversation(graphed), Conversation(graphed)
+    ref_a, ref_b = Conversation(tiny_llama), Conversation(tiny_llama)
     for conv in (a, ref_a):
         turn(conv, "Who am I?", GenerationSettings(max_new_tokens=6), bank, recall_first=True)
     assert a.memory and cache_length(a.cache) == len(a.ids) - 1 and a.cache.resident()
