@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
+from bench._gpu_report import table  # noqa: E402
 from decoding.events import DoneEvent  # noqa: E402
 from decoding.graph import GraphDecoder  # noqa: E402
 from decoding.graph_stream import stream_graph  # noqa: E402
@@ -151,227 +152,194 @@ def build(shape: dict, device: str, dtype: torch.dtype):
     return model.eval()
 
 
-def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.dtype) -> None:
-    name, shape = SHAPES[key]
-    n, repeats = args.tokens, args.repeats
-    model = build(shape, device, dtype)
-    vocab, hidden = shape["vocab_size"], shape["hidden_size"]
-    recall_id, pad_id, end_id = vocab - 3, vocab - 2, vocab - 1  # random weights: any ids do
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    ids = (tokenizer(PROMPT, return_tensors="pt")["input_ids"] if tokenizer is not None
-           else torch.randint(3, 40000, (1, 24), generator=torch.Generator().manual_seed(0)))
-    info = run.results["models"].setdefault(name, {})
-    info.update(weights_gb=weight_bytes / 1e9, prompt_tokens=ids.shape[1], dtype=str(dtype), tokens=n)
-    card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    bw = next((b for k, b in BANDWIDTH.items() if k in card), None)
-    if bw:
-        info["bound_ms_per_token"] = weight_bytes / bw * 1e3
-    dev_ids = ids.to(device)
-    greedy = lambda k: GenerationSettings(max_new_tokens=k, min_new_tokens=k)  # noqa: E731
-    answers: dict[str, list[int]] = {}
+class ModelBench:
+    """The measures of one model shape, side by side on one run; `all()` runs them in the order the budget favours."""
 
-    def hf_config(k: int, static: bool = False):
-        config = to_generation_config(greedy(k), eos_token_id=None, pad_token_id=0)
+    def __init__(self, run: Run, key: str, args, tokenizer, device: str, dtype: torch.dtype):
+        self.run, self.args, self.tokenizer, self.device, self.dtype = run, args, tokenizer, device, dtype
+        self.name, shape = SHAPES[key]
+        self.n, self.repeats = args.tokens, args.repeats
+        self.model = build(shape, device, dtype)
+        self.vocab, self.hidden = shape["vocab_size"], shape["hidden_size"]
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.ids = (tokenizer(PROMPT, return_tensors="pt")["input_ids"] if tokenizer is not None
+                    else torch.randint(3, 40000, (1, 24), generator=torch.Generator().manual_seed(0)))
+        self.dev_ids = self.ids.to(device)
+        self.info = run.results["models"].setdefault(self.name, {})
+        self.info.update(weights_gb=weight_bytes / 1e9, prompt_tokens=self.ids.shape[1], dtype=str(dtype),
+                         tokens=self.n)
+        card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        bw = next((b for k, b in BANDWIDTH.items() if k in card), None)
+        if bw:
+            self.info["bound_ms_per_token"] = weight_bytes / bw * 1e3
+        self.answers: dict[str, list[int]] = {}
+        self.decoder: GraphDecoder | None = None  # the graph step of one row (the recall and chat measures reuse it)
+
+    @staticmethod
+    def greedy(k: int) -> GenerationSettings:
+        return GenerationSettings(max_new_tokens=k, min_new_tokens=k)
+
+    def hf_config(self, k: int, static: bool = False):
+        config = to_generation_config(self.greedy(k), eos_token_id=None, pad_token_id=0)
         if static:
             config.cache_implementation = "static"
         return config
 
-    def agreement(tokens: list[int], k: int = 16) -> str:
+    def agreement(self, tokens: list[int], k: int = 16) -> str:
         """How many first greedy tokens equal eager `generate`'s (bf16 parts late, a wrong step at once: run 3)."""
         k = min(k, len(tokens))
-        ref = model.generate(dev_ids, generation_config=hf_config(k))[0, ids.shape[1]:].tolist()
+        ref = self.model.generate(self.dev_ids, generation_config=self.hf_config(k))[0, self.ids.shape[1]:].tolist()
         return f"{next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), k)}/{k}"
 
-    def graph_step():
-        dec = GraphDecoder(model, max_len=args.max_len, spans=(SLOTS + 1,), graphs=args.graphs)
+    def graph_step(self) -> dict:
+        dec = GraphDecoder(self.model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs)
         compile_s = dec.warm_up()
-        run_k = lambda k: dec.generate(ids, greedy(k))  # noqa: E731
-        answers["graph"] = run_k(n).tokens[0]
-        out = {"compile_s": compile_s, "agrees_with_eager": agreement(answers["graph"]), **per_token(run_k, n, repeats)}
+        run_k = lambda k: dec.generate(self.ids, self.greedy(k))  # noqa: E731
+        self.answers["graph"] = run_k(self.n).tokens[0]
+        out = {"compile_s": compile_s, "agrees_with_eager": self.agreement(self.answers["graph"]),
+               **per_token(run_k, self.n, self.repeats)}
         out["ttft_host_ms"] = run_k(1).ttft * 1e3
         out["graphs"], out["fallback"] = dec.graph.mode, dec.graph.fallback
-        graph_step.decoder = dec
+        self.decoder = dec
         return out
 
-    def chat_graph():
+    def _decoder(self, what: str) -> GraphDecoder:
+        if self.decoder is None:
+            raise RuntimeError(f"the graph step did not compile: no {what} measure")
+        return self.decoder
+
+    def chat_graph(self) -> dict:
         """The chat's own answer on the same step (`decoding.graph_stream`: events, detokenizer, stop criteria,
         read one step late), as `Engine.stream` runs it."""
-        dec = getattr(graph_step, "decoder", None)
-        if dec is None:
-            raise RuntimeError("the graph step did not compile: no chat measure")
+        dec = self._decoder("chat")
         dec.ready.set()
 
         def run_k(k):
-            events = list(stream_graph(dec, Prompt({"input_ids": ids}), greedy(k), None, tokenizer, None,
-                                       Controls(eos_token_id=[]), lambda _: iter(())))
+            events = list(stream_graph(dec, Prompt({"input_ids": self.ids}), self.greedy(k), None, self.tokenizer,
+                                       None, Controls(eos_token_id=[]), lambda _: iter(())))
             if not isinstance(events[-1], DoneEvent):
                 raise RuntimeError("the step did not take the request")
             return events[-1].result
 
-        answers["chat"] = run_k(n).sequences[0, ids.shape[1]:].tolist()
-        out = per_token(run_k, n, repeats)
-        out["same_tokens_as_the_step"] = answers["chat"] == answers.get("graph")
+        self.answers["chat"] = run_k(self.n).sequences[0, self.ids.shape[1]:].tolist()
+        out = per_token(run_k, self.n, self.repeats)
+        out["same_tokens_as_the_step"] = self.answers["chat"] == self.answers.get("graph")
         return out
 
-    def hf_static():
+    def hf_static(self) -> dict:
+        generate_k = lambda k: self.model.generate(  # noqa: E731
+            self.dev_ids, generation_config=self.hf_config(k, True))
         t = time.perf_counter()
-        for k in (n, 1, n, 1):  # the first calls compile (and record) for both cache lengths
-            model.generate(dev_ids, generation_config=hf_config(k, True))
-        compile_s = time.perf_counter() - t
-        return {"compile_and_first_calls_s": compile_s,
-                **per_token(lambda k: model.generate(dev_ids, generation_config=hf_config(k, True)), n, repeats)}
+        for k in (self.n, 1, self.n, 1):  # the first calls compile (and record) for both cache lengths
+            generate_k(k)
+        return {"compile_and_first_calls_s": time.perf_counter() - t, **per_token(generate_k, self.n, self.repeats)}
 
-    def hf_eager():
-        answers["hf"] = model.generate(dev_ids, generation_config=hf_config(n))[0, ids.shape[1]:].tolist()
-        return per_token(lambda k: model.generate(dev_ids, generation_config=hf_config(k)), n, repeats)
+    def hf_eager(self) -> dict:
+        generate_k = lambda k: self.model.generate(self.dev_ids, generation_config=self.hf_config(k))  # noqa: E731
+        self.answers["hf"] = generate_k(self.n)[0, self.ids.shape[1]:].tolist()
+        return per_token(generate_k, self.n, self.repeats)
 
-    def ours_eager():
-        res = generate(model, {"input_ids": dev_ids}, greedy(n))
-        answers["ours"] = res.sequences[0, ids.shape[1]:].tolist()
-        return per_token(lambda k: generate(model, {"input_ids": dev_ids}, greedy(k)), n, repeats)
+    def ours_eager(self) -> dict:
+        generate_k = lambda k: generate(self.model, {"input_ids": self.dev_ids}, self.greedy(k))  # noqa: E731
+        self.answers["ours"] = generate_k(self.n).sequences[0, self.ids.shape[1]:].tolist()
+        return per_token(generate_k, self.n, self.repeats)
 
-    def recall():
-        dec = getattr(graph_step, "decoder", None)
-        if dec is None:
-            raise RuntimeError("the graph step did not compile: no recall measure")
-        step_ms = run.results["models"][name]["graph step"]["ms_per_token"]
+    def recall(self) -> dict:
+        """The memory head over each bank size, the wide replay of a memory's 16 slots and `</recall>`, in decode
+        steps of the graph step; and a recall through the decoder."""
+        dec, hidden, device, dtype = self._decoder("recall"), self.hidden, self.device, self.dtype
+        recall_id, pad_id, end_id = self.vocab - 3, self.vocab - 2, self.vocab - 1  # random weights: any ids do
+        step_ms = self.info["graph step"]["ms_per_token"]
         out = {}
         db = MemoryVectorDB(hidden, token_values=True)  # grown from one size to the next
         g, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
-        for size in sorted(args.memories):
+        for size in sorted(self.args.memories):
             t = time.perf_counter()
             for start in range(len(db), size, 20_000):
                 k = min(20_000, size - start)
                 db.add(torch.randn(k, hidden, generator=g), values=list(rng.integers(3, 40000, (k, SLOTS), np.int32)))
             built = time.perf_counter() - t
-            rec = Recall(recall_id, pad_id, db, RecallSettings(), suffix=(end_id,)).with_tokens(model.get_input_embeddings())
+            rec = Recall(recall_id, pad_id, db, RecallSettings(), suffix=(end_id,)).with_tokens(
+                self.model.get_input_embeddings())
             selector = MemorySelector.of(rec)
             query = torch.randn(hidden, device=device, dtype=dtype)
             upload = timed(lambda: selector.choose(query))  # the keys go to the device once
             head = statistics.median(timed(lambda: selector.choose(query)) for _ in range(20))
-            # the wide replay of 16 slots + </recall>, in place (the cache's position moved back after each)
-            dec.graph.prefill(dec.graph.embed(dev_ids))
+            dec.graph.prefill(dec.graph.embed(self.dev_ids))
             memory = selector.choose(query)
-            vectors = rec.embed(rec.values(memory), device, dtype)
-            span = rec.span(memory)
-            g_ = dec.graph
-
-            def one_span():
-                g_.forward_span(span, dict(enumerate(vectors)))
-                for layer in g_.cache.layers:
-                    layer.cumulative_length.sub_(len(span))
-                g_.one.position.sub_(len(span))
-                g_.length -= len(span)
-
+            one_span = self._span(rec.span(memory), rec.embed(rec.values(memory), device, dtype))
             one_span()
             span_s = statistics.median(timed(one_span) for _ in range(10))
-            full = dec.generate(torch.cat([ids, torch.tensor([[recall_id]])], 1), greedy(4), recall=rec)
+            full = dec.generate(torch.cat([self.ids, torch.tensor([[recall_id]])], 1), self.greedy(4), recall=rec)
             out[f"{size}"] = {"bank_build_s": built, "first_search_s": upload, "head_ms": head * 1e3,
                               "span_ms": span_s * 1e3, "slots": memory.slots,
                               "decode_steps": (head + span_s) * 1e3 / step_ms,
                               "recalled_through_the_decoder": bool(full.recalls)}
-            del selector, rec
+            selector = rec = None  # (the keys on the device go before the next size's)
         return out
 
-    def rows(kind: str, b: int):
+    def _span(self, span: list[int], vectors: torch.Tensor):
+        """The wide replay of a memory's span, in place (the cache's position moved back after each)."""
+        g = self._decoder("recall").graph
+
+        def one_span():
+            g.forward_span(span, dict(enumerate(vectors)))
+            for layer in g.cache.layers:
+                layer.cumulative_length.sub_(len(span))
+            g.one.position.sub_(len(span))
+            g.length -= len(span)
+        return one_span
+
+    def rows(self, kind: str, b: int):
         def fn():
-            batch_ids = dev_ids.expand(b, -1).contiguous()
+            batch_ids = self.dev_ids.expand(b, -1).contiguous()
             if kind == "graph":
-                dec = GraphDecoder(model, batch=b, max_len=args.max_len, spans=(), graphs=args.graphs)
+                dec = GraphDecoder(self.model, batch=b, max_len=self.args.max_len, spans=(), graphs=self.args.graphs)
                 compile_s = dec.warm_up(spans=False)
-                res = per_token(lambda k: dec.generate(batch_ids, greedy(k)), n, repeats)
+                res = per_token(lambda k: dec.generate(batch_ids, self.greedy(k)), self.n, self.repeats)
                 res["compile_s"], res["graphs"], res["fallback"] = compile_s, dec.graph.mode, dec.graph.fallback
-                one = run.results["models"][name].get("graph step", {}).get("ms_per_token")
+                one = self.info.get("graph step", {}).get("ms_per_token")
                 if one:
                     res["vs_1_row"] = b / res["ms_per_token"] * one
             else:
-                res = per_token(lambda k: generate(model, {"input_ids": batch_ids}, greedy(k)), n, repeats)
+                res = per_token(lambda k: generate(self.model, {"input_ids": batch_ids}, self.greedy(k)), self.n,
+                                self.repeats)
             res["tokens_per_s"] = b / res["ms_per_token"] * 1e3
             return res
         return fn
 
-    eager_cost = 2 * repeats * (n + 1) * (0.03 if device == "cuda" else 0.05) + 5
-    run.measure(name, "graph step", 80, graph_step)
-    run.measure(name, "chat on the graph step", 10, chat_graph)
-    if args.static:
-        run.measure(name, "transformers static generate", 30, hf_static)
-    for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio is the target
-        run.measure(name, f"graph step, {b} rows", 30, rows("graph", b))
-        if b == max(args.graph_rows):
-            run.measure(name, "recall", 15, recall)
-    if not args.graph_rows:
-        run.measure(name, "recall", 15, recall)
-    if args.eager:  # measured in the first run (docs/gpu/results.md): behind --eager
-        run.measure(name, "transformers eager generate", eager_cost, hf_eager)
-        run.measure(name, "our eager loop", eager_cost, ours_eager)
-        for b in args.rows:
-            run.measure(name, f"our eager loop, {b} rows", eager_cost, rows("eager", b))
-    if "hf" in answers:
-        info["same_greedy_answer"] = {k: v == answers["hf"] for k, v in answers.items() if k != "hf"}
-        info["same_prefix_tokens"] = {k: next((i for i, (a, b) in enumerate(zip(v, answers["hf"])) if a != b),
-                                             min(len(v), len(answers["hf"]))) for k, v in answers.items() if k != "hf"}
-    run.save()
-    del model
+    def all(self) -> None:
+        run, name, args = self.run, self.name, self.args
+        eager_cost = 2 * self.repeats * (self.n + 1) * (0.03 if self.device == "cuda" else 0.05) + 5
+        run.measure(name, "graph step", 80, self.graph_step)
+        run.measure(name, "chat on the graph step", 10, self.chat_graph)
+        if args.static:
+            run.measure(name, "transformers static generate", 30, self.hf_static)
+        for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio is the target
+            run.measure(name, f"graph step, {b} rows", 30, self.rows("graph", b))
+            if b == max(args.graph_rows):
+                run.measure(name, "recall", 15, self.recall)
+        if not args.graph_rows:
+            run.measure(name, "recall", 15, self.recall)
+        if args.eager:  # measured in the first run (docs/gpu/results.md): behind --eager
+            run.measure(name, "transformers eager generate", eager_cost, self.hf_eager)
+            run.measure(name, "our eager loop", eager_cost, self.ours_eager)
+            for b in args.rows:
+                run.measure(name, f"our eager loop, {b} rows", eager_cost, self.rows("eager", b))
+        answers = self.answers
+        if "hf" in answers:
+            self.info["same_greedy_answer"] = {k: v == answers["hf"] for k, v in answers.items() if k != "hf"}
+            self.info["same_prefix_tokens"] = {
+                k: next((i for i, (a, b) in enumerate(zip(v, answers["hf"])) if a != b),
+                        min(len(v), len(answers["hf"]))) for k, v in answers.items() if k != "hf"}
+        run.save()
+
+
+def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.dtype) -> None:
+    ModelBench(run, key, args, tokenizer, device, dtype).all()
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-
-
-def cell(entry, key: str, fmt: str = "{:.2f}") -> str:
-    if not isinstance(entry, dict):
-        return "—"
-    if "skipped" in entry:
-        return "skipped"
-    if "error" in entry:
-        return "error"
-    return fmt.format(entry[key]) if key in entry else "—"
-
-
-def table(results: dict) -> str:
-    env = results.get("env", {})
-    lines = [f"{env.get('date', '')}, {env.get('card', '')}, torch {env.get('torch', '')}, transformers "
-             f"{env.get('transformers', '')}, {env.get('dtype', '')}, greedy, random weights, inductor "
-             f"{env.get('inductor', 'defaults')}", "",
-             "| model | transformers eager ms/token | transformers static ms/token (compile s) | our eager loop "
-             "ms/token | graph step ms/token (compile s) | graph step's first greedy tokens = eager generate's | "
-             "bound ms/token | graph / bound | graph / tf static | TTFT ms: tf eager / tf static / graph |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, m in results.get("models", {}).items():
-        g, s = m.get("graph step", {}), m.get("transformers static generate", {})
-        bound = m.get("bound_ms_per_token")
-        ratio = lambda a, b: f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) else "—"  # noqa: E731
-        gms, sms = g.get("ms_per_token") if isinstance(g, dict) else None, s.get("ms_per_token") if isinstance(s, dict) else None
-        lines.append(
-            f"| {name} ({m.get('weights_gb', 0):.2f} GB) | {cell(m.get('transformers eager generate'), 'ms_per_token')} | "
-            f"{cell(s, 'ms_per_token')} ({cell(s, 'compile_and_first_calls_s', '{:.0f}')}) | "
-            f"{cell(m.get('our eager loop'), 'ms_per_token')} | {cell(g, 'ms_per_token')} "
-            f"({cell(g, 'compile_s', '{:.0f}')}) | {g.get('agrees_with_eager', '—') if isinstance(g, dict) else '—'} | "
-            f"{f'{bound:.3f}' if bound else '—'} | "
-            f"{ratio(bound, gms)} | {ratio(gms, sms)} | {cell(m.get('transformers eager generate'), 'ttft_ms', '{:.1f}')} / "
-            f"{cell(s, 'ttft_ms', '{:.1f}')} / {cell(g, 'ttft_ms', '{:.1f}')} |")
-    lines += ["", "| model | graph step ms/token | the chat's answer on it ms/token (events, detokenizer, criteria) | "
-              "same tokens |", "|---|---|---|---|"]
-    for name, m in results.get("models", {}).items():
-        c = m.get("chat on the graph step", {})
-        lines.append(f"| {name} | {cell(m.get('graph step'), 'ms_per_token')} | {cell(c, 'ms_per_token')} | "
-                     f"{c.get('same_tokens_as_the_step', '—') if isinstance(c, dict) else '—'} |")
-    lines += ["", "| model | recall: memories | head ms | 16-slot span ms | in decode steps |", "|---|---|---|---|---|"]
-    for name, m in results.get("models", {}).items():
-        r = m.get("recall", {})
-        if isinstance(r, dict) and not ({"skipped", "error"} & set(r)):
-            for size, v in r.items():
-                lines.append(f"| {name} | {int(size):,} | {v['head_ms']:.3f} | {v['span_ms']:.3f} | "
-                             f"{v['decode_steps']:.2f} |")
-        else:
-            lines.append(f"| {name} | — | {cell(r, 'x')} | | |")
-    lines += ["", "| model | path, rows | ms/step | aggregate tokens/s | rows / 1 row, aggregate tokens/s |",
-              "|---|---|---|---|---|"]
-    for name, m in results.get("models", {}).items():
-        for k, v in m.items():
-            if "rows" in k:
-                lines.append(f"| {name} | {k} | {cell(v, 'ms_per_token')} | {cell(v, 'tokens_per_s', '{:.0f}')} | "
-                             f"{cell(v, 'vs_1_row', '{:.1f}x')} |")
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:

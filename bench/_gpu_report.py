@@ -1,0 +1,60 @@
+"""The tables of `bench/gpu.py`'s results (results.md and the end of its log)."""
+
+from __future__ import annotations
+
+
+def cell(entry, key: str, fmt: str = "{:.2f}") -> str:
+    if not isinstance(entry, dict):
+        return "—"
+    if "skipped" in entry:
+        return "skipped"
+    if "error" in entry:
+        return "error"
+    return fmt.format(entry[key]) if key in entry else "—"
+
+
+def table(results: dict) -> str:
+    env = results.get("env", {})
+    lines = [f"{env.get('date', '')}, {env.get('card', '')}, torch {env.get('torch', '')}, transformers "
+             f"{env.get('transformers', '')}, {env.get('dtype', '')}, greedy, random weights, inductor "
+             f"{env.get('inductor', 'defaults')}", "",
+             "| model | transformers eager ms/token | transformers static ms/token (compile s) | our eager loop "
+             "ms/token | graph step ms/token (compile s) | graph step's first greedy tokens = eager generate's | "
+             "bound ms/token | graph / bound | graph / tf static | TTFT ms: tf eager / tf static / graph |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, m in results.get("models", {}).items():
+        g, s = m.get("graph step", {}), m.get("transformers static generate", {})
+        bound = m.get("bound_ms_per_token")
+        ratio = lambda a, b: f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) else "—"  # noqa: E731
+        gms, sms = g.get("ms_per_token") if isinstance(g, dict) else None, s.get("ms_per_token") if isinstance(s, dict) else None
+        lines.append(
+            f"| {name} ({m.get('weights_gb', 0):.2f} GB) | {cell(m.get('transformers eager generate'), 'ms_per_token')} | "
+            f"{cell(s, 'ms_per_token')} ({cell(s, 'compile_and_first_calls_s', '{:.0f}')}) | "
+            f"{cell(m.get('our eager loop'), 'ms_per_token')} | {cell(g, 'ms_per_token')} "
+            f"({cell(g, 'compile_s', '{:.0f}')}) | {g.get('agrees_with_eager', '—') if isinstance(g, dict) else '—'} | "
+            f"{f'{bound:.3f}' if bound else '—'} | "
+            f"{ratio(bound, gms)} | {ratio(gms, sms)} | {cell(m.get('transformers eager generate'), 'ttft_ms', '{:.1f}')} / "
+            f"{cell(s, 'ttft_ms', '{:.1f}')} / {cell(g, 'ttft_ms', '{:.1f}')} |")
+    lines += ["", "| model | graph step ms/token | the chat's answer on it ms/token (events, detokenizer, criteria) | "
+              "same tokens |", "|---|---|---|---|"]
+    for name, m in results.get("models", {}).items():
+        c = m.get("chat on the graph step", {})
+        lines.append(f"| {name} | {cell(m.get('graph step'), 'ms_per_token')} | {cell(c, 'ms_per_token')} | "
+                     f"{c.get('same_tokens_as_the_step', '—') if isinstance(c, dict) else '—'} |")
+    lines += ["", "| model | recall: memories | head ms | 16-slot span ms | in decode steps |", "|---|---|---|---|---|"]
+    for name, m in results.get("models", {}).items():
+        r = m.get("recall", {})
+        if isinstance(r, dict) and not ({"skipped", "error"} & set(r)):
+            for size, v in r.items():
+                lines.append(f"| {name} | {int(size):,} | {v['head_ms']:.3f} | {v['span_ms']:.3f} | "
+                             f"{v['decode_steps']:.2f} |")
+        else:
+            lines.append(f"| {name} | — | {cell(r, 'x')} | | |")
+    lines += ["", "| model | path, rows | ms/step | aggregate tokens/s | rows / 1 row, aggregate tokens/s |",
+              "|---|---|---|---|---|"]
+    for name, m in results.get("models", {}).items():
+        for k, v in m.items():
+            if "rows" in k:
+                lines.append(f"| {name} | {k} | {cell(v, 'ms_per_token')} | {cell(v, 'tokens_per_s', '{:.0f}')} | "
+                             f"{cell(v, 'vs_1_row', '{:.1f}x')} |")
+    return "\n".join(lines) + "\n"
