@@ -1,0 +1,26 @@
+"""bench/gpu.py's logic end to end on a tiny shape on the CPU (`--smoke`): the script only ever runs on a lent GPU,
+so this is what keeps it working between those runs. It checks what the measures found, never their times."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = json.loads((tmp_path / "results.json").read_text())["models"]["tiny (smoke)"]
+    failed = {k: v for k, v in model.items() if isinstance(v, dict) and ({"error", "skipped"} & set(v))}
+    assert not failed, failed
+    same, of = model["graph step"]["agrees_with_eager"].split("/")
+    assert same == of  # (the first greedy tokens of the step and of eager `generate`)
+    assert model["chat on the graph step"]["same_tokens_as_the_step"] is True
+    assert all(r["recalled_through_the_decoder"] and r["slots"] == 16 for r in model["recall"].values())
+    assert all(model["same_greedy_answer"].values()), model["same_greedy_answer"]
+    assert "| tiny (smoke)" in (tmp_path / "results.md").read_text()
