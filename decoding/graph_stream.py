@@ -72,8 +72,7 @@ class GraphCache:
         return self.length if self.held is not None or self.resident() else 0
 
     def hold(self) -> None:
-        self.held = [(layer.keys[:, :, :self.length].clone(), layer.values[:, :, :self.length].clone())
-                     for layer in self.step.cache.layers]
+        self.held = [(k.clone(), v.clone()) for k, v in self.layers()]
 
     def own(self) -> None:
         """Become the step's owner (its positions are in the static cache)."""
@@ -99,8 +98,9 @@ def for_the_loop(prompt: Prompt) -> Prompt:
     if not handle.valid():
         return dataclasses.replace(prompt, cache=None)
     cache = DynamicCache(config=handle.step.config)
-    for i, (k, v) in enumerate(handle.layers()):  # (a resident handle's are views of the step's cache: copied)
-        cache.update(k if handle.held is not None else k.clone(), v if handle.held is not None else v.clone(), i)
+    kv = handle.held if handle.held is not None else [(k.clone(), v.clone()) for k, v in handle.layers()]
+    for i, (k, v) in enumerate(kv):  # (a resident handle's are views of the step's cache: copied)
+        cache.update(k, v, i)
     return dataclasses.replace(prompt, cache=cache)
 
 
