@@ -63,6 +63,19 @@ def bot_text(page) -> str:
     return bots.last.inner_text() if bots.count() else ""
 
 
+def stop(page) -> None:
+    """Click Stop until the status says the answer stopped (on a loaded CI machine a click was lost, the first's once
+    and the second's once: the status never said stopped); three tries."""
+    for attempt in range(3):
+        page.locator("#message .stop-button").click()
+        try:
+            page.wait_for_function("document.querySelector('#status').innerText.includes('stopped after')",
+                                   timeout=15_000)
+            return
+        except playwright.TimeoutError:
+            assert attempt < 2, page.inner_text("#status")
+
+
 def test_chat_with_an_image_stream_stop_upload_and_recall(page, vl_page_server, tmp_path):
     service = vl_page_server.service
     page.goto(vl_page_server.url)
@@ -92,8 +105,7 @@ def test_chat_with_an_image_stream_stop_upload_and_recall(page, vl_page_server, 
     assert req is not None and not req.done.is_set()
 
     # stop: the server-side loop ends, the partial answer stays
-    page.locator("#message .stop-button").click()
-    page.wait_for_function("document.querySelector('#status').innerText.includes('stopped after')")
+    stop(page)
     assert req.done.wait(30) and req.reason == "interrupted" and req.steps < MAX_NEW_TOKENS
     page.wait_for_function("document.querySelector('#chatbot').innerText.includes('(stopped)')")
 
@@ -111,14 +123,7 @@ def test_chat_with_an_image_stream_stop_upload_and_recall(page, vl_page_server, 
     # events can land on the first event's button, and the 400-token answer then ends by its length)
     page.wait_for_function("(() => { const b = document.querySelectorAll('#chatbot .bot');"
                            " return b.length >= 2 && b[1].innerText.length > 20; })()")
-    for attempt in range(3):  # (on a loaded CI machine one click was lost: the status never said stopped)
-        page.locator("#message .stop-button").click()
-        try:
-            page.wait_for_function("document.querySelector('#status').innerText.includes('stopped after')",
-                                   timeout=15_000)
-            break
-        except playwright.TimeoutError:
-            assert attempt < 2, page.inner_text("#status")
+    stop(page)
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "browser.png"), full_page=True)
