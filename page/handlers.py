@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from chat.worker import ServiceError
 from page import controls
 
 MEMORY_COLOR = "#f59e0b"
+STOP_WINDOW_S = 5.0  # an answer withdrawn this recently was stopped by the same click (its event's cancel)
 
 
 def _warn(e: Exception) -> str:
@@ -108,6 +110,9 @@ class Handlers:
 
     async def stop(self, s: Session) -> str:
         stopped = self.service.stop(s)
+        if not stopped:  # the Stop button also cancels the answer's event, whose end withdraws it (`follow`): that
+            now = time.perf_counter()  # may come first, and it is this click's stop all the same
+            stopped = [r for r in s.active if r.stop_requested is not None and now - r.stop_requested < STOP_WINDOW_S]
         for req in stopped:
             with contextlib.suppress(ValueError):  # a failed request is stopped too
                 await self.service.wait_for(req)  # within one decoding step
