@@ -57,4 +57,15 @@ def table(results: dict) -> str:
             if "rows" in k:
                 lines.append(f"| {name} | {k} | {cell(v, 'ms_per_token')} | {cell(v, 'tokens_per_s', '{:.0f}')} | "
                              f"{cell(v, 'vs_1_row', '{:.1f}x')} |")
+    lines += ["", "| model | chat sessions at once (the service) | aggregate tokens/s | / 1 session | TTFT ms median / max |",
+              "|---|---|---|---|---|"]
+    for name, m in results.get("models", {}).items():
+        ses = m.get("sessions", {})
+        if not isinstance(ses, dict) or {"skipped", "error"} & set(ses):
+            lines.append(f"| {name} | — | {cell(ses, 'x')} | | |")
+            continue
+        for n, v in ses.items():
+            if isinstance(v, dict):
+                lines.append(f"| {name} | {n} | {v['tokens_per_s']:.0f} | {cell(v, 'vs_1_session', '{:.1f}x')} | "
+                             f"{v['ttft_ms']:.1f} / {v['ttft_max_ms']:.1f} |")
     return "\n".join(lines) + "\n"

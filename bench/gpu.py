@@ -7,7 +7,11 @@ its own compile), our loop (eager) and our graph step (`decoding/graph.py`), on 
 bf16 (fp32 with --smoke), greedy, one prompt; per-token time = (T(n) - T(1)) / (n - 1), the median of the
 repeats; TTFT = T(1). A recall = the memory head's exact search over 10k / 100k memories on the device plus
 the forward of 16 `<|memory_pad|>` slots and `</recall>` (one wide replay), in decode steps of the graph step.
-Rows: B rows of one request (equal lengths), aggregate tokens/s. The bound is the weights' bytes over the
+Rows: B rows of one request (equal lengths), aggregate tokens/s. Sessions: 1 / 8 / 32 / 64 chat sessions at once
+through the chat service as a server runs it (`chat.service.Service` over this model with the graph step attached:
+the worker's rounds, one answer on the graph step and the rest in the loop's continuous batch), each a greedy
+answer of --tokens to its own question; aggregate tokens/s from the first submission to the last answer's end,
+and the ratio to one session. The bound is the weights' bytes over the
 card's memory bandwidth (H200 4.8 TB/s, H100 3.35 TB/s). Every measure runs in its own try/except and is
 skipped once the time budget is spent; results are written after each one (results.json, results.md, and
 the log beside them), so a run cut short keeps what it measured.
@@ -35,6 +39,7 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from bench._gpu_report import table  # noqa: E402
+from decoding import graph  # noqa: E402
 from decoding.events import DoneEvent  # noqa: E402
 from decoding.graph import GraphDecoder  # noqa: E402
 from decoding.graph_stream import stream_graph  # noqa: E402
@@ -44,6 +49,7 @@ from decoding.memory import MemorySelector, Recall  # noqa: E402
 from decoding.processors import to_generation_config  # noqa: E402
 from decoding.settings import GenerationSettings, RecallSettings  # noqa: E402
 from memory.bank import MemoryVectorDB  # noqa: E402
+from models.loading import LoadedModel, ensure_special_tokens  # noqa: E402
 
 SHAPES = {  # the published configs' numbers (HuggingFaceTB/SmolLM2-*, meta-llama/Llama-3.1-8B)
     "135m": ("SmolLM2-135M", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -160,7 +166,9 @@ class ModelBench:
         self.name, shape = SHAPES[key]
         self.n, self.repeats = args.tokens, args.repeats
         self.model = build(shape, device, dtype)
-        self.vocab, self.hidden = shape["vocab_size"], shape["hidden_size"]
+        # the recall tokens, as the chat adds them to a model it loads (3 more rows where the tokenizer outgrows it)
+        self.tokens = ensure_special_tokens(self.model, tokenizer) if tokenizer is not None else None
+        self.vocab, self.hidden = self.model.get_input_embeddings().weight.shape[0], shape["hidden_size"]
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.ids = (tokenizer(PROMPT, return_tensors="pt")["input_ids"] if tokenizer is not None
                     else torch.randint(3, 40000, (1, 24), generator=torch.Generator().manual_seed(0)))
@@ -192,7 +200,8 @@ class ModelBench:
         return f"{next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), k)}/{k}"
 
     def graph_step(self) -> dict:
-        dec = GraphDecoder(self.model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs)
+        # attached to the model (as the chat's service attaches it): the sessions measure answers on it too
+        dec = graph.enable(self.model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs)
         compile_s = dec.warm_up()
         run_k = lambda k: dec.generate(self.ids, self.greedy(k))  # noqa: E731
         self.answers["graph"] = run_k(self.n).tokens[0]
@@ -290,6 +299,44 @@ class ModelBench:
             g.length -= len(span)
         return one_span
 
+    def sessions(self) -> dict:
+        """N chat sessions at once through the service, for each N of --sessions (see the module's doc)."""
+        if self.tokenizer is None:
+            raise RuntimeError("no tokenizer: the chat service needs one (bench/gpu_prepare.sh)")
+        # (here, not at the top: the chat service needs Pillow and pydantic, which a GPU machine may lack; the
+        # other measures run without them)
+        from bench.serving import OFF, QUESTIONS, Follow, wait
+        from chat.config import load_config
+        from chat.service import Service
+
+        lm = LoadedModel(model=self.model, tokenizer=self.tokenizer, tokens=self.tokens, name=self.name)
+        counts = self.args.sessions
+        cfg = load_config(overrides=[f"app.max_running={max(counts)}", f"generation.max_new_tokens={self.n}",
+                                     f"app.max_new_tokens_cap={max(self.n, 8)}", "model.compile=false"], environ={})
+        svc = Service(cfg, lm)
+        out: dict = {}
+        try:
+            settings = GenerationSettings(max_new_tokens=self.n, min_new_tokens=self.n)
+            for n in counts:
+                sessions = [svc.new_session() for _ in range(n)]
+                t0 = time.perf_counter()
+                follows = [Follow(svc, svc.chat(s, QUESTIONS[i % len(QUESTIONS)], [], settings, OFF),
+                                  time.perf_counter()) for i, s in enumerate(sessions)]
+                wait(follows)
+                wall = time.perf_counter() - t0
+                made = sum(len(f.result.new_tokens[0]) for f in follows)
+                for s in sessions:
+                    svc.end_session(s)
+                out[str(n)] = {"tokens_per_s": made / wall, "tokens": made,
+                               "ttft_ms": statistics.median(f.ttft for f in follows) * 1e3,
+                               "ttft_max_ms": max(f.ttft for f in follows) * 1e3}
+                if "1" in out:
+                    out[str(n)]["vs_1_session"] = out[str(n)]["tokens_per_s"] / out["1"]["tokens_per_s"]
+            out["batch_forwards"] = svc.worker.batch.forwards
+        finally:
+            svc.close()
+        return out
+
     def rows(self, kind: str, b: int):
         def fn():
             batch_ids = self.dev_ids.expand(b, -1).contiguous()
@@ -326,6 +373,8 @@ class ModelBench:
             run.measure(name, "our eager loop", eager_cost, self.ours_eager)
             for b in args.rows:
                 run.measure(name, f"our eager loop, {b} rows", eager_cost, self.rows("eager", b))
+        if args.sessions:
+            run.measure(name, "sessions", 30, self.sessions)
         answers = self.answers
         if "hf" in answers:
             self.info["same_greedy_answer"] = {k: v == answers["hf"] for k, v in answers.items() if k != "hf"}
@@ -353,6 +402,7 @@ def main() -> None:
                     "(1 row and --rows rows; measured in the first run)")
     ap.add_argument("--rows", default="8,32", help="rows of one request through our eager loop (with --eager)")
     ap.add_argument("--graph-rows", default="8,32", help="rows through the graph step (a compile each)")
+    ap.add_argument("--sessions", default="1,8,32,64", help="chat sessions at once through the service")
     ap.add_argument("--graphs", default="manual", choices=["manual", "trees"],
                     help="the step as one captured CUDA graph (manual) or torch.compile's CUDA graphs (trees)")
     ap.add_argument("--memories", default="100000")
@@ -364,9 +414,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.models, args.tokens, args.repeats, args.memories = "smoke", 6, 1, "2000"
-        args.rows, args.graph_rows, args.max_len, args.eager = "2", "2", 128, True
+        args.rows, args.graph_rows, args.max_len, args.eager, args.sessions = "2", "2", 128, True, "1,2"
     as_ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     args.rows, args.graph_rows, args.memories = as_ints(args.rows), as_ints(args.graph_rows), as_ints(args.memories)
+    args.sessions = as_ints(args.sessions)
     for key, value in (item.split("=", 1) for item in args.inductor.split(",") if item):
         setattr(torch._inductor.config, key, type(getattr(torch._inductor.config, key))(int(value)))
     transformers.logging.set_verbosity_error()  # (generate's notes on min_new_tokens, a line a call)

@@ -3,8 +3,9 @@
 #     bash bench/gpu_run.sh            # results and logs into $OUT (the run tool's folder; else artifacts/gpu-run)
 # 1. the `gpu` tests of tests/decoding/test_graph.py (no host sync in a decode step, a recall replayed exactly,
 #    batched = alone), 2. bench/gpu.py (SmolLM2-1.7B and -135M shapes, random weights, bf16).
-# Installs nothing from the network: pytest comes from artifacts/gpu/wheels when the machine lacks it, the
-# tokenizer from artifacts/gpu/tokenizer (both made by bench/gpu_prepare.sh; carry "artifacts/gpu").
+# Installs nothing from the network: pytest, Pillow and pydantic come from artifacts/gpu/wheels (appended to the path:
+# the machine's own packages come first), the tokenizer from artifacts/gpu/tokenizer (both made by
+# bench/gpu_prepare.sh; carry "artifacts/gpu").
 # About 5 minutes on an H200 (tests ~35 s, bench budget 235 s); each part has its own timeout, and the bench skips
 # what its budget cannot fit (a measure is started only when its estimated cost fits the time left).
 set -uo pipefail
@@ -19,14 +20,12 @@ BENCH_BUDGET=${BENCH_BUDGET:-235}
 {
   echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)"
   "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'gpu', torch.cuda.is_available())"
-  if ! "$PY" -c "import pytest" 2>/dev/null; then
-    if ls artifacts/gpu/wheels/*.whl >/dev/null 2>&1; then
-      for w in artifacts/gpu/wheels/*.whl; do "$PY" -m zipfile -e "$w" /tmp/gpu-site; done  # pure-python wheels
-      export PYTHONPATH="$PYTHONPATH:/tmp/gpu-site"
-      echo "pytest from artifacts/gpu/wheels"
-    else
-      echo "!! no pytest and no artifacts/gpu/wheels: the gpu tests cannot run (bash bench/gpu_prepare.sh here first)"
-    fi
+  if ls artifacts/gpu/wheels/*.whl >/dev/null 2>&1; then  # what the machine lacks (its own packages come first)
+    for w in artifacts/gpu/wheels/*.whl; do "$PY" -m zipfile -e "$w" /tmp/gpu-site; done
+    export PYTHONPATH="$PYTHONPATH:/tmp/gpu-site"
+    echo "wheels from artifacts/gpu/wheels: $(ls artifacts/gpu/wheels | tr '\n' ' ')"
+  else
+    echo "!! no artifacts/gpu/wheels: no pytest (the gpu tests) nor the chat service (bench/gpu_prepare.sh here first)"
   fi
   echo "== 1. gpu tests (timeout ${TESTS_TIMEOUT} s)"
   t0=$(date +%s)

@@ -126,6 +126,7 @@ class AppConfig:
     context_overflow: str = "refuse"  # refuse | drop_oldest: what happens when a conversation outgrows the limits
     prefill_chunk_tokens: int = 256  # a long prompt is read in chunks: a stop, and other sessions, wait one chunk
     batching: bool = True  # answers of different sessions decode as rows of one forward; false: they take turns
+    max_running: int = 8  # answers decoding at once (rows of the batch); more wait in the queue, their place shown
     session_ttl_s: int = 1800  # a session idle this long is freed (also API clients, which never close a page)
     api_key: str | None = None  # required as "Authorization: Bearer <key>" on /v1 when set
     users_file: str | None = None  # people (recall-users): the page asks for a login, /v1 for a user's key
@@ -135,7 +136,7 @@ class AppConfig:
         _check(isinstance(self.ui_updates_per_second, (int, float)) and self.ui_updates_per_second > 0,
                "ui_updates_per_second", self.ui_updates_per_second, "a positive number")
         for key in ("max_message_chars", "max_input_tokens", "max_new_tokens_cap", "prefill_chunk_tokens",
-                    "session_ttl_s"):
+                    "session_ttl_s", "max_running"):
             value = getattr(self, key)
             _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, key, value,
                    "a positive integer")

@@ -55,7 +55,7 @@ class Service(SessionService):
             MilvusBank.connect(cfg.memory.milvus_uri).close()
         super().__init__(cfg)
         self.janitor = Janitor(self)
-        self.worker = Worker()
+        self.worker = Worker(max_running=cfg.app.max_running)
         self._embedder = futures.ThreadPoolExecutor(1, thread_name_prefix="embed")  # `_read_ahead`
         self.banks = Banks(cfg, self.worker, self._model, self.wait_model, self.files, text_search)
         self.people = People(cfg)

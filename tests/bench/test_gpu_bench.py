@@ -11,9 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--out", str(tmp_path),
+                           "--tokenizer", str(smollm2_dir)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     model = json.loads((tmp_path / "results.json").read_text())["models"]["tiny (smoke)"]
     failed = {k: v for k, v in model.items() if isinstance(v, dict) and ({"error", "skipped"} & set(v))}
@@ -23,4 +23,6 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path):
     assert "/" in model["graph step"]["agrees_with_eager"] and set(model["same_greedy_answer"]) >= {"graph", "chat"}
     assert model["chat on the graph step"]["same_tokens_as_the_step"] is True
     assert all(r["recalled_through_the_decoder"] and r["slots"] == 16 for r in model["recall"].values())
+    sessions = model["sessions"]  # through the chat service: one on the graph step, the other in the loop's batch
+    assert sessions["1"]["tokens"] == 6 and sessions["2"]["tokens"] == 12 and sessions["batch_forwards"] == 0
     assert "| tiny (smoke)" in (tmp_path / "results.md").read_text()

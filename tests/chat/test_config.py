@@ -37,6 +37,7 @@ def test_unknown_key_names_the_key_and_the_allowed_ones(tmp_path):
     ("memory:\n  index: annoy\n", ["memory", "index", "annoy", "hnsw"]),
     ("model:\n  dtype: int8\n", ["model", "dtype", "int8", "bfloat16"]),
     ("app:\n  port: 70000\n", ["app", "port", "70000"]),
+    ("app:\n  max_running: 0\n", ["app", "max_running", "0", "a positive integer"]),
     ("memory:\n  hidden_state:\n    pooling: max\n", ["hidden_state", "pooling", "max"]),
 ])
 def test_out_of_range_values_name_key_value_and_allowed(tmp_path, text, words):

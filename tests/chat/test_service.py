@@ -279,6 +279,30 @@ def test_a_sessions_second_message_waits_and_a_stop_while_queued_keeps_it(servic
     assert nxt.request.reason == "length"
 
 
+def test_answers_past_max_running_wait_in_the_queue_and_start_as_one_ends(tiny_llama, text_search):
+    svc = Service(config("app.max_running=2"), tiny_llama, text_search=text_search)
+    try:
+        sessions = [svc.new_session() for _ in range(3)]
+        with Slow(tiny_llama, seconds=0.002):
+            turns = [svc.chat(s, f"question {i}", [], GenerationSettings(max_new_tokens=40 - 30 * (i == 0)),
+                              NO_RECALL) for i, s in enumerate(sessions)]
+            third = turns[2].request
+            while not (turns[0].request.started and turns[1].request.started):
+                time.sleep(0.005)
+            assert third.started is None  # two run, the third waits its turn
+            places = []
+            while not places or places[-1] != Waiting(0):
+                places.append(third.events.get(timeout=10))
+            assert Waiting(1) in places  # first in the queue, then started
+            for t in turns:
+                result(t.request)
+        assert all(t.request.error is None for t in turns)
+        assert third.started >= turns[0].request.finished  # it started when the short first answer ended
+        assert svc.worker.max_running == 2
+    finally:
+        svc.close()
+
+
 def test_regenerate_replaces_the_last_answer(service):
     s = service.new_session()
     with pytest.raises(ServiceError, match="no answer to regenerate"):
