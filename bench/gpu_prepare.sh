@@ -13,6 +13,7 @@ cp "$SRC"/tokenizer.json "$SRC"/tokenizer_config.json "$SRC"/chat_template.jinja
   || cp "$SRC"/tokenizer* artifacts/gpu/tokenizer/
 # pytest for the gpu tests; Pillow and pydantic for the chat service (bench/gpu.py's sessions measure)
 "$PY" -m pip download --quiet --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d artifacts/gpu/wheels pytest "pillow==12.3.0" "pydantic==2.14.4"
 du -sh artifacts/gpu
 ls artifacts/gpu/tokenizer artifacts/gpu/wheels
