@@ -50,6 +50,8 @@ class Service(SessionService):
                  loader: Callable[[], LoadedModel] | None = None, text_search: TextSearch | None = None):
         self._lm = lm
         self._warm_up: tuple[threading.Thread, list] | None = None  # the background compile, and what it warms up
+        self._warm_lock = threading.Lock()  # (a model still loading when the service closes starts no compile)
+        self._closing = False
         self._loader = loader or (lambda: load_model(cfg.model.path, load_options(cfg)))
         if cfg.memory.store == "milvus":  # refuse to start, naming the URI, when nothing answers there
             MilvusBank.connect(cfg.memory.milvus_uri).close()
@@ -75,13 +77,16 @@ class Service(SessionService):
         super().close()
 
     def _stop_warm_up(self) -> None:
-        """A background compile ends after the bucket it is compiling: nothing compiles on after the service."""
-        if self._warm_up is not None:
-            thread, steps = self._warm_up
+        """A background compile ends after the bucket it is compiling, and none starts after this (a model that was
+        still loading when the service closed): nothing compiles on after the service."""
+        with self._warm_lock:
+            self._closing = True
+            warm, self._warm_up = self._warm_up, None
+        if warm is not None:
+            thread, steps = warm
             for step in steps:
                 step.stop()
             thread.join()
-            self._warm_up = None
 
     # ----------------------------------------------------------------- the model
 
@@ -118,8 +123,11 @@ class Service(SessionService):
         if steps:
             thread = threading.Thread(target=lambda: [warm() for _, warm in steps], name="recall-chat-compile",
                                       daemon=True)
-            thread.start()
-            self._warm_up = (thread, [step for step, _ in steps])
+            with self._warm_lock:
+                if self._closing:
+                    return
+                thread.start()
+                self._warm_up = (thread, [step for step, _ in steps])
 
     def _graph_step_on(self, lm: LoadedModel) -> bool:
         on = self.cfg.model.graph_step

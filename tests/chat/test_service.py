@@ -619,6 +619,27 @@ def test_the_decode_step_compiles_in_the_background(smollm2_dir, text_search, mo
         svc.close()
 
 
+def test_a_model_still_loading_when_the_service_closes_starts_no_compile(smollm2_dir, text_search):
+    from conftest import make_tiny_llama
+
+    lm, loading, go = make_tiny_llama(smollm2_dir, seed=6), threading.Event(), threading.Event()
+
+    def slow_load():
+        loading.set()
+        go.wait(60)
+        return lm
+
+    svc = Service(config("model.compile=true"), loader=slow_load, text_search=text_search)
+    load = svc.ready()
+    assert loading.wait(30)
+    svc.close()  # the worker is still loading: close waits for it a while, then returns
+    go.set()
+    load.done.wait(30)
+    time.sleep(0.2)  # (what the worker thread does after the load)
+    assert svc._warm_up is None
+    assert not [t for t in threading.enumerate() if t.name == "recall-chat-compile"]
+
+
 def test_backend_auto_stays_on_transformers_for_what_only_it_runs():
     from chat.config import load_options
     from models.load import resolve_backend
