@@ -79,9 +79,11 @@ class GraphCache:
         self.held, self.step.owner = None, weakref.ref(self)
 
     def cut(self, keep: int) -> None:
-        self.length = min(self.length, keep)
-        if self.held is not None:
-            self.held = [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in self.held]
+        if keep >= self.length:
+            return
+        self.length = keep
+        if self.held is not None:  # (copies: a view would keep the whole of what was held alive)
+            self.held = [(k[:, :, :keep].clone(), v[:, :, :keep].clone()) for k, v in self.held]
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Keys and values [1, heads, length, dim] a layer (of the static cache, when resident)."""

@@ -12,7 +12,7 @@ import torch
 from chat.session import Conversation
 from conftest import make_tiny_llama
 from decoding import graph
-from decoding.engine import cache_length
+from decoding.engine import cache_length, cut_cache
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 from decoding.graph_stream import GraphCache
 from decoding.settings import GenerationSettings, RecallSettings
@@ -102,6 +102,10 @@ def test_conversations_taking_turns_on_the_step_keep_their_positions(graphed, ti
             assert turn(conv, text, recalling(graphed), bank) == turn(ref, text, recalling(graphed), bank)
             assert conv.ids == ref.ids and prefills == [held]
         assert a.cache.resident() and b.cache.held is not None and cache_length(b.cache) == len(b.ids) - 1
+    keep = cache_length(b.cache) // 2
+    cut_cache(b.cache, keep)  # (an answer taken back): what is held shrinks to what is kept
+    k, _ = b.cache.held[0]
+    assert cache_length(b.cache) == k.shape[2] == keep and k.untyped_storage().nbytes() == k.numel() * k.element_size()
 
 
 def test_a_second_answer_while_the_step_is_busy_decodes_in_the_loop(graphed, tiny_llama):
