@@ -24,7 +24,7 @@ from chat.session import Conversation, Session, text_only_message
 from chat.state import SessionState, bank_state, message_states
 from chat.textsearch import TextSearch
 from chat.worker import Notice, Request, ServiceError, Worker
-from decoding import compiled, graph
+from decoding import compiled, graph, graph_rows
 from decoding.events import DoneEvent
 from decoding.mixture import MixtureResult
 from decoding.settings import GenerationSettings, RecallSettings
@@ -117,6 +117,12 @@ class Service(SessionService):
                                    max_len=self.cfg.model.graph_max_len, compile=lm.device.type == "cuda")
             steps.append((decoder, lambda: decoder.warm_up(settings=(self.cfg.generation,),
                                                            eos=list(lm.spec.eos_token_ids or []))))
+            if self.cfg.model.graph_rows and not lm.is_vision:  # (the rows take text answers)
+                rows = graph_rows.enable_rows(lm.merged(), rows=self.cfg.model.graph_rows,
+                                              max_slots=self.cfg.memory.max_slots, max_len=self.cfg.model.graph_max_len,
+                                              compile=lm.device.type == "cuda")
+                steps.append((rows.decoder, lambda: rows.warm_up(settings=(self.cfg.generation,),
+                                                                 eos=list(lm.spec.eos_token_ids or []))))
         if self.cfg.model.compile and not lm.is_vision:
             step = compiled.enable(lm.merged())
             steps.append((step, step.warm_up))
@@ -137,7 +143,9 @@ class Service(SessionService):
         """"compiling the decode step…" while one compiles, "" otherwise (also when compiling failed or is off)."""
         if self._lm is None:
             return ""
-        for step in (graph.attached(self._lm.model), compiled.attached(self._lm.model)):
+        rows = graph_rows.attached_rows(self._lm.model)
+        for step in (graph.attached(self._lm.model), rows.decoder if rows is not None else None,
+                     compiled.attached(self._lm.model)):
             if step is not None and not step.ready.is_set() and not step.error:
                 return "compiling the decode step…"
         return ""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from types import GeneratorType
 from typing import Any
 
-from decoding.batch import Batch, Step
+from decoding.batch import Batch, Parked
 from decoding.events import FinishEvent, TokenEvent
 
 log = logging.getLogger("chat.worker")
@@ -246,7 +246,7 @@ class Worker(Runner):
             except Exception as e:  # noqa: BLE001 - reported to the requester
                 self._drop(req, generators)
                 return self._fail(req, e)
-            if isinstance(event, Step):
+            if isinstance(event, Parked):
                 self._stepping.add(req.id)
                 self._parked.append(req)
                 return

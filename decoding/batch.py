@@ -28,8 +28,12 @@ from transformers import StaticCache
 from decoding.compiled import fit, static_cache
 
 
+class Parked:
+    """What a request's decode loop yields to wait for the round (the worker parks it until `Batch.run`)."""
+
+
 @dataclass(eq=False)
-class Step:
+class Step(Parked):
     """One request's next decode forward, parked until the batch runs it with the others."""
 
     req: object  # a decoding.request.Request of one unpadded row
@@ -73,10 +77,21 @@ class Batch:
             raise RuntimeError("a decode step was resumed before its batch ran (call Batch.run after each round)")
         return step.hidden, step.logits
 
+    def park(self, turn: Parked) -> Generator[Parked, None, None]:
+        """`yield from` in a decode loop that runs elsewhere (`decoding.graph_rows`): `turn` waits for the round,
+        whose `run` runs it with the others of its kind (`turn.runner.run(turns)`)."""
+        self.pending.append(turn)
+        yield turn
+
     @torch.no_grad()
     def run(self) -> None:
-        """Run every pending step, as the requests' backend runs a round (`Backend.run_round`)."""
-        steps, self.pending = self.pending, []
+        """Run every pending step, as the requests' backend runs a round (`Backend.run_round`), and every other
+        parked turn by its runner (the graph step's rows: one replay for all of them)."""
+        parked, self.pending = self.pending, []
+        steps = [p for p in parked if isinstance(p, Step)]
+        others = [p for p in parked if not isinstance(p, Step)]
+        for runner in dict.fromkeys(p.runner for p in others):
+            runner.run([p for p in others if p.runner is runner])
         if steps:
             steps[0].req.fwd.run_round(steps, self)
 

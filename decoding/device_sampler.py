@@ -12,8 +12,14 @@ graph, and some of them synchronise). The kind says which operations a graph hol
 k, ...) live in buffers, so a new request with other values replays the same graph.
 
 The draw is the Gumbel-max race: argmax(scores + G), G = -log(-log U), which picks i with probability
-softmax(scores)_i (the law of `torch.multinomial`). U is a counter-based hash of (seed, step, row, token), so
-it needs no generator state: the same seed gives the same draws on a CPU, a GPU, eagerly or replayed.
+softmax(scores)_i (the law of `torch.multinomial`). U is a counter-based hash of (seed, the row's commits, lane,
+token), so it needs no generator state: the same seed gives the same draws on a CPU, a GPU, eagerly or replayed.
+
+Every value has one row per batch row: `configure` loads one request into all of them (rows of one request: lane =
+the row), `configure_row` one request into one row (the rows of `decoding.graph_rows`, each its own request, lane
+0, so a request draws the same tokens in any row as alone). A graph holds the union of its rows' kinds; a row
+without an operation holds its neutral value (no bias, penalty 1, temperature 1, top-k = the vocabulary, a top-p
+bound no sum reaches, min-p 0, nothing suppressed, no noise for a greedy row), so its scores are exactly its own.
 
 `commit` writes the chosen tokens where the next replay reads them (the step's input ids), masks the finished
 rows of a batch (EOS then padding, decided on the device), and puts them in a ring of R steps copied to pinned
@@ -22,6 +28,7 @@ host memory without waiting: the host reads step n's tokens from slot n % R afte
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +60,13 @@ class Kind:
     no_memory: bool = False  # `<recall>` and `<|memory_pad|>` suppressed, wanting a memory recorded (NoMemory)
     commit: bool = True  # False: the tokens are counted (penalty) but nothing is chosen (a long span's first parts)
 
+    @staticmethod
+    def union(kinds) -> "Kind":
+        """The kind of a graph over rows of these kinds (each row's values make the others' operations neutral)."""
+        kinds = list(kinds)
+        return Kind(*(any(getattr(k, f) for k in kinds) for f in ("sample", "bias", "penalty", "temperature", "top_k",
+                                                                   "top_p", "min_p", "masked", "no_memory")))
+
 
 FULL = Kind(True, True, True, True, True, True, True, True, True)  # every operation (warm-up: each op's first run)
 NEVER = 1 << 62  # `wanted_at` of a row that never wanted a memory
@@ -75,25 +89,30 @@ class DeviceSampler:
     def __init__(self, batch: int, vocab: int, device: torch.device):
         z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.batch, self.vocab, self.device = batch, vocab, device
-        self.bias = z(vocab, dtype=torch.float32)
-        self.penalty, self.temperature = z(1, dtype=torch.float32) + 1, z(1, dtype=torch.float32) + 1
-        self.top_k, self.top_p, self.min_p = z(1) + vocab, z(1, dtype=torch.float32), z(1, dtype=torch.float32)
+        f32 = torch.float32
+        self.bias = z(batch, vocab, dtype=f32)
+        self.penalty, self.temperature = z(batch, 1, dtype=f32) + 1, z(batch, 1, dtype=f32) + 1
+        self.top_k, self.top_p, self.min_p = z(batch, 1) + vocab, z(batch, 1, dtype=f32) - 1, z(batch, 1, dtype=f32)
+        self.noise = z(batch, 1, dtype=f32)  # 1: the row samples, 0: greedy (a graph that samples other rows)
         self.counts = z(batch, vocab, dtype=torch.int32)  # tokens of each row's sequence (the penalty's input)
-        self.seed, self.step = z(batch), z(1)  # the draw's seed per row; commits so far (the hash's counter)
+        self.seed, self.lane = z(batch), torch.arange(batch, device=device)  # the draw's seed and lane per row
+        self.step = z(1)  # commits so far (the read-back ring's counter)
+        self.row_step = z(batch)  # each row's own commits (the hash's counter, NoMemory's first token)
+        self.held = z(batch, dtype=torch.bool)  # rows whose token a replay drops (a long span's first parts)
         self.unfinished = z(batch, dtype=torch.bool) | True
         self.eos, self.pad = z(EOS_SLOTS) - 1, z(1)
         self.ring = z(RING, batch)
         self.host = torch.zeros((RING, batch), dtype=torch.long, pin_memory=device.type == "cuda")
-        self.rows = torch.arange(batch, device=device)
         self.token_hash = _mix(torch.arange(vocab, device=device) * 0x27D4EB2F & _M)  # [V]
-        self.recall_id, self.suppress, self.first_ends = z(1), z(vocab, dtype=torch.bool), z(vocab, dtype=torch.bool)
-        self.wanted_at = z(batch) + NEVER  # the first commit whose choice, before NoMemory, was `<recall>`
+        self.recall_id = z(1)
+        self.suppress, self.first_ends = z(batch, vocab, dtype=torch.bool), z(batch, vocab, dtype=torch.bool)
+        self.wanted_at = z(batch) + NEVER  # the row's first commit whose choice, before NoMemory, was `<recall>`
 
     def configure(self, procs: LogitsProcessorList, *, do_sample: bool, seed: int, eos: list[int],
                   pad: int, masked: bool, prompt: int = -1) -> Kind | None:
-        """Load a request's processors into the buffers; its `Kind`, or None when one of them has no tensor form
-        here (the caller then runs `procs` itself on the host's queue). `prompt`: the prompt's length (a `NoMemory`
-        last, made for it, applies its first-token rule at the first commit)."""
+        """Load a request's processors into the buffers of every row; its `Kind`, or None when one of them has no
+        tensor form here (the caller then runs `procs` itself on the host's queue). `prompt`: the prompt's length (a
+        `NoMemory` last, made for it, applies its first-token rule at the first commit)."""
         if masked and len(eos) > EOS_SLOTS:
             raise ValueError(f"{len(eos)} EOS ids for a batch of rows; the graph step masks at most {EOS_SLOTS}")
         # what `commit` reads, for every request (the fallback's too): the ring from slot 0, the rows' end
@@ -103,6 +122,26 @@ class DeviceSampler:
         if eos:
             self.eos[:min(len(eos), EOS_SLOTS)] = torch.tensor(eos[:EOS_SLOTS], device=self.device)
         self.pad.fill_(pad)
+        self.lane.copy_(torch.arange(self.batch, device=self.device))
+        kind = self._load(procs, slice(None), do_sample, seed, prompt)
+        return None if kind is None else dataclasses.replace(kind, masked=masked)
+
+    def configure_row(self, row: int, procs: LogitsProcessorList, *, do_sample: bool, seed: int,
+                      prompt: int = -1) -> Kind | None:
+        """Load one request into row `row` alone (lane 0, its own commits from 0, its counts empty: `see` its
+        prompt); its `Kind`, or None (no tensor form: the row is not loaded)."""
+        self.lane[row] = 0
+        return self._load(procs, slice(row, row + 1), do_sample, seed, prompt)
+
+    def free_row(self, row: int) -> None:
+        """A row no request holds: every operation neutral (its tokens are never read)."""
+        self._load(LogitsProcessorList(), slice(row, row + 1), False, 0, -1)
+
+    def kind_of(self, procs: LogitsProcessorList, do_sample: bool) -> Kind | None:
+        """The `Kind` these processors would load as (None: no tensor form), loading nothing."""
+        return self._load(procs, slice(0, 0), do_sample, 0, -1, write=False)
+
+    def _load(self, procs, rows: slice, do_sample: bool, seed: int, prompt: int, write: bool = True) -> Kind | None:
         at = next((i for i, p in enumerate(procs) if isinstance(p, NoMemory)), None)
         no_memory = None if at is None else procs[at]
         if no_memory is not None:  # where `before_warpers` puts it: after the bias and the penalty, before the rest
@@ -117,90 +156,97 @@ class DeviceSampler:
         if [t for t in _ORDER if t in found] != [type(p) for p in procs]:
             return None
         bias = found.get(SequenceBiasLogitsProcessor)
-        self.bias.zero_()
-        if bias is not None:
-            if any(len(ids) != 1 for ids in bias.sequence_bias):
-                return None
-            for ids, b in bias.sequence_bias.items() if isinstance(bias.sequence_bias, dict) else bias.sequence_bias:
-                self.bias[list(ids)[0]] = b
+        if bias is not None and any(len(ids) != 1 for ids in bias.sequence_bias):
+            return None
         penalty = found.get(RepetitionPenaltyLogitsProcessor)
-        if penalty is not None:
-            if penalty.prompt_ignore_length is not None:
-                return None
-            self.penalty.fill_(penalty.penalty)
-        if TemperatureLogitsWarper in found:
-            self.temperature.fill_(found[TemperatureLogitsWarper].temperature)
-        if TopKLogitsWarper in found:
-            self.top_k.fill_(min(found[TopKLogitsWarper].top_k, self.vocab))
-        if TopPLogitsWarper in found:
-            self.top_p.fill_(1 - found[TopPLogitsWarper].top_p)  # (transformers compares with 1 - top_p)
-        if MinPLogitsWarper in found:
-            self.min_p.fill_(found[MinPLogitsWarper].min_p)
-        self.seed.fill_(seed & 0x7FFFFFFF)
-        self.counts.zero_()
-        self.suppress.zero_()
-        self.first_ends.zero_()
-        self.wanted_at.fill_(NEVER)
+        if penalty is not None and penalty.prompt_ignore_length is not None:
+            return None
+        kind = Kind(do_sample, bias is not None, penalty is not None, TemperatureLogitsWarper in found,
+                    TopKLogitsWarper in found, TopPLogitsWarper in found, MinPLogitsWarper in found, False,
+                    no_memory is not None)
+        if not write:
+            return kind
+        self.bias[rows] = 0
+        if bias is not None:
+            for ids, b in bias.sequence_bias.items() if isinstance(bias.sequence_bias, dict) else bias.sequence_bias:
+                self.bias[rows, list(ids)[0]] = b
+        self.penalty[rows] = penalty.penalty if penalty is not None else 1.0
+        self.temperature[rows] = found[TemperatureLogitsWarper].temperature if TemperatureLogitsWarper in found else 1.0
+        self.top_k[rows] = min(found[TopKLogitsWarper].top_k, self.vocab) if TopKLogitsWarper in found else self.vocab
+        # (transformers compares with 1 - top_p; -1: no sum of probabilities is at or below it)
+        self.top_p[rows] = 1 - found[TopPLogitsWarper].top_p if TopPLogitsWarper in found else -1.0
+        self.min_p[rows] = found[MinPLogitsWarper].min_p if MinPLogitsWarper in found else 0.0
+        self.noise[rows] = 1.0 if do_sample else 0.0
+        self.seed[rows] = seed & 0x7FFFFFFF
+        self.row_step[rows] = 0
+        self.held[rows] = False
+        self.counts[rows] = 0
+        self.suppress[rows] = False
+        self.first_ends[rows] = False
+        self.wanted_at[rows] = NEVER
         if no_memory is not None:
             self.recall_id.fill_(no_memory.recall_id)
-            self.suppress[no_memory.ids] = True
+            self.suppress[rows, no_memory.ids] = True
             if no_memory.start == prompt and no_memory.eos:
-                self.first_ends[no_memory.eos] = True
-        return Kind(do_sample, bias is not None, penalty is not None, TemperatureLogitsWarper in found,
-                    TopKLogitsWarper in found, TopPLogitsWarper in found, MinPLogitsWarper in found, masked,
-                    no_memory is not None)
+                self.first_ends[rows, no_memory.eos] = True
+        return kind
 
-    def see(self, ids: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def see(self, ids: torch.Tensor, valid: torch.Tensor | None = None, rows: slice = slice(None)) -> None:
         """Count tokens [B, W] into the rows' sequences (`valid` [B, W] bool: which of them are real)."""
         add = torch.ones_like(ids, dtype=torch.int32) if valid is None else valid.to(torch.int32)
-        self.counts.scatter_add_(1, ids, add)
+        self.counts[rows].scatter_add_(1, ids, add)
 
-    def scores(self, logits: torch.Tensor, kind: Kind) -> torch.Tensor:
-        """The processed scores [B, V] float32 of raw logits [B, V]: transformers' operations, in their order."""
+    def scores(self, logits: torch.Tensor, kind: Kind, rows: slice = slice(None)) -> torch.Tensor:
+        """The processed scores [B, V] float32 of raw logits [B, V] (of `rows`): transformers' operations, in their
+        order."""
         s = logits.float()
         if kind.bias:
-            s = s + self.bias
+            s = s + self.bias[rows]
         if kind.penalty:
-            s = torch.where(self.counts > 0, torch.where(s < 0, s * self.penalty, s / self.penalty), s)
+            p = self.penalty[rows]
+            s = torch.where(self.counts[rows] > 0, torch.where(s < 0, s * p, s / p), s)
         if kind.no_memory:  # NoMemory, before the warpers
+            step, wanted_at = self.row_step[rows], self.wanted_at[rows]
             first = s.argmax(-1) == self.recall_id  # [B]: rows that want a memory (recorded at their first commit)
-            self.wanted_at.copy_(torch.where(first & (self.wanted_at == NEVER), self.step, self.wanted_at))
-            s = s.masked_fill(self.suppress, -float("inf"))  # <recall> and <|memory_pad|>
-            s = s.masked_fill(first[:, None] & self.first_ends & (self.step == 0), -float("inf"))  # (no first end)
+            wanted_at.copy_(torch.where(first & (wanted_at == NEVER) & ~self.held[rows], step, wanted_at))
+            s = s.masked_fill(self.suppress[rows], -float("inf"))  # <recall> and <|memory_pad|>
+            s = s.masked_fill(first[:, None] & self.first_ends[rows] & (step == 0)[:, None], -float("inf"))
         if kind.sample:
-            s = self._warp(s, kind)
+            s = self._warp(s, kind, rows)
         return s
 
-    def _warp(self, s: torch.Tensor, kind: Kind) -> torch.Tensor:
+    def _warp(self, s: torch.Tensor, kind: Kind, rows: slice) -> torch.Tensor:
         """Temperature, top-k, top-p and min-p, as transformers' warpers."""
         if kind.temperature:
-            s = s / self.temperature
+            s = s / self.temperature[rows]
         if kind.top_k:
-            kth = torch.sort(s, dim=-1, descending=True).values.gather(1, (self.top_k - 1).expand(s.shape[0], 1))
+            kth = torch.sort(s, dim=-1, descending=True).values.gather(1, self.top_k[rows] - 1)
             s = s.masked_fill(s < kth, -float("inf"))
         if kind.top_p:
             ordered, order = torch.sort(s, dim=-1, descending=False)
-            remove = ordered.softmax(dim=-1).cumsum(dim=-1) <= self.top_p
+            remove = ordered.softmax(dim=-1).cumsum(dim=-1) <= self.top_p[rows]
             remove[..., -1:] = False
             s = s.masked_fill(remove.scatter(1, order, remove), -float("inf"))
         if kind.min_p:
             probs = torch.softmax(s, dim=-1)
-            remove = probs < self.min_p * probs.amax(dim=-1, keepdim=True)
+            remove = probs < self.min_p[rows] * probs.amax(dim=-1, keepdim=True)
             remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
             s = s.masked_fill(remove, -float("inf"))
         return s
 
-    def gumbel(self) -> torch.Tensor:
-        """G [B, V] = -log(-log U), U in (0, 1) hashed from (seed, step, row, token)."""
-        row = _mix((self.seed * 0x9E3779B1 + self.step * 0x632BE5AB + self.rows * 0x5851F42D) & _M)  # [B]
+    def gumbel(self, rows: slice = slice(None)) -> torch.Tensor:
+        """G [B, V] = -log(-log U), U in (0, 1) hashed from (seed, the row's commits, lane, token)."""
+        row = _mix((self.seed[rows] * 0x9E3779B1 + self.row_step[rows] * 0x632BE5AB + self.lane[rows] * 0x5851F42D)
+                   & _M)  # [B]
         x = _mix(row[:, None] ^ self.token_hash)  # [B, V]
         u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
         return -torch.log(-torch.log(u))
 
-    def choose(self, logits: torch.Tensor, kind: Kind) -> torch.Tensor:
-        """Tokens [B]: the argmax of the processed scores, or the Gumbel-max draw from them."""
-        s = self.scores(logits, kind)
-        return torch.argmax(s + self.gumbel() if kind.sample else s, dim=-1)
+    def choose(self, logits: torch.Tensor, kind: Kind, rows: slice = slice(None)) -> torch.Tensor:
+        """Tokens [B]: the argmax of the processed scores, or the Gumbel-max draw from them (a greedy row of a
+        sampling graph draws no noise)."""
+        s = self.scores(logits, kind, rows)
+        return torch.argmax(s + self.gumbel(rows) * self.noise[rows] if kind.sample else s, dim=-1)
 
     def commit(self, tokens: torch.Tensor, into: torch.Tensor, masked: bool) -> None:
         """Tokens [B] become the next replay's input ids `into` [B, 1] and step `step`'s ring slot, copied to the
@@ -212,6 +258,13 @@ class DeviceSampler:
         self.ring.index_copy_(0, self.step % RING, tokens[None])
         self.host.copy_(self.ring, non_blocking=True)
         self.step.add_(1)
+        self.row_step.add_((~self.held).long())
+
+    def commit_row(self, row: int, token: torch.Tensor, into: torch.Tensor) -> None:
+        """Row `row`'s first token [1] (chosen after its own prefill, read by its request directly) as its next
+        replay's input; its commits count it."""
+        into[row].copy_(token)
+        self.row_step[row] += 1
 
 
 class ReadBack:

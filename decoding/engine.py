@@ -2,7 +2,8 @@
 
 The engine chooses the decoder a request's settings ask for (the plain loop, which also decodes from
 layers by entropy, or the two-model mixture with its target and draft; on a model with a warmed-up graph step,
-`decoding.graph_stream` answers what that step takes and hands the rest to the loop), makes once what a decoder needs
+`decoding.graph_stream` answers what that step takes, `decoding.graph_rows` what comes while it is busy, as rows of
+a second step, and the loop the rest), makes once what a decoder needs
 (the mixture's target and drafts are kept with the model), and refuses by name what the model's
 backend cannot run (`decoding.backend.require`). The chat keeps the conversation (its exact ids, its
 memory vectors, its cache, which the engine treats as opaque: `cache_length`, `cut_cache`) and reads the
@@ -18,13 +19,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from decoding import graph
+from decoding import graph, graph_rows
 from decoding.backend import require
 from decoding.batch import Batch
 from decoding.compiled import crop, seq_length
 from decoding.draft_head import draft_head_for
 from decoding.events import Event, RecallEvent
 from decoding.graph import GraphDecoder
+from decoding.graph_rows import stream_rows, takes_rows
 from decoding.graph_stream import GraphCache, for_the_loop, read_graph, reads, stream_graph
 from decoding.loop import read_prompt, stream_generate
 from decoding.memory import MemorySelector, Recall, recall_step
@@ -58,10 +60,18 @@ class Engine:
                 return stream_generate(lm.merged(), prompt, settings, recall=recall, tokenizer=lm.tokenizer,
                                        interrupt=interrupt, controls=controls, batch=self.batch)
 
+            rows = graph_rows.attached_rows(lm.merged()) if self.batch is not None else None
+
+            def otherwise(prompt: Prompt) -> Iterator[Event]:  # what the single-row step does not take
+                if rows is not None and takes_rows(rows, prompt, settings, recall, controls):
+                    return stream_rows(rows, self.batch, prompt, settings, recall, lm.tokenizer, interrupt, controls,
+                                       loop)
+                return loop(for_the_loop(prompt))
+
             decoder = self._graph()
             if decoder is None:
-                return loop(for_the_loop(prompt))
-            return stream_graph(decoder, prompt, settings, recall, lm.tokenizer, interrupt, controls, loop)
+                return otherwise(prompt)
+            return stream_graph(decoder, prompt, settings, recall, lm.tokenizer, interrupt, controls, otherwise)
         require(lm.spec, MIXTURE)
         target = lm.mixture_target(mix.target)  # q* of this model and its target (its own base by default), made once
         drafts = dict(draft_head=draft_head_for(lm, mix.head) if mix.speculative and mix.draft == "head" else None,

@@ -63,7 +63,7 @@ class GraphStep:
     capture that fails falls back to "trees" (logged in `fallback`)."""
 
     def __init__(self, model: torch.nn.Module, *, batch: int = 1, max_len: int = 1024,
-                 spans: tuple[int, ...] = SPANS, compile: bool = True, graphs: str = "manual"):
+                 spans: tuple[int, ...] = SPANS, compile: bool = True, graphs: str = "manual", rows: bool = False):
         self.model = model
         self.backbone, self.head = backbone_and_head(model)
         self.mrope = hasattr(self.backbone, "get_rope_index")  # Qwen3-VL: positions [4, B, S] (text, then t/h/w)
@@ -79,6 +79,13 @@ class GraphStep:
         self.offsets = {w: torch.arange(w, device=self.device) for w in (1, *self.spans)}  # [W]
         self.delta = torch.zeros((batch, 1), dtype=torch.long, device=self.device)  # mRoPE: rotary - text position
         torch._dynamo.mark_static_address(self.delta)
+        # rows: each row its own request (`decoding.graph_rows`): a replay writes the same columns of every row, a
+        # row's positions are the columns its mask holds (`host_mask`: the host's copy), a span is right-aligned
+        self.rows = rows
+        self.mask = torch.zeros((batch, max_len), dtype=torch.bool, device=self.device) if rows else None
+        self.host_mask = torch.zeros((batch, max_len), dtype=torch.bool) if rows else None
+        if rows:
+            torch._dynamo.mark_static_address(self.mask)
         self.sampler = DeviceSampler(batch, self.embed.weight.shape[0], self.device)
         self.length = 0  # positions the cache holds (counted on the host)
         self.owner: Callable[[], object] | None = None  # weakref to the conversation's handle whose positions the
@@ -103,8 +110,8 @@ class GraphStep:
         embeds = torch.where(flag[..., None], vector, self.embed(ids))  # [B, W, H]
         if self.mrope:  # text positions, and the three rotary axes where the prompt's images left them
             position = torch.cat([position[None], (position + self.delta)[None].expand(3, -1, -1)])  # [4, B, W]
-        out = self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=self.cache,
-                            use_cache=True).last_hidden_state  # [B, W, H]
+        out = self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=self.cache, use_cache=True,
+                            attention_mask=self.mask).last_hidden_state  # [B, W, H]
         hidden = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [B, H]
         return hidden, head_logits(self.model, self.head, hidden)
 
@@ -112,19 +119,24 @@ class GraphStep:
         """Everything one replay does: count the input tokens (repetition penalty), set the positions, the forward,
         forget the padding's cache positions, advance the position, and (with a kind) choose and commit the
         token."""
-        width = inputs.ids.shape[1]
+        width, offsets = inputs.ids.shape[1], self.offsets[inputs.ids.shape[1]]
+        first = width - inputs.n[:, None] if self.rows else 0  # [B, 1]: a row's first real column (rows: right-aligned)
+        valid = (offsets >= first) if self.rows else (offsets < inputs.n[:, None])  # [B, W]
         if kind is not None and kind.penalty:
-            self.sampler.see(inputs.ids, None if width == 1 else (self.offsets[width] < inputs.n).expand_as(inputs.ids))
+            self.sampler.see(inputs.ids, None if width == 1 else valid.expand_as(inputs.ids))
         if width > 1:
-            torch.add(self.one.position, self.offsets[width], out=inputs.position)  # [B, W]: this span's positions
+            torch.add(self.one.position - first, offsets, out=inputs.position)  # [B, W]: this span's positions
+        if self.rows:  # the columns this replay writes: each row's real ones join its mask
+            columns = (self.cache.layers[0].cumulative_length + offsets).expand(self.batch, -1)
+            self.mask.scatter_(1, columns, valid.expand(self.batch, -1))
         if self.mode == "trees":
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are dead (copied out)
         hidden, logits = self._fn(*inputs.tensors())
-        if width > 1:
+        if width > 1 and not self.rows:
             pad = width - inputs.n  # the padding's keys are overwritten before they are read
             for layer in self.cache.layers:
                 layer.cumulative_length.sub_(pad[0])
-        self.one.position.add_(inputs.n if width > 1 else 1)
+        self.one.position.add_(inputs.n[:, None])
         if kind is not None and kind.commit:
             self.sampler.commit(self.sampler.choose(logits, kind), self.one.ids, kind.masked)
         return hidden, logits
@@ -172,8 +184,11 @@ class GraphStep:
                 positions = positions[None].expand(4, -1, -1)
         if self.mrope:
             self.delta.copy_(positions[1:2, :, -1].T - positions[0, :, -1:])
+        if self.rows:  # (a warm-up's prompt: every row's)
+            self.mask[:, start:start + n] = True
+            self.host_mask[:, start:start + n] = True
         hidden = self.backbone(inputs_embeds=embeds, position_ids=positions, past_key_values=self.cache,
-                               use_cache=True, **(vision or {})).last_hidden_state[:, -1]
+                               use_cache=True, attention_mask=self.mask, **(vision or {})).last_hidden_state[:, -1]
         self.length = start + n
         self.one.position.fill_(start + n)
         return hidden, head_logits(self.model, self.head, hidden)
@@ -278,6 +293,9 @@ class GraphStep:
         self.length = 0
         for layer in self.cache.layers:
             layer.cumulative_length.zero_()
+        if self.rows:
+            self.mask.zero_()
+            self.host_mask.zero_()
         self.compile_seconds = time.perf_counter() - t0
         return self.compile_seconds
 

@@ -17,7 +17,7 @@ class Inputs:
     flag: torch.Tensor  # [B, W] bool
     position: torch.Tensor  # [B, W] int64
     last: torch.Tensor  # [B] int64: the column whose state and logits come out
-    n: torch.Tensor  # [1] int64: the columns that are real (the rest is padding)
+    n: torch.Tensor  # [B] int64: each row's real columns (the rest is padding: after them, or before them for rows)
 
     @classmethod
     def zeros(cls, batch: int, width: int, hidden: int, device, dtype) -> "Inputs":
@@ -26,7 +26,7 @@ class Inputs:
                    torch.zeros((batch, width), dtype=torch.bool, device=device),
                    torch.zeros((batch, width), dtype=torch.long, device=device),
                    torch.zeros(batch, dtype=torch.long, device=device),
-                   torch.full((1,), width, dtype=torch.long, device=device))
+                   torch.full((batch,), width, dtype=torch.long, device=device))
         for t in made.tensors():
             torch._dynamo.mark_static_address(t)  # replayed in place: never copied into the graph's own inputs
         return made

@@ -138,7 +138,9 @@ def _seat(g: GraphStep, cache) -> int:
         return cache.length
     g.release()
     if isinstance(cache, GraphCache):
-        kv, n = (cache.layers(), cache.length) if cache.step is g and cache.valid() else ([], 0)
+        # (a handle of this step, or one held: the rows' step's, `decoding.graph_rows`)
+        usable = cache.valid() and (cache.step is g or cache.held is not None)
+        kv, n = (cache.layers(), cache.length) if usable else ([], 0)
     elif cache is not None and not any(getattr(layer, "is_sliding", False) for layer in cache.layers):
         n = seq_length(cache)
         kv = [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in cache.layers]

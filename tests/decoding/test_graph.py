@@ -202,7 +202,7 @@ def test_no_memory_in_the_graph_is_the_processors(settings):
         assert kind is not None and kind.no_memory
         if kind.penalty:
             sampler.see(seen)
-        sampler.step.fill_(step)  # (the first-token rule holds at the first commit alone)
+        sampler.row_step.fill_(step)  # (the first-token rule holds at the first commit alone)
         row_seen = seen if step == 0 else torch.cat([seen, seen[:, :1]], 1)
         torch.testing.assert_close(sampler.scores(scores, kind), procs(row_seen, scores.clone()), atol=0, rtol=0)
         wanted = torch.stack(no_memory.wanted).any(0)
@@ -226,7 +226,7 @@ def test_the_graph_draw_has_the_reference_distribution(settings):
     draws = []
     for _ in range(20_000):
         draws.append(one.choose(scores[:1], kind))
-        one.step.add_(1)
+        one.row_step.add_(1)
     assert chi_square_p(torch.bincount(torch.cat(draws), minlength=n), probs) > 1e-3
 
 

@@ -280,7 +280,7 @@ def test_with_nothing_to_read_the_step_suppresses_recall_in_its_graph(graphed, t
         results.append((told(events), events[-1].result.missed_recall))
     assert results[0] == results[1] and results[0][1] == [bias > 0]
     sampler = graph.attached(graphed.merged()).graph.sampler  # (set only when NoMemory has its tensor form)
-    assert bool(sampler.suppress[graphed.tokens.recall]) and bool(sampler.suppress[graphed.tokens.memory_pad])
+    assert bool(sampler.suppress[0, graphed.tokens.recall]) and bool(sampler.suppress[0, graphed.tokens.memory_pad])
 
 
 def test_a_top_p_that_would_keep_only_recall_still_answers(graphed, tiny_llama):

@@ -1,0 +1,276 @@
+"""Concurrent answers as rows of one graph step (`decoding/graph_rows.py`), on a CPU: the rows step runs eagerly
+there, the same code the GPU replays. Conversations answering at once, joining and leaving at different rounds, are
+each the loop's conversation alone, token for token and event for event: recalls mid-answer, a memory wider than
+the widest span graph, a repetition penalty, nothing to read, a stop string, a stop, and later turns in the rows,
+on the single-row step and in the loop."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from chat.session import Conversation
+from conftest import make_tiny_llama
+from decoding import graph, graph_rows
+from decoding.batch import Batch, Parked
+from decoding.engine import cache_length
+from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
+from decoding.graph_stream import GraphCache
+from decoding.memory import Recall
+from decoding.settings import GenerationSettings, RecallSettings
+from memory import MemoryVectorDB
+
+
+@pytest.fixture(scope="module")
+def rowed(smollm2_dir):
+    """The weights of `tiny_llama` (the same seed), with warmed-up rows of a graph step attached (3 rows, 256
+    positions: the cache is compacted along the way)."""
+    lm = make_tiny_llama(smollm2_dir)
+    rows = graph_rows.enable_rows(lm.merged(), rows=3, max_len=256, spans=(9,), compile=False)
+    rows.warm_up()
+    assert rows.ready.is_set() and rows.decoder.error is None
+    return lm
+
+
+def told(events) -> list:
+    out = []
+    for e in events:
+        if isinstance(e, TokenEvent):
+            out.append(("token", e.token_id, e.position, e.text))
+        elif isinstance(e, RecallEvent):
+            out.append(("recall", e.position, e.memory_index, e.length))
+        elif isinstance(e, FinishEvent):
+            out.append(("finish", e.reason))
+    return out
+
+
+def drive(batch: Batch, starts: list[tuple[int, object]]) -> list[list]:
+    """The chat worker's rounds (`chat.worker.Worker`): each running answer is advanced to its next parked turn (one
+    that never parked yet: by one event), then the batch runs the turns; `starts`: (the round it starts in, a
+    callable making its event stream). Every answer's events."""
+    events: list[list] = [[] for _ in starts]
+    running: dict[int, object] = {}
+    stepping: set[int] = set()  # answers that decode in the batch: advanced to their next turn (others: one event)
+    rnd = 0
+    while rnd <= max(s for s, _ in starts) or running:
+        for i, (at, make) in enumerate(starts):
+            if at == rnd:
+                running[i] = make()
+        for i in list(running):
+            while True:
+                try:
+                    event = next(running[i])
+                except StopIteration:
+                    del running[i]
+                    break
+                if isinstance(event, Parked):
+                    stepping.add(i)
+                    break
+                events[i].append(event)
+                if i not in stepping:
+                    break
+        batch.run()
+        rnd += 1
+    return events
+
+
+def recalling(lm, bias: float = 6.0, **kw) -> GenerationSettings:
+    return GenerationSettings(max_new_tokens=24, sequence_bias=(((lm.tokens.recall,), bias),), **kw)
+
+
+def kv_recall(lm, n: int = 8, slots=(3, 20)) -> Recall:
+    """Key/value memories of 3 to 20 value slots (wider than the 9-wide span graph: several replays), `</recall>`
+    after them; the query a fixed projection of the `<recall>` state."""
+    g = torch.Generator().manual_seed(4)
+    h = lm.hidden_size
+    db = MemoryVectorDB(16, value_dim=h)
+    scale = float(lm.model.get_input_embeddings().weight.detach().std()) * 3
+    widths = torch.randint(slots[0], slots[1] + 1, (n,), generator=g).tolist()
+    db.add(torch.randn(n, 16, generator=g), [f"fact {i}" for i in range(n)],
+           values=[torch.randn(k, h, generator=g) * scale for k in widths])
+    proj = torch.randn(h, 16, generator=torch.Generator().manual_seed(7))
+    return Recall(lm.tokens.recall, lm.tokens.memory_pad, db, RecallSettings(), query=lambda s: s.float() @ proj,
+                  suffix=(lm.tokens.recall_end,))
+
+
+def test_answers_at_once_in_the_rows_are_each_the_loops_alone(rowed, tiny_llama, bank):
+    """Five conversations, three rows: they join at different rounds (what comes while every row is taken decodes
+    in the loop's batch), recall mid-answer, one with a penalty and a stop string, one with nothing to read; each
+    answer equals the loop's alone, and each cache holds its conversation's positions."""
+    batch = Batch()
+    plans = [("Who am I?", recalling(rowed), bank),
+             ("Tell me a story.", GenerationSettings(max_new_tokens=20, repetition_penalty=1.3, stop_strings=("e",)),
+              bank),
+             ("And then?", recalling(rowed, 5.0), bank),
+             ("What is the sea?", recalling(rowed, 8.0, do_sample=False), None),  # nothing to read: NoMemory
+             ("Once more.", recalling(rowed), bank)]
+    convs = [Conversation(rowed, batch=batch) for _ in plans]
+    refs = [Conversation(tiny_llama) for _ in plans]
+    got = drive(batch, [(2 * i, lambda c=c, p=p: c.stream(p[0], settings=p[1], memory_db=p[2]))
+                        for i, (c, p) in enumerate(zip(convs, plans))])
+    rows = graph_rows.attached_rows(rowed.merged())
+    assert rows.replays > 20 and rows.free_rows() == 3
+    recalls = 0
+    for conv, ref, (text, settings, bank_), events in zip(convs, refs, plans, got):
+        want = list(ref.stream(text, settings=settings, memory_db=bank_))
+        assert told(events) == told(want), text
+        assert conv.ids == ref.ids and conv.memory.keys() == ref.memory.keys()
+        for p in conv.memory:
+            torch.testing.assert_close(conv.memory[p], ref.memory[p])
+        assert cache_length(conv.cache) == len(conv.ids) - 1
+        recalls += sum(e[0] == "recall" for e in told(events))
+        assert events[-1].result.missed_recall == want[-1].result.missed_recall
+    assert recalls >= 4
+    assert got[3][-1].result.missed_recall == [True]  # (nothing to read, and the model wanted a memory)
+    in_rows = [isinstance(c.cache, GraphCache) and c.cache.step is rows.graph for c in convs]
+    assert sum(in_rows) >= 3 and not all(in_rows)  # (two came while every row was taken: the loop answered them)
+    # the next turns: the rows take each conversation's positions back (only the new tokens are read)
+    more = drive(batch, [(0, lambda c=c: c.stream("Go on.", settings=recalling(rowed), memory_db=bank))
+                         for c in convs[:3]])
+    for conv, ref, events in zip(convs, refs, more):
+        assert told(events) == told(list(ref.stream("Go on.", settings=recalling(rowed), memory_db=bank)))
+        assert conv.ids == ref.ids and cache_length(conv.cache) == len(conv.ids) - 1
+
+
+def test_memories_wider_than_the_span_graph_ride_several_replays(rowed, tiny_llama):
+    """Memories of 3 to 20 slots (the span graph is 9 wide), three answers at once, one starting with `<recall>`:
+    each the loop's alone (tokens, recalls, the memories' vectors); the others decode meanwhile."""
+    from decoding.engine import Engine
+    from decoding.loop import stream_generate
+    from decoding.request import Prompt
+
+    recall = kv_recall(rowed)
+    batch = Batch()
+    ids = [rowed.tokenizer(t, return_tensors="pt").input_ids for t in ("Who am I?", "A fact:", "Tell me.")]
+    ids[2] = torch.cat([ids[2], torch.tensor([[rowed.tokens.recall]])], 1)
+    settings = recalling(rowed, 5.0, repetition_penalty=1.1)
+    got = drive(batch, [(i, lambda x=x: Engine(rowed, batch).stream(Prompt({"input_ids": x}), settings, recall))
+                        for i, x in enumerate(ids)])
+    rows = graph_rows.attached_rows(rowed.merged())
+    widths = []
+    for x, events in zip(ids, got):
+        want = list(stream_generate(tiny_llama.merged(), {"input_ids": x}, settings, recall=recall,
+                                    tokenizer=tiny_llama.tokenizer))
+        assert told(events) == told(want)
+        a, b = events[-1].result.memory_vectors[0], want[-1].result.memory_vectors[0]
+        assert a.keys() == b.keys() and all(torch.equal(a[p], b[p]) for p in a)
+        widths += [e.length for e in events if isinstance(e, RecallEvent)]
+        assert isinstance(events[-1].result.cache, GraphCache) and events[-1].result.cache.step is rows.graph
+    assert max(widths) > 9 and len(widths) >= 4 and rows.free_rows() == 3
+
+
+def test_a_stop_in_the_rows_ends_that_answer_and_the_others_go_on(rowed, tiny_llama, bank):
+    """One answer is stopped mid-way (within one replay); the other two, and the stopped conversation's next turn,
+    are still the loop's."""
+    batch = Batch()
+    convs = [Conversation(rowed, batch=batch) for _ in range(3)]
+    refs = [Conversation(tiny_llama) for _ in range(3)]
+    stop = threading.Event()
+    settings = GenerationSettings(max_new_tokens=30)
+    starts = [(0, lambda: convs[0].stream("Hello there.", settings=settings, memory_db=bank)),
+              (0, lambda: convs[1].stream("A long story.", settings=settings, interrupt_event=stop)),
+              (1, lambda: convs[2].stream("Who am I?", settings=recalling(rowed), memory_db=bank))]
+    original = batch.run
+    calls = []
+
+    def run():  # the stop comes at the 6th round
+        calls.append(1)
+        if len(calls) == 6:
+            stop.set()
+        original()
+
+    batch.run = run
+    got = drive(batch, starts)
+    stopped = told(got[1])
+    assert stopped[-1] == ("finish", "interrupted") and 3 <= len(stopped) - 1 <= 8
+    assert told(got[0]) == told(list(refs[0].stream("Hello there.", settings=settings, memory_db=bank)))
+    assert told(got[2]) == told(list(refs[2].stream("Who am I?", settings=recalling(rowed), memory_db=bank)))
+    # the stopped conversation keeps what it said; its next turn is the loop's over the same ids
+    refs[1].ids, refs[1].memory, refs[1].messages, refs[1].cache = list(convs[1].ids), {}, list(convs[1].messages), None
+    nxt = drive(batch, [(0, lambda: convs[1].stream("Why?", settings=settings))])[0]
+    assert told(nxt) == told(list(refs[1].stream("Why?", settings=settings)))
+
+
+def test_what_the_rows_do_not_take_decodes_in_the_loop(rowed, tiny_llama):
+    """A seeded draw and processors without a tensor form (an n-gram ban) are the loop's; both answer as alone."""
+    batch = Batch()
+    rows = graph_rows.attached_rows(rowed.merged())
+    for settings in (GenerationSettings(max_new_tokens=8, do_sample=True, seed=3),
+                     GenerationSettings(max_new_tokens=8, no_repeat_ngram_size=2)):
+        before = rows.replays
+        conv, ref = Conversation(rowed, batch=batch), Conversation(tiny_llama)
+        got = drive(batch, [(0, lambda: conv.stream("Hi.", settings=settings))])[0]
+        assert told(got) == told(list(ref.stream("Hi.", settings=settings)))
+        assert rows.replays == before and not isinstance(conv.cache, GraphCache)
+
+
+def test_sampled_answers_in_the_rows_draw_as_alone(rowed):
+    """Unseeded sampling draws each row's tokens from its own hashed noise (its own seed and commits, not its row):
+    two answers sampled at once, each replayed alone in the rows with the same seed, draw the same tokens."""
+    rows = graph_rows.attached_rows(rowed.merged())
+    settings = GenerationSettings(max_new_tokens=16, do_sample=True, temperature=1.5, top_k=50, top_p=0.95,
+                                  repetition_penalty=1.2)
+    seeds = iter([101, 202, 101, 202])
+    real = torch.randint
+
+    def seeded(high, size, *a, **k):  # the rows' seed for an unseeded draw (torch.randint(1 << 31, ()))
+        return torch.tensor(next(seeds)) if high == 1 << 31 and size == () else real(high, size, *a, **k)
+
+    batch = Batch()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "randint", seeded)
+        together = drive(batch, [(0, lambda: Conversation(rowed, batch=batch).stream("Hi.", settings=settings)),
+                                 (1, lambda: Conversation(rowed, batch=batch).stream("Hey.", settings=settings))])
+        alone = [drive(batch, [(0, lambda t=t: Conversation(rowed, batch=batch).stream(t, settings=settings))])[0]
+                 for t in ("Hi.", "Hey.")]
+    assert [told(e) for e in together] == [told(e) for e in alone]
+    assert rows.free_rows() == 3
+
+
+def test_the_service_answers_concurrent_sessions_in_the_rows(smollm2_dir, tiny_llama):
+    """Through the service (`model.graph_step: true`, `model.graph_rows: 2`): three sessions at once, one on the
+    single-row step, two in the rows; each answer is that of a service without graph steps, asked alone."""
+    from chat.config import load_config
+    from chat.service import Service
+    from chat.textsearch import TextSearch
+    from tests_helpers import result
+
+    def config(*more):
+        return load_config(overrides=["model.compile=false", "model.graph_max_len=256", *more], environ={})
+
+    search, lm = TextSearch(), make_tiny_llama(smollm2_dir)
+    on = Service(config("model.graph_step=true", "model.graph_rows=2"), loader=lambda: lm, text_search=search)
+    off = Service(config("model.graph_step=false"), tiny_llama, text_search=search)
+    try:
+        result(on.ready())
+        assert graph.attached(lm.merged()).ready.wait(120)
+        rows = graph_rows.attached_rows(lm.merged())
+        assert rows is not None and rows.ready.wait(120)
+        settings, recall = GenerationSettings(max_new_tokens=12), RecallSettings(enabled=False)
+        questions = ["Hi there", "Tell me about the sea.", "What is bread?"]
+        sessions = [on.new_session() for _ in questions]
+        turns = [on.chat(s, q, [], settings, recall) for s, q in zip(sessions, questions)]
+        for t in turns:
+            result(t.request)
+        assert rows.replays > 0 and rows.free_rows() == 2
+        for s, q in zip(sessions, questions):
+            alone = off.new_session()
+            result(off.chat(alone, q, [], settings, recall).request)
+            print(q, type(s.conv.cache).__name__, getattr(s.conv.cache, "step", None) is rows.graph, s.conv.ids == alone.conv.ids)
+        for s, q in zip(sessions, questions):
+            alone = off.new_session()
+            result(off.chat(alone, q, [], settings, recall).request)
+            assert s.conv.ids == alone.conv.ids and s.conv.messages[-1].text == alone.conv.messages[-1].text
+        assert sum(isinstance(s.conv.cache, GraphCache) and s.conv.cache.step is rows.graph for s in sessions) == 2
+    finally:
+        on.close()
+        off.close()
+
+
+def test_a_bad_graph_rows_value_is_refused_by_name():
+    from chat.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="graph_rows"):
+        load_config(overrides=["model.graph_rows=-1"], environ={})
