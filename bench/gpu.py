@@ -8,8 +8,9 @@ bf16 (fp32 with --smoke), greedy, one prompt; per-token time = (T(n) - T(1)) / (
 repeats; TTFT = T(1). A recall = the memory head's exact search over 10k / 100k memories on the device plus
 the forward of 16 `<|memory_pad|>` slots and `</recall>` (one wide replay), in decode steps of the graph step.
 Rows: B rows of one request (equal lengths), aggregate tokens/s. Sessions: 1 / 8 / 32 / 64 chat sessions at once
-through the chat service as a server runs it (`chat.service.Service` over this model with the graph step attached:
-the worker's rounds, one answer on the graph step and the rest in the loop's continuous batch), each a greedy
+through the chat service as a server runs it (`chat.service.Service` over this model with the graph step and the
+graph rows attached (`decoding/graph_rows.py`, as many rows as the most sessions): the worker's rounds, one answer on
+the single-row step and the others as rows of the second, one replay a step for all of them), each a greedy
 answer of --tokens to its own question; aggregate tokens/s from the first submission to the last answer's end,
 and the ratio to one session. The bound is the weights' bytes over the
 card's memory bandwidth (H200 4.8 TB/s, H100 3.35 TB/s). Every measure runs in its own try/except and is
@@ -39,7 +40,7 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from bench._gpu_report import table  # noqa: E402
-from decoding import graph  # noqa: E402
+from decoding import graph, graph_rows  # noqa: E402
 from decoding.events import DoneEvent  # noqa: E402
 from decoding.graph import GraphDecoder  # noqa: E402
 from decoding.graph_stream import stream_graph  # noqa: E402
@@ -311,12 +312,17 @@ class ModelBench:
 
         lm = LoadedModel(model=self.model, tokenizer=self.tokenizer, tokens=self.tokens, name=self.name)
         counts = self.args.sessions
+        rows = graph_rows.enable_rows(self.model, rows=max(counts), max_len=self.args.max_len, spans=(SLOTS + 1,),
+                                      graphs=self.args.graphs)  # (what `model.graph_rows` attaches at start)
+        rows_compile_s = rows.warm_up(settings=(GenerationSettings(max_new_tokens=self.n),))
         cfg = load_config(overrides=[f"app.max_running={max(counts)}", f"generation.max_new_tokens={self.n}",
                                      f"app.max_new_tokens_cap={max(self.n, 8)}", "model.compile=false"], environ={})
         svc = Service(cfg, lm)
         out: dict = {}
         try:
-            settings = GenerationSettings(max_new_tokens=self.n, min_new_tokens=self.n)
+            # (no min_new_tokens: its processor has no tensor form, so neither graph path would take the answers;
+            # a random model's end token is one of 49k, so the answers run their length all the same)
+            settings = GenerationSettings(max_new_tokens=self.n)
             for n in counts:
                 sessions = [svc.new_session() for _ in range(n)]
                 t0 = time.perf_counter()
@@ -332,7 +338,8 @@ class ModelBench:
                                "ttft_max_ms": max(f.ttft for f in follows) * 1e3}
                 if "1" in out:
                     out[str(n)]["vs_1_session"] = out[str(n)]["tokens_per_s"] / out["1"]["tokens_per_s"]
-            out["batch_forwards"] = svc.worker.batch.forwards
+            out["batch_forwards"] = svc.worker.batch.forwards  # (the loop's: none while the rows take every answer)
+            out["rows_replays"], out["rows_compile_s"] = rows.replays, rows_compile_s
         finally:
             svc.close()
         return out
@@ -374,7 +381,7 @@ class ModelBench:
             for b in args.rows:
                 run.measure(name, f"our eager loop, {b} rows", eager_cost, self.rows("eager", b))
         if args.sessions:
-            run.measure(name, "sessions", 30, self.sessions)
+            run.measure(name, "sessions", 60, self.sessions)
         answers = self.answers
         if "hf" in answers:
             self.info["same_greedy_answer"] = {k: v == answers["hf"] for k, v in answers.items() if k != "hf"}

@@ -214,18 +214,19 @@ class GraphRows:
             inputs = g.one
         c = g.length
         try:
-            hidden, _ = g._run(inputs, kind)
+            with self.decoder.launch_guard():  # (the replay and what follows it on the device: no host sync)
+                hidden, _ = g._run(inputs, kind)
+                if spans and held:
+                    g.sampler.held.fill_(False)
+                slot = self.readback.pushed()
+                states = hidden.clone() if self.states else None  # (a recall's query: the buffer is overwritten)
         except BaseException:  # the round fails, and every answer in it (`chat.worker`): the rows start over
             self._reset()
             raise
-        if spans and held:
-            g.sampler.held.fill_(False)
         for r in range(g.batch):
             g.host_mask[r, c + width - n[r]:c + width] = True
         g.length += width
         self.replays += 1
-        slot = self.readback.pushed()
-        states = hidden.clone() if self.states else None  # (a recall's query: the graph's buffer is overwritten)
         for t in turns:
             t.slot, t.hidden = slot, states
 

@@ -23,6 +23,7 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir)
     assert "/" in model["graph step"]["agrees_with_eager"] and set(model["same_greedy_answer"]) >= {"graph", "chat"}
     assert model["chat on the graph step"]["same_tokens_as_the_step"] is True
     assert all(r["recalled_through_the_decoder"] and r["slots"] == 16 for r in model["recall"].values())
-    sessions = model["sessions"]  # through the chat service: one on the graph step, the other in the loop's batch
+    sessions = model["sessions"]  # through the chat service: one on the graph step, the other in the graph rows
     assert sessions["1"]["tokens"] == 6 and sessions["2"]["tokens"] == 12 and sessions["batch_forwards"] == 0
+    assert sessions["rows_replays"] >= 5  # (the second session's tokens after its first)
     assert "| tiny (smoke)" in (tmp_path / "results.md").read_text()

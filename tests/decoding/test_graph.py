@@ -427,3 +427,60 @@ def test_a_warm_up_takes_every_configured_setting_and_a_stop_ends_only_itself(mo
     dec.warm_up(settings=(GenerationSettings(guidance_scale=1.5), GenerationSettings(
         do_sample=True, exponential_decay_length_penalty=(4, 1.1)), GenerationSettings(do_sample=True, top_k=5)))
     assert dec.ready.is_set() and dec.error is None
+
+
+def drive_rows(batch, streams) -> list[list]:
+    """The chat worker's rounds over answers that park their turns in `batch` (`chat.worker.Worker`): all start in
+    round 0; a parked answer is advanced to its next turn each round, then the batch runs."""
+    from decoding.batch import Parked
+
+    events, running, stepping = [[] for _ in streams], dict(enumerate(streams)), set()
+    while running:
+        for i in list(running):
+            while True:
+                try:
+                    event = next(running[i])
+                except StopIteration:
+                    del running[i]
+                    break
+                if isinstance(event, Parked):
+                    stepping.add(i)
+                    break
+                events[i].append(event)
+                if i not in stepping:
+                    break
+        batch.run()
+    return events
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
+def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where):
+    """`decoding.graph_rows` (what the chat's concurrent answers decode in): three answers, one with memories of 18 to 30
+    slots (wider than the 17-wide span graph), one of 1 to 6, one with nothing to read (a penalty on all), at once in three rows; each
+    equals the loop's alone, event for event; on the GPU, no host sync in any replay's launch."""
+    from decoding.batch import Batch
+    from decoding.graph_rows import GraphRows, stream_rows
+    from decoding.loop import stream_generate
+
+    model = request.getfixturevalue("model" if where == "cpu" else "cuda_model")
+    rows = GraphRows(model, rows=3, max_len=256, spans=(17,), compile=where == "cuda")
+    rows.warm_up()
+    recalls = [kv_recall(model, max_slots=30, min_slots=18), kv_recall(model, max_slots=6),
+               Recall(RECALL, PAD, None, without_memory="answer")]
+    s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),), repetition_penalty=1.1)
+    controls = Controls(eos_token_id=EOS)
+    ids = [prompt(2), prompt(3, length=20), prompt(4, length=7)]
+    batch = Batch()
+    rows.decoder.launch_guard = no_sync if where == "cuda" else contextlib.nullcontext
+    try:
+        got = drive_rows(batch, [stream_rows(rows, batch, Prompt({"input_ids": x}), s, rc, None, None, controls, None)
+                                 for x, rc in zip(ids, recalls)])
+    finally:
+        rows.decoder.launch_guard = contextlib.nullcontext
+    widths = []
+    for x, rc, events in zip(ids, recalls, got):
+        want = list(stream_generate(model, {"input_ids": x}, s, recall=rc, controls=controls))
+        assert told(events) == told(want)
+        assert events[-1].result.missed_recall == want[-1].result.missed_recall
+        widths += [e.length for e in events if type(e).__name__ == "RecallEvent"]
+    assert max(widths) > 17 and rows.replays > 30 and rows.free_rows() == 3
