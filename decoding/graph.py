@@ -22,9 +22,11 @@ and choosing the memory reads its k scores back (the host needs the memory's slo
 Qwen3-VL's mRoPE positions go through the same buffer: a step feeds its text positions and adds the rotary
 offset its prompt's images left (`delta`, set at prefill) on the three rotary axes.
 
-What stays out: padded batches and rows recalling in a batch. `GraphDecoder.stream` is the standalone engine
-of `bench/gpu.py` and `tests/decoding/test_graph.py`; the chat answers on it through `decoding.graph_stream`,
-which adds the loop's events, stop strings and conversations.
+`GraphDecoder.stream` (rows of one request, equal lengths; a recall takes one row) is the standalone engine of
+`bench/gpu.py` and `tests/decoding/test_graph.py`; the chat answers on it through `decoding.graph_stream`, which adds
+the loop's events, stop strings and conversations. In rows mode (`rows=True`: `decoding.graph_rows`) each row is its
+own request: a replay writes the same columns of every row, a row's positions are the columns its attention mask
+holds, and a span is right-aligned (the other rows decode their one token in its last column).
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ way, and a turn the loop answers gets the handle's positions as a cache of its o
 Images are read at prefill as the loop reads them (Qwen3-VL's vision kwargs and mRoPE positions); the decode
 steps then add the rotary offset they left (`GraphStep.delta`).
 
-What the step does not take decodes in the loop, as before: a request while the step serves another (it joins
-the loop's batch), a video, entropy decoding, guidance, the mixture, rows of a batch, and a prompt whose answer
-could outgrow the step's cache.
+What the step does not take goes to `otherwise` (`Engine`: the rows of `decoding.graph_rows` when they take it,
+else the loop): a request while the step serves another, a video, entropy decoding, guidance, the mixture, rows of
+a batch, and a prompt whose answer could outgrow the step's cache.
 """
 
 from __future__ import annotations
