@@ -140,7 +140,7 @@ class Batch:
         """`req` is done decoding: its row's keys and values go back to it (`req.cache`, a cache of the kind
         it came with: static for the compiled step, else dynamic). A last seat left alone gets its own
         cache back too (it then decodes alone, compiled). Nothing happens for a request without a seat."""
-        self.pending = [s for s in self.pending if s.req is not req]
+        self.pending = [s for s in self.pending if not (isinstance(s, Step) and s.req is req)]
         row = self._row(req)
         if row is None:
             return

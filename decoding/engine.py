@@ -26,7 +26,6 @@ from decoding.compiled import crop, seq_length
 from decoding.draft_head import draft_head_for
 from decoding.events import Event, RecallEvent
 from decoding.graph import GraphDecoder
-from decoding.graph_rows import stream_rows, takes_rows
 from decoding.graph_stream import GraphCache, for_the_loop, read_graph, reads, stream_graph
 from decoding.loop import read_prompt, stream_generate
 from decoding.memory import MemorySelector, Recall, recall_step
@@ -63,9 +62,8 @@ class Engine:
             rows = graph_rows.attached_rows(lm.merged()) if self.batch is not None else None
 
             def otherwise(prompt: Prompt) -> Iterator[Event]:  # what the single-row step does not take
-                if rows is not None and takes_rows(rows, prompt, settings, recall, controls):
-                    return stream_rows(rows, self.batch, prompt, settings, recall, lm.tokenizer, interrupt, controls,
-                                       loop)
+                if rows is not None and rows.takes(prompt, settings, recall, controls):
+                    return rows.stream(self.batch, prompt, settings, recall, lm.tokenizer, interrupt, controls, loop)
                 return loop(for_the_loop(prompt))
 
             decoder = self._graph()

@@ -6,7 +6,7 @@ with the host's copy `host_mask`), as in the loop's batch (`decoding/batch.py`).
 row of the sampler (`DeviceSampler.configure_row`); a replay runs the union of the seated rows' kinds, a row's
 neutral values making the operations it lacks exact no-ops.
 
-An answer (`stream_rows`) reads its prompt on a cache of its own (chunked, `PrefillEvent`s between: the other rows
+An answer (`GraphRows.stream`) reads its prompt on a cache of its own (chunked, `PrefillEvent`s between: the other rows
 go on decoding), then takes a free row: its keys and values are copied in, right-aligned at the step's current
 column, and its first token is chosen at once. From then on, each round of the chat's worker it yields a `RowTurn`
 (`Batch.park`); `Batch.run` hands the round's turns to `GraphRows.run`, one replay for every row, and the answer,
@@ -17,7 +17,7 @@ rows decode their one token in the span's last column. A stop, an end or a failu
 conversation's positions are copied out into its handle (`GraphCache`, held), which the next turn copies back in,
 on this step, the single-row step or the loop.
 
-What it takes (`takes_rows`): unpadded text rows of one request whose processors all have a tensor form, no seed
+What it takes (`GraphRows.takes`): unpadded text rows of one request whose processors all have a tensor form, no seed
 (a seed promises `generate`'s draws, the loop's), no entropy decoding, guidance or mixture, no kept logits, and an
 answer that fits the step's cache with a memory of `max_slots`. The cache is compacted (every row's columns
 gathered, right-aligned again) when the next replay would not fit.
@@ -89,14 +89,61 @@ class GraphRows:
         return seconds
 
     def _reset(self) -> None:
-        """Every row free, the read-back ring from its first slot (the warm-up's commits moved it)."""
-        for row in range(self.graph.batch):
-            self.free(row)
-        self.graph.sampler.step.zero_()
-        self.readback = ReadBack(self.graph.sampler)
+        """Every seated row free (an answer still reading its prompt keeps the row it took), the cache's layers at
+        the step's column count (a forward that failed part-way moved some of them), the read-back ring from its
+        first slot (the warm-up's commits moved it)."""
+        g = self.graph
+        for row in range(g.batch):
+            if row not in self.joining:
+                self.free(row)
+        for layer in g.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(g.length)
+        g.sampler.step.zero_()
+        self.readback = ReadBack(g.sampler)
 
     def free_rows(self) -> int:
         return sum(r is None and i not in self.joining for i, r in enumerate(self.seated))
+
+    # ----------------------------------------------------------------------------------- an answer
+
+    def takes(self, prompt: Prompt, settings: GenerationSettings, recall: Recall | None, controls: Controls) -> bool:
+        """Whether a row answers this request now (see the module's doc)."""
+        inputs, g = prompt.inputs, self.graph
+        ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+        room = self.max_slots + len(recall.suffix) if recall is not None and recall.active else 0
+        return (self.ready.is_set() and self.free_rows() > 0 and ids.shape[0] == 1
+                and (mask is None or bool(mask.all())) and set(inputs) <= TEXT and settings.entropy_decoding is None
+                and settings.guidance_scale == 1 and not settings.mixture.enabled and settings.seed is None
+                and not controls.output_logits
+                and ids.shape[1] + settings.max_new_tokens + room + g.spans[-1] < g.max_len)
+
+    def stream(self, batch: Batch, prompt: Prompt, settings: GenerationSettings, recall: Recall | None, tokenizer,
+               interrupt: threading.Event | None, controls: Controls,
+               otherwise: Callable[[Prompt], Iterator[Event]]) -> Iterator[Event]:
+        """The events of one answer, as `decoding.loop.stream_generate` gives them, decoded in a row, its turns
+        parked in `batch` (the worker's); or `otherwise(prompt)`'s, the loop's, when its processors have no tensor
+        form or no row is free any more when it starts."""
+        g = self.graph
+        req = prepare(g.model, prompt, settings, recall, tokenizer, controls, cached=False)
+        kind = g.sampler.kind_of(req.processors, settings.do_sample)
+        if kind is None or not self.free_rows():
+            yield from otherwise(for_the_loop(prompt))
+            return
+        if interrupt is not None and interrupt.is_set():  # stopped while waiting in a queue: the cache stays
+            req.cache = prompt.cache
+            yield from req.stop_all()
+            yield DoneEvent(req.result())
+            return
+        row = self.take()
+        try:
+            req.fwd.reset_request_state()
+            yield from _answer(self, row, batch, req, prompt, kind, interrupt, controls)
+        finally:
+            if row in self.joining or self.seated[row] is req:  # (an answer that failed or was closed frees its row)
+                self.free(row)
+            req.fwd.reset_request_state()
+        yield DoneEvent(req.result())
 
     # ----------------------------------------------------------------------------------- the rows' columns
 
@@ -231,19 +278,6 @@ class GraphRows:
             t.slot, t.hidden = slot, states
 
 
-def takes_rows(rows: GraphRows, prompt: Prompt, settings: GenerationSettings, recall: Recall | None,
-               controls: Controls) -> bool:
-    """Whether a row of the step answers this request now (see the module's doc)."""
-    inputs, g = prompt.inputs, rows.graph
-    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
-    room = rows.max_slots + len(recall.suffix) if recall is not None and recall.active else 0
-    return (rows.ready.is_set() and rows.free_rows() > 0 and ids.shape[0] == 1
-            and (mask is None or bool(mask.all())) and set(inputs) <= TEXT and settings.entropy_decoding is None
-            and settings.guidance_scale == 1 and not settings.mixture.enabled and settings.seed is None
-            and not controls.output_logits
-            and ids.shape[1] + settings.max_new_tokens + room + g.spans[-1] < g.max_len)
-
-
 def _past(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A conversation's cached positions, keys and values [1, heads, n, dim] a layer (none: [])."""
     if isinstance(cache, GraphCache):
@@ -252,33 +286,6 @@ def _past(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return []
     n = seq_length(cache)
     return [(layer.keys[:1, :, :n], layer.values[:1, :, :n]) for layer in cache.layers] if n else []
-
-
-def stream_rows(rows: GraphRows, batch: Batch, prompt: Prompt, settings: GenerationSettings, recall: Recall | None,
-                tokenizer, interrupt: threading.Event | None, controls: Controls,
-                otherwise: Callable[[Prompt], Iterator[Event]]) -> Iterator[Event]:
-    """The events of one answer, as `decoding.loop.stream_generate` gives them, decoded in a row of the step (or
-    `otherwise(prompt)`'s, the loop's, when its processors have no tensor form)."""
-    g = rows.graph
-    req = prepare(g.model, prompt, settings, recall, tokenizer, controls, cached=False)
-    kind = g.sampler.kind_of(req.processors, settings.do_sample)
-    if kind is None:
-        yield from otherwise(for_the_loop(prompt))
-        return
-    if interrupt is not None and interrupt.is_set():  # stopped while waiting in a queue: the cache stays as it was
-        req.cache = prompt.cache
-        yield from req.stop_all()
-        yield DoneEvent(req.result())
-        return
-    row = rows.take()
-    try:
-        req.fwd.reset_request_state()
-        yield from _answer(rows, row, batch, req, prompt, kind, interrupt, controls)
-    finally:
-        if row in rows.joining or rows.seated[row] is req:  # (an answer that failed or was closed frees its row)
-            rows.free(row)
-        req.fwd.reset_request_state()
-    yield DoneEvent(req.result())
 
 
 def _prefill(req: Request, prompt: Prompt, chunk: int, interrupt: threading.Event | None
@@ -322,7 +329,7 @@ def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Promp
     rows.seat(row, req, [(layer.keys, layer.values) for layer in cache.layers], kind, req.recall_on)
     del cache
     sampler.configure_row(row, req.processors, do_sample=req.settings.do_sample, seed=int(torch.randint(1 << 31, ())),
-                          prompt=req.prompt_len)  # (a seeded request is the loop's: `takes_rows`)
+                          prompt=req.prompt_len)  # (a seeded request is the loop's: `takes`)
     if kind.penalty:
         sampler.see(req.input_ids.to(g.device), rows=slice(row, row + 1))
     max_new, made, queued = req.settings.max_new_tokens, 0, None
@@ -409,26 +416,26 @@ def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Promp
                 made += len(span)
                 events, ended = tell(span)
                 later += events
-        yield from later
-        later = []
     except NoRoom as e:  # the answer ends where the step's cache does, before the `<recall>` it could not read
         log.warning("the answer ends at the graph step's cache (model.graph_max_len): %s", e)
         told.clear()
         r.held.clear()
         r.cur -= r.cur > req.prompt_len  # (a `<recall>` the answer wrote is dropped; the prompt's stays)
-        yield from later
-        yield r.finish(0, "length")
+        later.append(r.finish(0, "length"))
     if stopped:
         if r.held:  # stopped right after `<recall>`: the recall never started, so its token is dropped
             r.held.clear()
             r.cur -= 1
-        yield from req.stop_all()
+        later += list(req.stop_all())
+    # the row is left before the last events are told: an answer that never parked a turn is advanced one event
+    # a round, and a seated row rides every replay (its columns would hold what it never wrote)
     keep = min(r.cur - 1, rows.room(row))  # as the loop's: all but the last token (what the row holds of them)
     if req.no_memory is not None:  # NoMemory ran in the graph: its record is on the device (the row's own commits)
         req.no_memory.wanted, req.scored = [sampler.wanted_at[row:row + 1] < req.steps], None
     kv = rows.leave(row, keep)
     req.cache = GraphCache(g, keep, held=kv) if kv else None
     req.decode_s = time.perf_counter() - t1
+    yield from later
 
 
 _ATTR = "_recall_graph_rows"

@@ -153,9 +153,9 @@ def _seat(g: GraphStep, cache) -> int:
         layer.values[:, :, :n].copy_(v)
         layer.cumulative_length.fill_(n)
     g.length = n
-    if isinstance(cache, GraphCache):
+    if isinstance(cache, GraphCache) and cache.step is g:
         cache.own()  # (its positions are in the step again: what it held is let go)
-    return n
+    return n  # (a handle of the rows' step stays as it was: the answer or read makes one of this step)
 
 
 def _prefill(g: GraphStep, embeds: torch.Tensor, positions: torch.Tensor, vision: dict, past: int, total: int,

@@ -459,7 +459,7 @@ def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where):
     slots (wider than the 17-wide span graph), one of 1 to 6, one with nothing to read (a penalty on all), at once in three rows; each
     equals the loop's alone, event for event; on the GPU, no host sync in any replay's launch."""
     from decoding.batch import Batch
-    from decoding.graph_rows import GraphRows, stream_rows
+    from decoding.graph_rows import GraphRows
     from decoding.loop import stream_generate
 
     model = request.getfixturevalue("model" if where == "cpu" else "cuda_model")
@@ -473,7 +473,7 @@ def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where):
     batch = Batch()
     rows.decoder.launch_guard = no_sync if where == "cuda" else contextlib.nullcontext
     try:
-        got = drive_rows(batch, [stream_rows(rows, batch, Prompt({"input_ids": x}), s, rc, None, None, controls, None)
+        got = drive_rows(batch, [rows.stream(batch, Prompt({"input_ids": x}), s, rc, None, None, controls, None)
                                  for x, rc in zip(ids, recalls)])
     finally:
         rows.decoder.launch_guard = contextlib.nullcontext

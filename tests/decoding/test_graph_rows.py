@@ -46,10 +46,11 @@ def told(events) -> list:
     return out
 
 
-def drive(batch: Batch, starts: list[tuple[int, object]]) -> list[list]:
+def drive(batch: Batch, starts: list[tuple[int, object]], failed: dict | None = None) -> list[list]:
     """The chat worker's rounds (`chat.worker.Worker`): each running answer is advanced to its next parked turn (one
     that never parked yet: by one event), then the batch runs the turns; `starts`: (the round it starts in, a
-    callable making its event stream). Every answer's events."""
+    callable making its event stream). Every answer's events. A round that raises fails the answers parked in it
+    (closed, their error in `failed`), as `Worker._run_batch` does."""
     events: list[list] = [[] for _ in starts]
     running: dict[int, object] = {}
     stepping: set[int] = set()  # answers that decode in the batch: advanced to their next turn (others: one event)
@@ -58,6 +59,7 @@ def drive(batch: Batch, starts: list[tuple[int, object]]) -> list[list]:
         for i, (at, make) in enumerate(starts):
             if at == rnd:
                 running[i] = make()
+        parked = []
         for i in list(running):
             while True:
                 try:
@@ -67,11 +69,18 @@ def drive(batch: Batch, starts: list[tuple[int, object]]) -> list[list]:
                     break
                 if isinstance(event, Parked):
                     stepping.add(i)
+                    parked.append(i)
                     break
                 events[i].append(event)
                 if i not in stepping:
                     break
-        batch.run()
+        try:
+            batch.run()
+        except RuntimeError as e:
+            for i in parked:
+                running.pop(i).close()
+                failed[i] = str(e)
+            batch.clear()
         rnd += 1
     return events
 
@@ -274,3 +283,63 @@ def test_a_bad_graph_rows_value_is_refused_by_name():
 
     with pytest.raises(ConfigError, match="graph_rows"):
         load_config(overrides=["model.graph_rows=-1"], environ={})
+
+
+def test_a_loop_answer_ending_beside_a_parked_row_turn_and_a_failed_round(rowed, tiny_llama):
+    """A seeded answer (the loop's) ends in a round where a rows answer has parked its turn: both are as alone. A
+    round that fails fails the answers in it; an answer still reading its prompt keeps its row, and it and the
+    next answer (which must take another row) are as alone."""
+    batch = Batch()
+    a, b = Conversation(rowed, batch=batch), Conversation(rowed, batch=batch)
+    sa, sb = GenerationSettings(max_new_tokens=20), GenerationSettings(max_new_tokens=4, do_sample=True, seed=3)
+    got = drive(batch, [(0, lambda: a.stream("Who are you?", settings=sa)), (1, lambda: b.stream("Hi.", settings=sb))])
+    assert told(got[0]) == told(list(Conversation(tiny_llama).stream("Who are you?", settings=sa)))
+    assert told(got[1]) == told(list(Conversation(tiny_llama).stream("Hi.", settings=sb)))
+
+    rows = graph_rows.attached_rows(rowed.merged())
+    reading = Conversation(rowed, batch=batch, prefill_chunk=4)  # its prompt 4 tokens a round
+    failing, later = Conversation(rowed, batch=batch), Conversation(rowed, batch=batch)
+    text = "Tell me everything about the history of the sea and the ships that sailed on it in the old days."
+    real, calls = rows.graph._run, []
+
+    def run(*args):  # the second replay fails (out of memory, say)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(*args)
+
+    failed: dict = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rows.graph, "_run", run)
+        events = drive(batch, [(0, lambda: reading.stream(text, settings=sa)),
+                               (0, lambda: failing.stream("Hi.", settings=sa)),
+                               (3, lambda: later.stream("Who are you?", settings=sa))], failed)
+    assert list(failed) == [1] and not failing.messages  # (its turn was not stored)
+    for t, ev in ((text, events[0]), ("Who are you?", events[2])):
+        assert told(ev) == told(list(Conversation(tiny_llama).stream(t, settings=sa)))
+    assert rows.free_rows() == 3
+
+
+def test_an_answer_ending_at_its_seat_keeps_only_what_its_row_holds(rowed, tiny_llama):
+    """A prompt ending with `<recall>` whose answer ends inside the memory's span (max_new_tokens 3): it never
+    rides a replay, while another row decodes; its cache holds its prompt alone, and its next turn is the loop's."""
+    from decoding.engine import Engine
+    from decoding.loop import stream_generate
+    from decoding.request import Prompt
+
+    recall, tok, batch = kv_recall(rowed), rowed.tokenizer, Batch()
+    xa = tok("Tell me a long story.", return_tensors="pt").input_ids
+    xb = torch.cat([tok("Once more.", return_tensors="pt").input_ids, torch.tensor([[rowed.tokens.recall]])], 1)
+    sa, sb = GenerationSettings(max_new_tokens=40), GenerationSettings(max_new_tokens=3)
+    got = drive(batch, [(0, lambda: Engine(rowed, batch).stream(Prompt({"input_ids": xa}), sa, None)),
+                        (2, lambda: Engine(rowed, batch).stream(Prompt({"input_ids": xb}), sb, recall))])[1]
+    want = list(stream_generate(tiny_llama.merged(), {"input_ids": xb}, sb, recall=recall, tokenizer=tok))
+    res, ref = got[-1].result, want[-1].result
+    assert told(got) == told(want) and cache_length(res.cache) == xb.shape[1]
+    y = torch.cat([res.sequences, tok(" and then?", return_tensors="pt").input_ids], 1)
+    s2 = GenerationSettings(max_new_tokens=8)
+    nxt = drive(batch, [(0, lambda: Engine(rowed, batch).stream(Prompt({"input_ids": y}, res.cache,
+                                                                       res.memory_vectors[0]), s2, recall))])[0]
+    assert told(nxt) == told(list(stream_generate(tiny_llama.merged(), Prompt({"input_ids": y}, ref.cache,
+                                                                               ref.memory_vectors[0]), s2,
+                                                  recall=recall, tokenizer=tok)))
