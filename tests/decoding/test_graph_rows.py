@@ -343,3 +343,29 @@ def test_an_answer_ending_at_its_seat_keeps_only_what_its_row_holds(rowed, tiny_
     assert told(nxt) == told(list(stream_generate(tiny_llama.merged(), Prompt({"input_ids": y}, ref.cache,
                                                                                ref.memory_vectors[0]), s2,
                                                   recall=recall, tokenizer=tok)))
+
+
+def test_a_rows_handle_read_ahead_on_the_single_step_and_stopped_stays_whole(smollm2_dir, tiny_llama):
+    """A conversation answered in the rows, then its next prompt read ahead on the single-row step and stopped
+    between chunks: its handle still holds its own positions (the single step did not take it over), and its next
+    turn, in the rows while the single step is busy, is the loop's."""
+    lm = make_tiny_llama(smollm2_dir)
+    graph.enable(lm.merged(), max_len=256, spans=(9,), compile=False).warm_up()
+    rows = graph_rows.enable_rows(lm.merged(), rows=2, max_len=256, spans=(9,), compile=False)
+    rows.warm_up()
+    batch, s = Batch(), GenerationSettings(max_new_tokens=10)
+    busy, conv, ref = Conversation(lm, batch=batch), Conversation(lm, batch=batch, prefill_chunk=4), \
+        Conversation(tiny_llama)
+    drive(batch, [(0, lambda: busy.stream("Hello there.", settings=s)),
+                  (0, lambda: conv.stream("What is bread?", settings=s))])
+    list(ref.stream("What is bread?", settings=s))
+    handle = conv.cache
+    assert handle.step is rows.graph and handle.held is not None
+    stop = threading.Event()
+    stop.set()
+    text = "Tell me about the long history of ships and the sea, please."
+    list(conv.read_ahead(text, interrupt_event=stop))
+    assert conv.cache is handle and handle.held is not None and rows.graph.owner is None
+    assert tuple(handle.layers()[0][0].shape)[:1] == (1,) and cache_length(handle) == len(conv.ids) - 1
+    got = drive(batch, [(0, lambda: busy.stream("Again.", settings=s)), (0, lambda: conv.stream(text, settings=s))])
+    assert told(got[1]) == told(list(ref.stream(text, settings=s)))
