@@ -121,7 +121,7 @@ class Service(SessionService):
                 rows = graph_rows.enable_rows(lm.merged(), rows=self.cfg.model.graph_rows,
                                               max_slots=self.cfg.memory.max_slots, max_len=self.cfg.model.graph_max_len,
                                               compile=lm.device.type == "cuda")
-                steps.append((rows.decoder, lambda: rows.warm_up(settings=(self.cfg.generation,),
+                steps.append((rows, lambda: rows.warm_up(settings=(self.cfg.generation,),
                                                                  eos=list(lm.spec.eos_token_ids or []))))
         if self.cfg.model.compile and not lm.is_vision:
             step = compiled.enable(lm.merged())
@@ -144,8 +144,7 @@ class Service(SessionService):
         if self._lm is None:
             return ""
         rows = graph_rows.attached_rows(self._lm.model)
-        for step in (graph.attached(self._lm.model), rows.decoder if rows is not None else None,
-                     compiled.attached(self._lm.model)):
+        for step in (graph.attached(self._lm.model), rows, compiled.attached(self._lm.model)):
             if step is not None and not step.ready.is_set() and not step.error:
                 return "compiling the decode step…"
         return ""

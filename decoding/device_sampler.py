@@ -239,14 +239,15 @@ class DeviceSampler:
         row = _mix((self.seed[rows] * 0x9E3779B1 + self.row_step[rows] * 0x632BE5AB + self.lane[rows] * 0x5851F42D)
                    & _M)  # [B]
         x = _mix(row[:, None] ^ self.token_hash)  # [B, V]
-        u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        # (23 bits: (2^23 - 1 + 0.5) / 2^23 is a float32 below 1; with 24, the top value rounds to 1 and G to +inf)
+        u = ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
         return -torch.log(-torch.log(u))
 
     def choose(self, logits: torch.Tensor, kind: Kind, rows: slice = slice(None)) -> torch.Tensor:
         """Tokens [B]: the argmax of the processed scores, or the Gumbel-max draw from them (a greedy row of a
         sampling graph draws no noise)."""
         s = self.scores(logits, kind, rows)
-        return torch.argmax(s + self.gumbel(rows) * self.noise[rows] if kind.sample else s, dim=-1)
+        return torch.argmax(torch.where(self.noise[rows] > 0, s + self.gumbel(rows), s) if kind.sample else s, dim=-1)
 
     def commit(self, tokens: torch.Tensor, into: torch.Tensor, masked: bool) -> None:
         """Tokens [B] become the next replay's input ids `into` [B, 1] and step `step`'s ring slot, copied to the

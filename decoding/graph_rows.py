@@ -74,10 +74,19 @@ class GraphRows:
         self.states: set[int] = set()  # rows whose requests may recall (the run keeps each replay's states)
         self.readback = ReadBack(g.sampler)
         self.replays = 0
+        self._ready = threading.Event()
 
     @property
     def ready(self) -> threading.Event:
-        return self.decoder.ready
+        """Set once warmed up and every row free (after the warm-up's own `ready`: nothing is seated before)."""
+        return self._ready
+
+    @property
+    def error(self) -> str | None:
+        return self.decoder.error
+
+    def stop(self) -> None:
+        self.decoder.stop()
 
     @property
     def max_slots(self) -> int:
@@ -85,7 +94,9 @@ class GraphRows:
 
     def warm_up(self, settings: tuple[GenerationSettings, ...] = (), eos: list[int] | None = None) -> float:
         seconds = self.decoder.warm_up(settings=settings, eos=eos)
-        self._reset()
+        if self.decoder.ready.is_set():
+            self._reset()
+            self._ready.set()
         return seconds
 
     def _reset(self) -> None:

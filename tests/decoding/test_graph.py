@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decoding.device_sampler import DeviceSampler
+from decoding.device_sampler import DeviceSampler, Kind
 from decoding.graph import Decoded, GraphDecoder
 from decoding.loop import generate
 from decoding.memory import Recall
@@ -484,3 +484,21 @@ def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where):
         assert events[-1].result.missed_recall == want[-1].result.missed_recall
         widths += [e.length for e in events if type(e).__name__ == "RecallEvent"]
     assert max(widths) > 17 and rows.replays > 30 and rows.free_rows() == 3
+
+
+def test_the_gumbel_noise_is_finite_and_a_greedy_row_beside_sampled_ones_takes_its_argmax():
+    """The hashed uniforms stay inside (0, 1) (their top value once rounded to 1: G = +inf, a NaN beside a -inf
+    score), over 64 rows x 20 steps of a real vocabulary; and a row that does not sample takes its argmax whatever
+    the noise is."""
+    sampler = DeviceSampler(64, 49155, torch.device("cpu"))
+    sampler.seed.copy_(torch.arange(64) * 7919 + 11)
+    for step in range(20):
+        sampler.row_step.fill_(step)
+        assert torch.isfinite(sampler.gumbel()).all(), step
+    scores = torch.randn(2, 49155, generator=torch.Generator().manual_seed(0))
+    two = DeviceSampler(2, 49155, torch.device("cpu"))
+    two.noise.copy_(torch.tensor([[0.0], [1.0]]))  # row 0 greedy, row 1 sampling
+    kind = Kind(sample=True)
+    real = two.gumbel
+    two.gumbel = lambda rows=slice(None): torch.full_like(real(rows), float("inf"))
+    assert int(two.choose(scores, kind)[0]) == int(scores[0].argmax())

@@ -369,3 +369,14 @@ def test_a_rows_handle_read_ahead_on_the_single_step_and_stopped_stays_whole(smo
     assert tuple(handle.layers()[0][0].shape)[:1] == (1,) and cache_length(handle) == len(conv.ids) - 1
     got = drive(batch, [(0, lambda: busy.stream("Again.", settings=s)), (0, lambda: conv.stream(text, settings=s))])
     assert told(got[1]) == told(list(ref.stream(text, settings=s)))
+
+
+def test_the_rows_are_ready_only_once_every_row_is_free(smollm2_dir):
+    """`ready` (what the engine checks before it seats an answer) is set after the warm-up's reset of the rows, not
+    before it: an answer seated in between would have its row's values cleared under it."""
+    lm = make_tiny_llama(smollm2_dir)
+    rows = graph_rows.enable_rows(lm.merged(), rows=2, max_len=128, spans=(9,), compile=False)
+    seen, reset = [], rows._reset
+    rows._reset = lambda: seen.append(rows.ready.is_set()) or reset()
+    rows.warm_up()
+    assert seen == [False] and rows.ready.is_set() and rows.free_rows() == 2
