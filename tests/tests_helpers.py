@@ -110,3 +110,18 @@ def returned(gen):
             events.append(next(gen))
     except StopIteration as done:
         return done.value, events
+
+
+def told(events) -> list:
+    """What a stream told, comparable across decoders: tokens with their text and position, recalls, finishes."""
+    from decoding.events import FinishEvent, RecallEvent, TokenEvent
+
+    out = []
+    for e in events:
+        if isinstance(e, TokenEvent):
+            out.append(("token", e.token_id, e.position, e.text))
+        elif isinstance(e, RecallEvent):
+            out.append(("recall", e.position, e.memory_index, e.length))
+        elif isinstance(e, FinishEvent):
+            out.append(("finish", e.reason))
+    return out

@@ -16,11 +16,12 @@ from conftest import make_tiny_llama
 from decoding import graph, graph_rows
 from decoding.batch import Batch, Parked
 from decoding.engine import cache_length
-from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
+from decoding.events import RecallEvent
 from decoding.graph_stream import GraphCache
 from decoding.memory import Recall
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
+from tests_helpers import told
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +33,6 @@ def rowed(smollm2_dir):
     rows.warm_up()
     assert rows.ready.is_set() and rows.decoder.error is None
     return lm
-
-
-def told(events) -> list:
-    out = []
-    for e in events:
-        if isinstance(e, TokenEvent):
-            out.append(("token", e.token_id, e.position, e.text))
-        elif isinstance(e, RecallEvent):
-            out.append(("recall", e.position, e.memory_index, e.length))
-        elif isinstance(e, FinishEvent):
-            out.append(("finish", e.reason))
-    return out
 
 
 def drive(batch: Batch, starts: list[tuple[int, object]], failed: dict | None = None) -> list[list]:

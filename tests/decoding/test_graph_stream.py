@@ -13,10 +13,10 @@ from chat.session import Conversation
 from conftest import make_tiny_llama
 from decoding import graph
 from decoding.engine import cache_length, cut_cache
-from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
+from decoding.events import DoneEvent, RecallEvent, TokenEvent
 from decoding.graph_stream import GraphCache
 from decoding.settings import GenerationSettings, RecallSettings
-from tests_helpers import returned
+from tests_helpers import returned, told
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +27,6 @@ def graphed(smollm2_dir):
     decoder.warm_up()
     assert decoder.ready.is_set() and decoder.error is None
     return lm
-
-
-def told(events) -> list:
-    """What a stream told, comparable across decoders: tokens with their text and position, recalls, finishes."""
-    out = []
-    for e in events:
-        if isinstance(e, TokenEvent):
-            out.append(("token", e.token_id, e.position, e.text))
-        elif isinstance(e, RecallEvent):
-            out.append(("recall", e.position, e.memory_index, e.length))
-        elif isinstance(e, FinishEvent):
-            out.append(("finish", e.reason))
-    return out
 
 
 GREEDY = GenerationSettings(max_new_tokens=12)
