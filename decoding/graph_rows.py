@@ -25,7 +25,6 @@ gathered, right-aligned again) when the next replay would not fit.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
