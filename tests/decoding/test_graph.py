@@ -386,6 +386,8 @@ def test_the_chats_answer_on_the_step_is_the_loops(request, where, bank):
     controls = Controls(eos_token_id=EOS)
     ids = prompt(2)
     want = list(stream_generate(model, {"input_ids": ids}, s, recall=recall, controls=controls))
+    if where == "cuda":  # (a graph is captured on its first use, and a capture synchronises: these first)
+        dec.warm_up(settings=(s,), eos=[EOS])
     dec.launch_guard = no_sync if where == "cuda" else contextlib.nullcontext
     try:
         got = list(stream_graph(dec, Prompt({"input_ids": ids}), s, recall, None, None, controls, None))
@@ -463,11 +465,11 @@ def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where):
     from decoding.loop import stream_generate
 
     model = request.getfixturevalue("model" if where == "cpu" else "cuda_model")
+    s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),), repetition_penalty=1.1)
     rows = GraphRows(model, rows=3, max_len=256, spans=(17,), compile=where == "cuda")
-    rows.warm_up()
+    rows.warm_up(settings=(s,), eos=[EOS])  # (its graphs captured now: a capture synchronises)
     recalls = [kv_recall(model, max_slots=30, min_slots=18), kv_recall(model, max_slots=6),
                Recall(RECALL, PAD, None, without_memory="answer")]
-    s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),), repetition_penalty=1.1)
     controls = Controls(eos_token_id=EOS)
     ids = [prompt(2), prompt(3, length=20), prompt(4, length=7)]
     batch = Batch()
