@@ -367,6 +367,8 @@ class ModelBench:
         eager_cost = 2 * self.repeats * (self.n + 1) * (0.03 if self.device == "cuda" else 0.05) + 5
         run.measure(name, "graph step", 80, self.graph_step)
         run.measure(name, "chat on the graph step", 10, self.chat_graph)
+        if args.sessions:  # (before the rows of one request and transformers' static path: not measured yet)
+            run.measure(name, "sessions", 60, self.sessions)
         if args.static:
             run.measure(name, "transformers static generate", 30, self.hf_static)
         for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio is the target
@@ -380,8 +382,6 @@ class ModelBench:
             run.measure(name, "our eager loop", eager_cost, self.ours_eager)
             for b in args.rows:
                 run.measure(name, f"our eager loop, {b} rows", eager_cost, self.rows("eager", b))
-        if args.sessions:
-            run.measure(name, "sessions", 60, self.sessions)
         answers = self.answers
         if "hf" in answers:
             self.info["same_greedy_answer"] = {k: v == answers["hf"] for k, v in answers.items() if k != "hf"}
