@@ -106,23 +106,21 @@ class Service(SessionService):
 
     def _compile(self, lm: LoadedModel) -> None:
         """In the background, for a model on transformers: with `model.graph_step`, warm up the graph step
-        (`decoding.graph`: compiled and captured on CUDA, eager elsewhere), then with `model.compile` compile the
-        loop's decode step (text models). Answers decode in the loop, eagerly, until each is ready; the status line
-        says so."""
+        (`decoding.graph`: compiled and captured on CUDA, eager elsewhere) and its rows (`model.graph_rows`), then
+        with `model.compile` compile the loop's decode step (text models). Answers decode in the loop, eagerly, until
+        each is ready; the status line says so."""
         if not lm.spec.can(COMPILE):
             return
-        steps: list = []
+        steps: list = []  # (what warms up, how)
         if self._graph_step_on(lm):
-            decoder = graph.enable(lm.merged(), max_slots=self.cfg.memory.max_slots,
-                                   max_len=self.cfg.model.graph_max_len, compile=lm.device.type == "cuda")
-            steps.append((decoder, lambda: decoder.warm_up(settings=(self.cfg.generation,),
-                                                           eos=list(lm.spec.eos_token_ids or []))))
-            if self.cfg.model.graph_rows and not lm.is_vision:  # (the rows take text answers)
-                rows = graph_rows.enable_rows(lm.merged(), rows=self.cfg.model.graph_rows,
-                                              max_slots=self.cfg.memory.max_slots, max_len=self.cfg.model.graph_max_len,
-                                              compile=lm.device.type == "cuda")
-                steps.append((rows, lambda: rows.warm_up(settings=(self.cfg.generation,),
-                                                                 eos=list(lm.spec.eos_token_ids or []))))
+            model, model_cfg = lm.merged(), self.cfg.model
+            shape = dict(max_slots=self.cfg.memory.max_slots, max_len=model_cfg.graph_max_len,
+                         compile=lm.device.type == "cuda")
+            graphs = [graph.enable(model, **shape)]
+            if model_cfg.graph_rows and not lm.is_vision:  # (the rows take text answers)
+                graphs.append(graph_rows.enable_rows(model, rows=model_cfg.graph_rows, **shape))
+            configured = dict(settings=(self.cfg.generation,), eos=list(lm.spec.eos_token_ids or []))
+            steps += [(g, lambda g=g: g.warm_up(**configured)) for g in graphs]
         if self.cfg.model.compile and not lm.is_vision:
             step = compiled.enable(lm.merged())
             steps.append((step, step.warm_up))

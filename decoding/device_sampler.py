@@ -62,10 +62,11 @@ class Kind:
 
     @staticmethod
     def union(kinds) -> "Kind":
-        """The kind of a graph over rows of these kinds (each row's values make the others' operations neutral)."""
+        """The kind of a graph over rows of these kinds (each row's values make the others' operations neutral;
+        none: greedy)."""
         kinds = list(kinds)
-        return Kind(*(any(getattr(k, f) for k in kinds) for f in ("sample", "bias", "penalty", "temperature", "top_k",
-                                                                   "top_p", "min_p", "masked", "no_memory")))
+        return Kind(**{f.name: any(getattr(k, f.name) for k in kinds) for f in dataclasses.fields(Kind)
+                       if f.name != "commit"})
 
 
 FULL = Kind(True, True, True, True, True, True, True, True, True)  # every operation (warm-up: each op's first run)

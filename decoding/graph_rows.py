@@ -70,6 +70,7 @@ class GraphRows:
         self.seated: list[Request | None] = [None] * rows  # the request decoding in each row
         self.joining: set[int] = set()  # rows taken by a request still reading its prompt
         self.kinds: list[Kind | None] = [None] * rows
+        self.kind = Kind()  # what a replay runs: the union of the seated rows' kinds (kept as rows come and go)
         self.states: set[int] = set()  # rows whose requests may recall (the run keeps each replay's states)
         self.readback = ReadBack(g.sampler)
         self.replays = 0
@@ -180,6 +181,7 @@ class GraphRows:
         g.one.position[row] = n
         self.joining.discard(row)
         self.seated[row], self.kinds[row] = req, kind
+        self.kind = Kind.union(k for k in self.kinds if k is not None)
         if states:
             self.states.add(row)
 
@@ -196,6 +198,7 @@ class GraphRows:
 
     def free(self, row: int) -> None:
         self.seated[row], self.kinds[row] = None, None
+        self.kind = Kind.union(k for k in self.kinds if k is not None)
         self.joining.discard(row)
         self.states.discard(row)
         self.graph.sampler.free_row(row)
@@ -242,10 +245,8 @@ class GraphRows:
             if g.length + width > g.max_len:
                 raise RuntimeError(f"the graph step's rows hold {g.length} of {g.max_len} columns after compacting: "
                                    f"no room for a replay of {width}")
-        live = [k for k in self.kinds if k is not None]
-        kind = Kind.union(live) if live else Kind()
-        n = [width if self.seated[r] is None else len(spans[r].tokens) if r in spans else 1 for r in range(g.batch)]
         if spans:
+            n = [width if self.seated[r] is None else len(spans[r].tokens) if r in spans else 1 for r in range(g.batch)]
             inputs = g.wide[width]
             staged = torch.zeros((g.batch, 2 * width + 2), dtype=torch.long)  # ids, flags, n, spanning: one copy
             for r, t in spans.items():
@@ -262,8 +263,9 @@ class GraphRows:
             inputs.last.fill_(width - 1)
             for r, t in spans.items():
                 if t.vectors:
-                    at = [width - len(t.tokens) + i for i in sorted(t.vectors)]
-                    inputs.vector[r, at] = torch.stack([t.vectors[i] for i in sorted(t.vectors)]).to(inputs.vector.dtype)
+                    order = sorted(t.vectors)
+                    at = [width - len(t.tokens) + i for i in order]
+                    inputs.vector[r, at] = torch.stack([t.vectors[i] for i in order]).to(inputs.vector.dtype)
             held = [r for r, t in spans.items() if not t.last]
             if held:
                 g.sampler.held[held] = True
@@ -272,7 +274,7 @@ class GraphRows:
         c = g.length
         try:
             with self.decoder.launch_guard():  # (the replay and what follows it on the device: no host sync)
-                hidden, _ = g._run(inputs, kind)
+                hidden, _ = g._run(inputs, self.kind)
                 if spans and held:
                     g.sampler.held.fill_(False)
                 slot = self.readback.pushed()
@@ -280,8 +282,11 @@ class GraphRows:
         except BaseException:  # the round fails, and every answer in it (`chat.worker`): the rows start over
             self._reset()
             raise
-        for r in range(g.batch):
-            g.host_mask[r, c + width - n[r]:c + width] = True
+        if spans:
+            for r in range(g.batch):
+                g.host_mask[r, c + width - n[r]:c + width] = True
+        else:
+            g.host_mask[:, c] = True
         g.length += width
         self.replays += 1
         for t in turns:
@@ -354,8 +359,10 @@ def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Promp
         events, told[:] = [*told, *req.events(0, new, still)], []
         return events, not r.alive[0]
 
-    def recall(state: torch.Tensor) -> list[int]:
-        """Recall with the query state [H] at the newest position: the span's parts queued; its tokens."""
+    def recall(state: torch.Tensor) -> tuple[list[Event], bool]:
+        """Recall with the query state [H] at the newest position: the span's parts queued to ride the next
+        replays, its tokens told (`tell`)."""
+        nonlocal made
         tokens, vectors, events = req.recall_row(0, state)
         if rows.room(row) + len(tokens) + g.spans[-1] >= g.max_len:
             r.injections.pop()
@@ -371,16 +378,15 @@ def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Promp
                                  {i - at: e for i, e in embedded.items() if at <= i < at + widest},
                                  last=at + widest >= len(tokens)))
         told.extend(events)
-        return tokens
+        made += len(tokens)
+        return tell(tokens)
 
     # A seated row rides every replay, so from its seat on the answer parks a turn each round before it yields
     # anything (the worker then advances it to its next turn each round): events are told after the launch.
     stopped, later = False, []
     try:
         if req.recall_on and int(req.input_ids[0, -1]) == req.recall.recall_id:  # the prompt ends with <recall>
-            span = recall(hidden[0])
-            made = len(span)
-            later, ended = tell(span)
+            later, ended = recall(hidden[0])
         else:
             first = sampler.choose(req.fwd.logits(hidden), kind, rows=slice(row, row + 1))
             sampler.commit_row(row, first, g.one.ids)
@@ -410,9 +416,7 @@ def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Promp
                 yield from later                 # replay before it is read (one step late)
                 later = []
                 if r.held:  # the first token was `<recall>`: this replay took it, its state is the query
-                    span = recall(launched.hidden[row])
-                    made += len(span)
-                    later, ended = tell(span)
+                    later, ended = recall(launched.hidden[row])
                     continue
                 before, queued = queued, launched.slot
                 if before is None:
@@ -422,9 +426,7 @@ def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Promp
             later, ended = tell([token])
             if r.held and launched is not None:  # a `<recall>`: the replay that took it has its query state, and
                 queued = None  # the token it chose after it is dropped
-                span = recall(launched.hidden[row])
-                made += len(span)
-                events, ended = tell(span)
+                events, ended = recall(launched.hidden[row])
                 later += events
     except NoRoom as e:  # the answer ends where the step's cache does, before the `<recall>` it could not read
         log.warning("the answer ends at the graph step's cache (model.graph_max_len): %s", e)

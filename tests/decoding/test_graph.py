@@ -431,30 +431,6 @@ def test_a_warm_up_takes_every_configured_setting_and_a_stop_ends_only_itself(mo
     assert dec.ready.is_set() and dec.error is None
 
 
-def drive_rows(batch, streams) -> list[list]:
-    """The chat worker's rounds over answers that park their turns in `batch` (`chat.worker.Worker`): all start in
-    round 0; a parked answer is advanced to its next turn each round, then the batch runs."""
-    from decoding.batch import Parked
-
-    events, running, stepping = [[] for _ in streams], dict(enumerate(streams)), set()
-    while running:
-        for i in list(running):
-            while True:
-                try:
-                    event = next(running[i])
-                except StopIteration:
-                    del running[i]
-                    break
-                if isinstance(event, Parked):
-                    stepping.add(i)
-                    break
-                events[i].append(event)
-                if i not in stepping:
-                    break
-        batch.run()
-    return events
-
-
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
 def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where):
     """`decoding.graph_rows` (what the chat's concurrent answers decode in): three answers, one with memories of 18 to 30
@@ -462,6 +438,7 @@ def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where):
     equals the loop's alone, event for event; on the GPU, no host sync in any replay's launch."""
     from decoding.batch import Batch
     from decoding.graph_rows import GraphRows
+    from rounds import drive
     from decoding.loop import stream_generate
 
     model = request.getfixturevalue("model" if where == "cpu" else "cuda_model")
@@ -475,8 +452,8 @@ def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where):
     batch = Batch()
     rows.decoder.launch_guard = no_sync if where == "cuda" else contextlib.nullcontext
     try:
-        got = drive_rows(batch, [rows.stream(batch, Prompt({"input_ids": x}), s, rc, None, None, controls, None)
-                                 for x, rc in zip(ids, recalls)])
+        got = drive(batch, [(0, lambda x=x, rc=rc: rows.stream(batch, Prompt({"input_ids": x}), s, rc, None, None,
+                                                                 controls, None)) for x, rc in zip(ids, recalls)])
     finally:
         rows.decoder.launch_guard = contextlib.nullcontext
     widths = []

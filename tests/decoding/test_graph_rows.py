@@ -14,13 +14,14 @@ import torch
 from chat.session import Conversation
 from conftest import make_tiny_llama
 from decoding import graph, graph_rows
-from decoding.batch import Batch, Parked
+from decoding.batch import Batch
 from decoding.engine import cache_length
 from decoding.events import RecallEvent
 from decoding.graph_stream import GraphCache
 from decoding.memory import Recall
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
+from rounds import drive
 from tests_helpers import told
 
 
@@ -33,45 +34,6 @@ def rowed(smollm2_dir):
     rows.warm_up()
     assert rows.ready.is_set() and rows.decoder.error is None
     return lm
-
-
-def drive(batch: Batch, starts: list[tuple[int, object]], failed: dict | None = None) -> list[list]:
-    """The chat worker's rounds (`chat.worker.Worker`): each running answer is advanced to its next parked turn (one
-    that never parked yet: by one event), then the batch runs the turns; `starts`: (the round it starts in, a
-    callable making its event stream). Every answer's events. A round that raises fails the answers parked in it
-    (closed, their error in `failed`), as `Worker._run_batch` does."""
-    events: list[list] = [[] for _ in starts]
-    running: dict[int, object] = {}
-    stepping: set[int] = set()  # answers that decode in the batch: advanced to their next turn (others: one event)
-    rnd = 0
-    while rnd <= max(s for s, _ in starts) or running:
-        for i, (at, make) in enumerate(starts):
-            if at == rnd:
-                running[i] = make()
-        parked = []
-        for i in list(running):
-            while True:
-                try:
-                    event = next(running[i])
-                except StopIteration:
-                    del running[i]
-                    break
-                if isinstance(event, Parked):
-                    stepping.add(i)
-                    parked.append(i)
-                    break
-                events[i].append(event)
-                if i not in stepping:
-                    break
-        try:
-            batch.run()
-        except RuntimeError as e:
-            for i in parked:
-                running.pop(i).close()
-                failed[i] = str(e)
-            batch.clear()
-        rnd += 1
-    return events
 
 
 def recalling(lm, bias: float = 6.0, **kw) -> GenerationSettings:
