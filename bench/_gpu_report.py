@@ -41,15 +41,25 @@ def table(results: dict) -> str:
         c = m.get("chat on the graph step", {})
         lines.append(f"| {name} | {cell(m.get('graph step'), 'ms_per_token')} | {cell(c, 'ms_per_token')} | "
                      f"{c.get('same_tokens_as_the_step', '—') if isinstance(c, dict) else '—'} |")
-    lines += ["", "| model | recall: memories | head ms | 16-slot span ms | in decode steps |", "|---|---|---|---|---|"]
+    lines += ["", "| model | graph step ms/token (memory GB) | frozen (`model.graph_freeze`) ms/token (memory GB, "
+              "compile s) | frozen / plain | frozen's first greedy tokens = eager generate's | same tokens as the plain "
+              "step |", "|---|---|---|---|---|---|"]
+    for name, m in results.get("models", {}).items():
+        g, f = m.get("graph step", {}), m.get("graph step, frozen", {})
+        lines.append(f"| {name} | {cell(g, 'ms_per_token')} ({cell(g, 'memory_gb')}) | {cell(f, 'ms_per_token')} "
+                     f"({cell(f, 'memory_gb')}, {cell(f, 'compile_s', '{:.0f}')}) | {cell(f, 'vs_the_step')} | "
+                     f"{f.get('agrees_with_eager', '—') if isinstance(f, dict) else '—'} | "
+                     f"{f.get('same_tokens_as_the_step', '—') if isinstance(f, dict) else '—'} |")
+    lines += ["", "| model | recall: memories | head ms | 16-slot span ms | in decode steps | in decode steps of the "
+              "frozen step |", "|---|---|---|---|---|---|"]
     for name, m in results.get("models", {}).items():
         r = m.get("recall", {})
         if isinstance(r, dict) and not ({"skipped", "error"} & set(r)):
             for size, v in r.items():
                 lines.append(f"| {name} | {int(size):,} | {v['head_ms']:.3f} | {v['span_ms']:.3f} | "
-                             f"{v['decode_steps']:.2f} |")
+                             f"{v['decode_steps']:.2f} | {cell(v, 'decode_steps_of_the_frozen_step')} |")
         else:
-            lines.append(f"| {name} | — | {cell(r, 'x')} | | |")
+            lines.append(f"| {name} | — | {cell(r, 'x')} | | | |")
     lines += ["", "| model | path, rows | ms/step | aggregate tokens/s | rows / 1 row, aggregate tokens/s |",
               "|---|---|---|---|---|"]
     for name, m in results.get("models", {}).items():

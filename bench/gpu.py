@@ -124,6 +124,10 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
 def per_token(run, n: int, repeats: int) -> dict:
     """{ms_per_token, ttft_ms}: (T(n) - T(1)) / (n - 1) and T(1), medians over `repeats`."""
     ones, rates = [], []
@@ -202,15 +206,40 @@ class ModelBench:
 
     def graph_step(self) -> dict:
         # attached to the model (as the chat's service attaches it): the sessions measure answers on it too
+        before = allocated()
         dec = graph.enable(self.model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs)
+        out = self._step(dec, "graph")
+        out["memory_gb"] = (allocated() - before) / 1e9
+        self.decoder = dec
+        return out
+
+    def _step(self, dec: GraphDecoder, name: str) -> dict:
         compile_s = dec.warm_up()
         run_k = lambda k: dec.generate(self.ids, self.greedy(k))  # noqa: E731
-        self.answers["graph"] = run_k(self.n).tokens[0]
-        out = {"compile_s": compile_s, "agrees_with_eager": self.agreement(self.answers["graph"]),
+        self.answers[name] = run_k(self.n).tokens[0]
+        out = {"compile_s": compile_s, "agrees_with_eager": self.agreement(self.answers[name]),
                **per_token(run_k, self.n, self.repeats)}
         out["ttft_host_ms"] = run_k(1).ttft * 1e3
         out["graphs"], out["fallback"] = dec.graph.mode, dec.graph.fallback
-        self.decoder = dec
+        return out
+
+    def graph_frozen(self) -> dict:
+        """The same step with `freeze=True` (`model.graph_freeze`: the decode forward compiled with inductor's
+        freezing, q/k/v and gate/up one matmul each), side by side; its memory beside the plain step's is the
+        frozen copy of those weights. Dropped after (the other measures run on the plain step)."""
+        before = allocated()
+        dec = GraphDecoder(self.model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs,
+                           freeze=True)
+        out = self._step(dec, "frozen")
+        out["memory_gb"] = (allocated() - before) / 1e9
+        out["same_tokens_as_the_step"] = self.answers["frozen"] == self.answers.get("graph")
+        one = self.info.get("graph step", {}).get("ms_per_token")
+        if one:
+            out["vs_the_step"] = out["ms_per_token"] / one
+        del dec
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
         return out
 
     def _decoder(self, what: str) -> GraphDecoder:
@@ -260,6 +289,7 @@ class ModelBench:
         dec, hidden, device, dtype = self._decoder("recall"), self.hidden, self.device, self.dtype
         recall_id, pad_id, end_id = self.vocab - 3, self.vocab - 2, self.vocab - 1  # random weights: any ids do
         step_ms = self.info["graph step"]["ms_per_token"]
+        frozen_ms = self.info.get("graph step, frozen", {}).get("ms_per_token")  # (its span graphs are the step's)
         out = {}
         db = MemoryVectorDB(hidden, token_values=True)  # grown from one size to the next
         g, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
@@ -284,6 +314,8 @@ class ModelBench:
             out[f"{size}"] = {"bank_build_s": built, "first_search_s": upload, "head_ms": head * 1e3,
                               "span_ms": span_s * 1e3, "slots": memory.slots,
                               "decode_steps": (head + span_s) * 1e3 / step_ms,
+                              **({"decode_steps_of_the_frozen_step": (head + span_s) * 1e3 / frozen_ms}
+                                 if frozen_ms else {}),
                               "recalled_through_the_decoder": bool(full.recalls)}
             selector = rec = None  # (the keys on the device go before the next size's)
         return out
@@ -366,6 +398,8 @@ class ModelBench:
         run, name, args = self.run, self.name, self.args
         eager_cost = 2 * self.repeats * (self.n + 1) * (0.03 if self.device == "cuda" else 0.05) + 5
         run.measure(name, "graph step", 80, self.graph_step)
+        if args.frozen:
+            run.measure(name, "graph step, frozen", 80, self.graph_frozen)
         run.measure(name, "chat on the graph step", 10, self.chat_graph)
         if args.sessions:  # (before the rows of one request and transformers' static path: not measured yet)
             run.measure(name, "sessions", 60, self.sessions)
@@ -417,6 +451,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--inductor", default="", help="inductor settings of the run, k=v,... (freezing=1: a wrong step)")
     ap.add_argument("--no-static", dest="static", action="store_false", help="skip transformers' static generate")
+    ap.add_argument("--no-frozen", dest="frozen", action="store_false",
+                    help="skip the frozen graph step (model.graph_freeze) beside the plain one")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape and a few tokens (runs on a CPU)")
     args = ap.parse_args()
     if args.smoke:

@@ -62,10 +62,17 @@ class GraphStep:
     sampler's operations and the commit of the token included, captured in one `torch.cuda.CUDAGraph` per width
     and sampler kind: a step is one `replay()`), "trees" (torch.compile's own CUDA graphs of the forward,
     `mode="reduce-overhead"`; the sampler runs eagerly around it: the first run's path) or "none". A manual
-    capture that fails falls back to "trees" (logged in `fallback`)."""
+    capture that fails falls back to "trees" (logged in `fallback`).
+
+    `freeze`: the one-position forward (the decode step; not the span graphs) compiled with inductor's freezing:
+    the weights are constants, so q/k/v and gate/up each run as one matmul (inductor's concat-linear patterns),
+    three fewer kernels a layer, at the cost of a copy of those weights (about 2/3 of a Llama's) that the frozen
+    graph keeps. Freezing folds every static input into a constant, so the step's mutable state (the cache, its
+    length, the mRoPE offset, the rows' mask) is then a plain input, not a static address (`_mark_state`)."""
 
     def __init__(self, model: torch.nn.Module, *, batch: int = 1, max_len: int = 1024,
-                 spans: tuple[int, ...] = SPANS, compile: bool = True, graphs: str = "manual", rows: bool = False):
+                 spans: tuple[int, ...] = SPANS, compile: bool = True, graphs: str = "manual", rows: bool = False,
+                 freeze: bool = False):
         self.model = model
         self.backbone, self.head = backbone_and_head(model)
         self.mrope = hasattr(self.backbone, "get_rope_index")  # Qwen3-VL: positions [4, B, S] (text, then t/h/w)
@@ -80,14 +87,11 @@ class GraphStep:
         self.wide = {w: Inputs.zeros(batch, w, config.hidden_size, self.device, self.dtype) for w in self.spans}
         self.offsets = {w: torch.arange(w, device=self.device) for w in (1, *self.spans)}  # [W]
         self.delta = torch.zeros((batch, 1), dtype=torch.long, device=self.device)  # mRoPE: rotary - text position
-        torch._dynamo.mark_static_address(self.delta)
         # rows: each row its own request (`decoding.graph_rows`): a replay writes the same columns of every row, a
         # row's positions are the columns its mask holds (`host_mask`: the host's copy), a span is right-aligned
         self.rows = rows
         self.mask = torch.zeros((batch, max_len), dtype=torch.bool, device=self.device) if rows else None
         self.host_mask = torch.zeros((batch, max_len), dtype=torch.bool) if rows else None
-        if rows:
-            torch._dynamo.mark_static_address(self.mask)
         self.sampler = DeviceSampler(batch, self.embed.weight.shape[0], self.device)
         self.length = 0  # positions the cache holds (counted on the host)
         self.owner: Callable[[], object] | None = None  # weakref to the conversation's handle whose positions the
@@ -97,15 +101,42 @@ class GraphStep:
         self.mode = graphs if compile and cuda else "none"
         self.graphs = self.mode != "none"
         self.fallback: str | None = None
-        self._fn = self._compile()
+        self.freeze = freeze and compile and self.mode != "trees"
+        self._mark_state()
+        self._fn, self._fn_one = self._compile()
         self._captured: dict = {}  # (width, kind) -> (CUDAGraph, (hidden, logits))
         self.compile_seconds: float | None = None
 
-    def _compile(self):
+    def _compile(self) -> tuple[Callable, Callable]:
+        """(the forward of the span graphs, the one-position forward): frozen or not (`freeze`)."""
         if not self.compiled:
-            return self._forward
-        return torch.compile(self._forward, dynamic=False,
-                             mode="reduce-overhead" if self.mode == "trees" else None)
+            return self._forward, self._forward
+        fn = torch.compile(self._forward, dynamic=False, mode="reduce-overhead" if self.mode == "trees" else None)
+        if not self.freeze:
+            return fn, fn
+        options = {"freezing": True, "cpp.enable_concat_linear": True}  # (cpp.*: the same concatenation on a CPU)
+        frozen = torch.compile(self._forward, dynamic=False, options=options)  # (its own options: its own compiles)
+
+        def one(*inputs):
+            with torch._inductor.config.patch(options):  # (also global: dynamo reads it as it traces, to lift the
+                return frozen(*inputs)  # weights as constants)
+        return fn, one
+
+    def _mark_state(self) -> None:
+        """The step's buffers (inputs and mutable state) as static addresses (torch.compile's CUDA graphs then use
+        them in place: never copied into the graph's own inputs), or, with `freeze`, as plain inputs: freezing
+        folds a static input into a constant (GPU run 3's wrong step took the cache's length as one). The cache's
+        tensors exist after its first update; transformers marks them static then, so `_body` calls this again
+        before the forward runs."""
+        state = [self.delta, *([self.mask] if self.rows else []), *self.one.tensors(),
+                 *(t for inputs in self.wide.values() for t in inputs.tensors())]
+        state += [t for layer in self.cache.layers if layer.is_initialized
+                  for t in (layer.keys, layer.values, layer.cumulative_length)]
+        for t in state:
+            if self.freeze:
+                vars(t).pop("_dynamo_static_input_type", None)  # (what `mark_static_address` sets; no public undo)
+            else:
+                torch._dynamo.mark_static_address(t)
 
     def _forward(self, ids: torch.Tensor, vector: torch.Tensor, flag: torch.Tensor, position: torch.Tensor,
                  last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +152,8 @@ class GraphStep:
         """Everything one replay does: count the input tokens (repetition penalty), set the positions, the forward,
         forget the padding's cache positions, advance the position, and (with a kind) choose and commit the
         token."""
+        if self.freeze:
+            self._mark_state()  # (the cache's tensors are made on its first update, and transformers marks them)
         width, offsets = inputs.ids.shape[1], self.offsets[inputs.ids.shape[1]]
         first = width - inputs.n[:, None] if self.rows else 0  # [B, 1]: a row's first real column (rows: right-aligned)
         valid = (offsets >= first) if self.rows else (offsets < inputs.n[:, None])  # [B, W]
@@ -133,7 +166,7 @@ class GraphStep:
             self.mask.scatter_(1, columns, valid.expand(self.batch, -1))
         if self.mode == "trees":
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are dead (copied out)
-        hidden, logits = self._fn(*inputs.tensors())
+        hidden, logits = (self._fn_one if width == 1 else self._fn)(*inputs.tensors())
         if width > 1 and not self.rows:
             pad = width - inputs.n  # the padding's keys are overwritten before they are read
             for layer in self.cache.layers:
@@ -157,8 +190,9 @@ class GraphStep:
                 self._captured[key] = graph, outs
             except Exception as e:  # noqa: BLE001 - the proven path instead of none
                 self.fallback = f"manual capture failed ({type(e).__name__}: {e}); torch.compile's CUDA graphs"
-                self.mode, self._captured = "trees", {}
-                self._fn = self._compile()
+                self.mode, self._captured, self.freeze = "trees", {}, False
+                self._mark_state()
+                self._fn, self._fn_one = self._compile()
                 return self._body(inputs, kind)
         graph, outs = self._captured[key]
         graph.replay()

@@ -1,5 +1,5 @@
 """The input buffers of one width of the graph step (`decoding/graph.py`): device tensors written in place
-between replays, marked as static addresses for torch.compile."""
+between replays (the step marks them as static addresses for torch.compile, or not: `GraphStep._mark_state`)."""
 
 from __future__ import annotations
 
@@ -21,15 +21,12 @@ class Inputs:
 
     @classmethod
     def zeros(cls, batch: int, width: int, hidden: int, device, dtype) -> "Inputs":
-        made = cls(torch.zeros((batch, width), dtype=torch.long, device=device),
+        return cls(torch.zeros((batch, width), dtype=torch.long, device=device),
                    torch.zeros((batch, width, hidden), dtype=dtype, device=device),
                    torch.zeros((batch, width), dtype=torch.bool, device=device),
                    torch.zeros((batch, width), dtype=torch.long, device=device),
                    torch.zeros(batch, dtype=torch.long, device=device),
                    torch.full((batch,), width, dtype=torch.long, device=device))
-        for t in made.tensors():
-            torch._dynamo.mark_static_address(t)  # replayed in place: never copied into the graph's own inputs
-        return made
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.ids, self.vector, self.flag, self.position, self.last

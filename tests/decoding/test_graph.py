@@ -268,10 +268,12 @@ def test_the_device_search_ranks_as_the_bank():
     torch.testing.assert_close(scores, want_scores, atol=1e-5, rtol=1e-5)
 
 
-def test_the_compiled_step_equals_the_eager_one(model, eager):
+@pytest.mark.parametrize("freeze", [False, True], ids=["plain", "frozen"])
+def test_the_compiled_step_equals_the_eager_one(model, eager, freeze):
     """torch.compile of the same step (on a CPU: inductor without CUDA graphs) gives the eager step's tokens, logits and
-    recalls."""
-    fast = GraphDecoder(model, max_len=256)
+    recalls; frozen too (the weights constants, q/k/v and gate/up one matmul each; the cache a plain input: marked
+    static, freezing folds it into a constant and the tokens part at the second step)."""
+    fast = GraphDecoder(model, max_len=256, freeze=freeze)
     fast.warm_up()
     recall = kv_recall(model)
     s = GenerationSettings(max_new_tokens=24, sequence_bias=(((RECALL,), 4.0),))
@@ -356,6 +358,26 @@ def test_a_recall_on_the_gpu_replays_exactly(cuda_model, graphed):
 
 @gpu
 @pytest.mark.gpu
+def test_the_frozen_step_is_one_graph_without_host_syncs_and_the_loops(cuda_model):
+    """Inductor's freezing (`freeze=True`: q/k/v and gate/up one matmul each) on the GPU: still one captured graph, no
+    host sync, the loop's greedy tokens and recalls."""
+    frozen = GraphDecoder(cuda_model, max_len=256, spans=(17,), freeze=True)
+    frozen.warm_up()
+    assert frozen.graph.mode == "manual" and frozen.graph.fallback is None and frozen.graph.freeze
+    recall, ids = kv_recall(cuda_model), prompt(2)
+    s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),))
+    frozen.generate(ids, s, recall=recall)  # (the first replays of a new path may record)
+    frozen.launch_guard = no_sync
+    try:
+        got = frozen.generate(ids, s, recall=recall, keep_logits=True)
+    finally:
+        frozen.launch_guard = contextlib.nullcontext
+    assert got.recalls
+    assert_same_as_loop(got, loop_run(cuda_model, ids, s, recall), ids, atol=1e-4)
+
+
+@gpu
+@pytest.mark.gpu
 def test_batched_equals_alone_on_the_gpu(cuda_model, graphed):
     ids, s = prompt(5, rows=2), GenerationSettings(max_new_tokens=24)
     both = GraphDecoder(cuda_model, batch=2, max_len=256, spans=())
@@ -431,11 +453,15 @@ def test_a_warm_up_takes_every_configured_setting_and_a_stop_ends_only_itself(mo
     assert dec.ready.is_set() and dec.error is None
 
 
-@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
-def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where):
+@pytest.mark.parametrize("where,freeze", [("cpu", False), ("cpu", True),
+                                          pytest.param("cuda", False, marks=[gpu, pytest.mark.gpu]),
+                                          pytest.param("cuda", True, marks=[gpu, pytest.mark.gpu])],
+                         ids=["cpu", "cpu-frozen", "cuda", "cuda-frozen"])
+def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where, freeze):
     """`decoding.graph_rows` (what the chat's concurrent answers decode in): three answers, one with memories of 18 to 30
     slots (wider than the 17-wide span graph), one of 1 to 6, one with nothing to read (a penalty on all), at once in three rows; each
-    equals the loop's alone, event for event; on the GPU, no host sync in any replay's launch."""
+    equals the loop's alone, event for event; on the GPU, no host sync in any replay's launch. Frozen: the decode
+    forward compiled with inductor's freezing (on a CPU too), the rows' mask and cache plain inputs."""
     from decoding.batch import Batch
     from decoding.graph_rows import GraphRows
     from rounds import drive
@@ -443,7 +469,7 @@ def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where):
 
     model = request.getfixturevalue("model" if where == "cpu" else "cuda_model")
     s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),), repetition_penalty=1.1)
-    rows = GraphRows(model, rows=3, max_len=256, spans=(17,), compile=where == "cuda")
+    rows = GraphRows(model, rows=3, max_len=256, spans=(17,), compile=where == "cuda" or freeze, freeze=freeze)
     rows.warm_up(settings=(s,), eos=[EOS])  # (its graphs captured now: a capture synchronises)
     recalls = [kv_recall(model, max_slots=30, min_slots=18), kv_recall(model, max_slots=6),
                Recall(RECALL, PAD, None, without_memory="answer")]

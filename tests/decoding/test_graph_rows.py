@@ -229,11 +229,12 @@ def test_the_service_answers_concurrent_sessions_in_the_rows(smollm2_dir, tiny_l
         off.close()
 
 
-def test_a_bad_graph_rows_value_is_refused_by_name():
+@pytest.mark.parametrize("key,value", [("graph_rows", "-1"), ("graph_freeze", "sometimes")])
+def test_a_bad_graph_value_is_refused_by_name(key, value):
     from chat.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="graph_rows"):
-        load_config(overrides=["model.graph_rows=-1"], environ={})
+    with pytest.raises(ConfigError, match=f"{key}.*{value}"):
+        load_config(overrides=[f"model.{key}={value}"], environ={})
 
 
 def test_a_loop_answer_ending_beside_a_parked_row_turn_and_a_failed_round(rowed, tiny_llama):
