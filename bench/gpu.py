@@ -13,8 +13,9 @@ graph rows attached (`decoding/graph_rows.py`, as many rows as the most sessions
 the single-row step and the others as rows of the second, one replay a step for all of them), each a greedy
 answer of --tokens to its own question; aggregate tokens/s from the first submission to the last answer's end,
 and the ratio to one session. The bound is the weights' bytes over the
-card's memory bandwidth (H200 4.8 TB/s, H100 3.35 TB/s). Every measure runs in its own try/except and is
-skipped once the time budget is spent; results are written after each one (results.json, results.md, and
+card's memory bandwidth (H200 4.8 TB/s, H100 3.35 TB/s). The measures run in three phases, each for every model
+before the next (the batch-1 step, plain and frozen; the sessions and a recall; the rest). Every measure runs in its
+own try/except and is skipped once the time budget is spent; results are written after each one (results.json, results.md, and
 the log beside them), so a run cut short keeps what it measured.
 """
 
@@ -394,24 +395,28 @@ class ModelBench:
             return res
         return fn
 
-    def all(self) -> None:
+    def batch_one(self) -> None:
+        """Phase 1 (every model's before any model's phase 2): the batch-1 targets, the step plain and frozen."""
+        self.run.measure(self.name, "graph step", 80, self.graph_step)
+        if self.args.frozen:
+            self.run.measure(self.name, "graph step, frozen", 80, self.graph_frozen)
+
+    def serving(self) -> None:
+        """Phase 2: chat sessions through the service, and a recall."""
+        if self.args.sessions:
+            self.run.measure(self.name, "sessions", 60, self.sessions)
+        self.run.measure(self.name, "recall", 15, self.recall)
+
+    def rest(self) -> None:
+        """Phase 3: the chat's answer on the step, transformers' static path, rows of one request, the eager paths."""
         run, name, args = self.run, self.name, self.args
-        eager_cost = 2 * self.repeats * (self.n + 1) * (0.03 if self.device == "cuda" else 0.05) + 5
-        run.measure(name, "graph step", 80, self.graph_step)
-        if args.frozen:
-            run.measure(name, "graph step, frozen", 80, self.graph_frozen)
         run.measure(name, "chat on the graph step", 10, self.chat_graph)
-        if args.sessions:  # (before the rows of one request and transformers' static path: not measured yet)
-            run.measure(name, "sessions", 60, self.sessions)
         if args.static:
             run.measure(name, "transformers static generate", 30, self.hf_static)
-        for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio is the target
+        for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio
             run.measure(name, f"graph step, {b} rows", 30, self.rows("graph", b))
-            if b == max(args.graph_rows):
-                run.measure(name, "recall", 15, self.recall)
-        if not args.graph_rows:
-            run.measure(name, "recall", 15, self.recall)
         if args.eager:  # measured in the first run (docs/gpu/results.md): behind --eager
+            eager_cost = 2 * self.repeats * (self.n + 1) * (0.03 if self.device == "cuda" else 0.05) + 5
             run.measure(name, "transformers eager generate", eager_cost, self.hf_eager)
             run.measure(name, "our eager loop", eager_cost, self.ours_eager)
             for b in args.rows:
@@ -423,13 +428,6 @@ class ModelBench:
                 k: next((i for i, (a, b) in enumerate(zip(v, answers["hf"])) if a != b),
                         min(len(v), len(answers["hf"]))) for k, v in answers.items() if k != "hf"}
         run.save()
-
-
-def bench_model(run: Run, key: str, args, tokenizer, device: str, dtype: torch.dtype) -> None:
-    ModelBench(run, key, args, tokenizer, device, dtype).all()
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -474,12 +472,18 @@ def main() -> None:
                           "dtype": str(dtype), "tokenizer": where or "none: fixed prompt ids", "span_width": SLOTS + 1,
                           "budget_s": args.budget, "inductor": args.inductor or "defaults"}
     run.log(f"device {run.results['env']['card']}, tokenizer {where}, models {args.models}, budget {args.budget:.0f} s")
+    benches = []
     for key in args.models.split(","):
         try:
-            bench_model(run, key, args, tokenizer, device, dtype)
+            benches.append(ModelBench(run, key, args, tokenizer, device, dtype))
         except Exception:  # noqa: BLE001
             run.log(f"{key}: " + traceback.format_exc())
-        torch._dynamo.reset()
+    for phase in (ModelBench.batch_one, ModelBench.serving, ModelBench.rest):  # the targets first, for every model
+        for bench in benches:
+            try:
+                phase(bench)
+            except Exception:  # noqa: BLE001
+                run.log(f"{bench.name}: " + traceback.format_exc())
     run.results["total_s"] = time.perf_counter() - run.t0
     run.save()
     run.log("\n" + table(run.results))
