@@ -74,8 +74,9 @@ def table(results: dict) -> str:
         if not isinstance(ses, dict) or {"skipped", "error"} & set(ses):
             lines.append(f"| {name} | — | {cell(ses, 'x')} | | |")
             continue
-        for n, v in ses.items():
-            if isinstance(v, dict):
-                lines.append(f"| {name} | {n} | {v['tokens_per_s']:.0f} | {cell(v, 'vs_1_session', '{:.1f}x')} | "
-                             f"{v['ttft_ms']:.1f} / {v['ttft_max_ms']:.1f} |")
+        for policy, runs in (("", ses), (", rows only", ses.get("rows only", {}))):
+            for n, v in runs.items():
+                if isinstance(v, dict) and "tokens_per_s" in v:
+                    lines.append(f"| {name} | {n}{policy} | {v['tokens_per_s']:.0f} | "
+                                 f"{cell(v, 'vs_1_session', '{:.1f}x')} | {v['ttft_ms']:.1f} / {v['ttft_max_ms']:.1f} |")
     return "\n".join(lines) + "\n"

@@ -12,7 +12,8 @@ through the chat service as a server runs it (`chat.service.Service` over this m
 graph rows attached (`decoding/graph_rows.py`, as many rows as the most sessions): the worker's rounds, one answer on
 the single-row step and the others as rows of the second, one replay a step for all of them), each a greedy
 answer of --tokens to its own question; aggregate tokens/s from the first submission to the last answer's end,
-and the ratio to one session. The bound is the weights' bytes over the
+and the ratio to one session; then the same with every answer a row ("rows only": while both steps serve answers a
+round runs their replays one after the other). The bound is the weights' bytes over the
 card's memory bandwidth (H200 4.8 TB/s, H100 3.35 TB/s). The measures run in three phases, each for every model
 before the next (the batch-1 step, plain and frozen; the sessions and a recall; the rest). Every measure runs in its
 own try/except and is skipped once the time budget is spent; results are written after each one (results.json, results.md, and
@@ -339,7 +340,6 @@ class ModelBench:
             raise RuntimeError("no tokenizer: the chat service needs one (bench/gpu_prepare.sh)")
         # (here, not at the top: the chat service needs Pillow and pydantic, which a GPU machine may lack; the
         # other measures run without them)
-        from bench.serving import OFF, QUESTIONS, Follow, wait
         from chat.config import load_config
         from chat.service import Service
 
@@ -353,28 +353,45 @@ class ModelBench:
         svc = Service(cfg, lm)
         out: dict = {}
         try:
-            # (no min_new_tokens: its processor has no tensor form, so neither graph path would take the answers;
-            # a random model's end token is one of 49k, so the answers run their length all the same)
-            settings = GenerationSettings(max_new_tokens=self.n)
-            for n in counts:
-                sessions = [svc.new_session() for _ in range(n)]
-                t0 = time.perf_counter()
-                follows = [Follow(svc, svc.chat(s, QUESTIONS[i % len(QUESTIONS)], [], settings, OFF),
-                                  time.perf_counter()) for i, s in enumerate(sessions)]
-                wait(follows)
-                wall = time.perf_counter() - t0
-                made = sum(len(f.result.new_tokens[0]) for f in follows)
-                for s in sessions:
-                    svc.end_session(s)
-                out[str(n)] = {"tokens_per_s": made / wall, "tokens": made,
-                               "ttft_ms": statistics.median(f.ttft for f in follows) * 1e3,
-                               "ttft_max_ms": max(f.ttft for f in follows) * 1e3}
-                if "1" in out:
-                    out[str(n)]["vs_1_session"] = out[str(n)]["tokens_per_s"] / out["1"]["tokens_per_s"]
+            out.update(self._sessions_at_once(svc, counts))
+            single = graph.attached(self.model)
+            if single is not None and single.ready.is_set():
+                # the other policy, side by side: every answer a row (a round runs the single-row step's replay and
+                # the rows' one after the other while both serve answers)
+                single.ready.clear()
+                before = rows.replays
+                try:
+                    out["rows only"] = self._sessions_at_once(svc, counts)
+                finally:
+                    single.ready.set()
+                out["rows only"]["rows_replays"] = rows.replays - before
             out["batch_forwards"] = svc.worker.batch.forwards  # (the loop's: none while the rows take every answer)
             out["rows_replays"], out["rows_compile_s"] = rows.replays, rows_compile_s
         finally:
             svc.close()
+        return out
+
+    def _sessions_at_once(self, svc, counts: list[int]) -> dict:
+        from bench.serving import OFF, QUESTIONS, Follow, wait
+
+        # (no min_new_tokens: its processor has no tensor form, so neither graph path would take the answers; a
+        # random model's end token is one of 49k, so the answers run their length all the same)
+        settings, out = GenerationSettings(max_new_tokens=self.n), {}
+        for n in counts:
+            sessions = [svc.new_session() for _ in range(n)]
+            t0 = time.perf_counter()
+            follows = [Follow(svc, svc.chat(s, QUESTIONS[i % len(QUESTIONS)], [], settings, OFF),
+                              time.perf_counter()) for i, s in enumerate(sessions)]
+            wait(follows)
+            wall = time.perf_counter() - t0
+            made = sum(len(f.result.new_tokens[0]) for f in follows)
+            for s in sessions:
+                svc.end_session(s)
+            out[str(n)] = {"tokens_per_s": made / wall, "tokens": made,
+                           "ttft_ms": statistics.median(f.ttft for f in follows) * 1e3,
+                           "ttft_max_ms": max(f.ttft for f in follows) * 1e3}
+            if "1" in out:
+                out[str(n)]["vs_1_session"] = out[str(n)]["tokens_per_s"] / out["1"]["tokens_per_s"]
         return out
 
     def rows(self, kind: str, b: int):

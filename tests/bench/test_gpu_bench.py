@@ -28,4 +28,6 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir)
     sessions = model["sessions"]  # through the chat service: one on the graph step, the other in the graph rows
     assert sessions["1"]["tokens"] == 6 and sessions["2"]["tokens"] == 12 and sessions["batch_forwards"] == 0
     assert sessions["rows_replays"] >= 5  # (the second session's tokens after its first)
+    only = sessions["rows only"]  # every answer a row (the other policy): the lone session's 5 tokens after its first
+    assert only["1"]["tokens"] == 6 and only["2"]["tokens"] == 12 and only["rows_replays"] >= 10
     assert "| tiny (smoke)" in (tmp_path / "results.md").read_text()
