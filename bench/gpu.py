@@ -228,13 +228,16 @@ class ModelBench:
     def graph_frozen(self) -> dict:
         """The same step with `freeze=True` (`model.graph_freeze`: the decode forward compiled with inductor's
         freezing, q/k/v and gate/up one matmul each), side by side; its memory beside the plain step's is the
-        frozen copy of those weights. Dropped after (the other measures run on the plain step)."""
+        frozen copy of those weights, which stays for the rest of the run (inductor's compiled module holds it);
+        the other measures run on the plain step. `frozen` says whether it was (a fallback to torch.compile's CUDA
+        graphs is not)."""
         before = allocated()
         dec = GraphDecoder(self.model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs,
                            freeze=True)
         out = self._step(dec, "frozen")
         out["memory_gb"] = (allocated() - before) / 1e9
         out["same_tokens_as_the_step"] = self.answers["frozen"] == self.answers.get("graph")
+        out["frozen"] = dec.graph.freeze
         one = self.info.get("graph step", {}).get("ms_per_token")
         if one:
             out["vs_the_step"] = out["ms_per_token"] / one

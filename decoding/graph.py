@@ -102,6 +102,7 @@ class GraphStep:
         self.graphs = self.mode != "none"
         self.fallback: str | None = None
         self.freeze = freeze and compile and self.mode != "trees"
+        self._freezing = False  # the frozen forward may compile now (the warm-up's)
         self._mark_state()
         self._fn, self._fn_one = self._compile()
         self._captured: dict = {}  # (width, kind) -> (CUDAGraph, (hidden, logits))
@@ -120,8 +121,12 @@ class GraphStep:
         frozen = torch.compile(self._forward, dynamic=False, options=options)  # (its own options: its own compiles)
 
         def one(*inputs):
-            with torch._inductor.config.patch(options):  # (also global: dynamo reads it as it traces, to lift the
-                return frozen(*inputs)  # weights as constants)
+            # dynamo reads the global setting as it traces (to lift the weights as constants), so it is set too, but
+            # only while the warm-up compiles, under `TRACING`: before torch 2.12 the setting is the process's, and
+            # a compile of another step in that moment (its cache marked static) would fold its cache. A compile
+            # after the warm-up (a missed guard) is not frozen: slower, not wrong.
+            with torch._inductor.config.patch(options) if self._freezing else contextlib.nullcontext():
+                return frozen(*inputs)
         return fn, one
 
     def _mark_state(self) -> None:
@@ -132,8 +137,7 @@ class GraphStep:
         before the forward runs."""
         state = [self.delta, *([self.mask] if self.rows else []), *self.one.tensors(),
                  *(t for inputs in self.wide.values() for t in inputs.tensors())]
-        state += [t for layer in self.cache.layers if layer.is_initialized
-                  for t in (layer.keys, layer.values, layer.cumulative_length)]
+        state += [t for layer in self.cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
         for t in state:
             if self.freeze:
                 vars(t).pop("_dynamo_static_input_type", None)  # (what `mark_static_address` sets; no public undo)
@@ -295,6 +299,15 @@ class GraphStep:
             start += n
         return out
 
+    @contextlib.contextmanager
+    def _compiling(self) -> Iterator[None]:
+        """While the warm-up compiles: the frozen forward's compile is frozen (`_compile`)."""
+        self._freezing = self.freeze
+        try:
+            yield
+        finally:
+            self._freezing = False
+
     def warm_up(self, prompt: int = 4, spans: bool = True, kinds: tuple[Kind | None, ...] = (),
                 stop: threading.Event | None = None) -> float:
         """Compile the forward for each width, run every sampler operation once, and capture the graphs of greedy
@@ -302,7 +315,7 @@ class GraphStep:
         empty. A `stop` set ends it between graphs (the rest are captured when first used). Returns the seconds."""
         t0 = time.perf_counter()
         greedy = Kind()
-        with torch.no_grad():
+        with torch.no_grad(), self._compiling():
             self.prefill(self.embed(torch.zeros((self.batch, prompt), dtype=torch.long, device=self.device)))
             widths = self.spans if spans else ()
             for _ in range(3 if self.mode == "trees" else 2):  # compile (and, for trees, record and replay)

@@ -273,12 +273,17 @@ def test_the_compiled_step_equals_the_eager_one(model, eager, freeze):
     """torch.compile of the same step (on a CPU: inductor without CUDA graphs) gives the eager step's tokens, logits and
     recalls; frozen too (the weights constants, q/k/v and gate/up one matmul each; the cache a plain input: marked
     static, freezing folds it into a constant and the tokens part at the second step)."""
+    from torch._dynamo.utils import counters
+
     fast = GraphDecoder(model, max_len=256, freeze=freeze)
     fast.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
     recall = kv_recall(model)
     s = GenerationSettings(max_new_tokens=24, sequence_bias=(((RECALL,), 4.0),))
     want = eager.generate(prompt(2), s, recall=recall, keep_logits=True)
     got = fast.generate(prompt(2), s, recall=recall, keep_logits=True)
+    # every width compiled in the warm-up (the frozen one too, though freezing is set only while it compiles)
+    assert counters["stats"]["unique_graphs"] == graphs and not fast.graph._freezing
     assert got.tokens == want.tokens and want.recalls
     assert [(r.position, r.memory_index) for r in got.recalls] == [(r.position, r.memory_index) for r in want.recalls]
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
