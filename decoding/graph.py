@@ -175,8 +175,8 @@ class GraphStep:
         hidden, logits = (self._fn_one if width == 1 else self._fn)(*inputs.tensors())
         if width > 1 and not self.rows:
             pad = width - inputs.n  # the padding's keys are overwritten before they are read
-            for layer in self.cache.layers:
-                layer.cumulative_length.sub_(pad[0])
+            lengths = [layer.cumulative_length for layer in self.cache.layers]
+            torch._foreach_sub_(lengths, [pad[0]] * len(lengths))  # (one kernel in the graph, not one a layer)
         self.one.position.add_(inputs.n[:, None])
         if kind is not None and kind.commit:
             self.sampler.commit(self.sampler.choose(logits, kind), self.one.ids, kind.masked)
