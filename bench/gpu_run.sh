@@ -15,7 +15,7 @@ PY=${PY:-python}
 command -v "$PY" >/dev/null || PY=python3
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-120}
 BENCH_BUDGET=${BENCH_BUDGET:-340}
 {
   echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)"
