@@ -50,6 +50,11 @@ def table(results: dict) -> str:
                      f"({cell(f, 'memory_gb')}, {cell(f, 'compile_s', '{:.0f}')}) | {cell(f, 'vs_the_step')} | "
                      f"{f.get('agrees_with_eager', '—') if isinstance(f, dict) else '—'} | "
                      f"{f.get('same_tokens_as_the_step', '—') if isinstance(f, dict) else '—'} |")
+    lines += ["", "| model | graph step ms/token | on a long cache: positions | ms/token | / the step |", "|---|---|---|---|---|"]
+    for name, m in results.get("models", {}).items():
+        g, long = m.get("graph step", {}), m.get("graph step, long cache", {})
+        lines.append(f"| {name} | {cell(g, 'ms_per_token')} | {cell(long, 'positions', '{:,}')} | "
+                     f"{cell(long, 'ms_per_token')} | {cell(long, 'vs_the_step')} |")
     lines += ["", "| model | recall: memories | head ms | 16-slot span ms | in decode steps | in decode steps of the "
               "frozen step |", "|---|---|---|---|---|---|"]
     for name, m in results.get("models", {}).items():

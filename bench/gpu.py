@@ -225,6 +225,18 @@ class ModelBench:
         out["graphs"], out["fallback"] = dec.graph.mode, dec.graph.fallback
         return out
 
+    def graph_long(self) -> dict:
+        """The plain step on a static cache of --long-len positions (the app's `model.graph_max_len`), the same
+        answer: every replay attends over the whole cache, masked, so this is what the cache's length costs."""
+        dec = GraphDecoder(self.model, max_len=self.args.long_len, spans=(), graphs=self.args.graphs)
+        compile_s = dec.warm_up(spans=False)
+        out = {"positions": self.args.long_len, "compile_s": compile_s,
+               **per_token(lambda k: dec.generate(self.ids, self.greedy(k)), self.n, self.repeats)}
+        one = self.info.get("graph step", {}).get("ms_per_token")
+        if one:
+            out["vs_the_step"] = out["ms_per_token"] / one
+        return out
+
     def graph_frozen(self) -> dict:
         """The same step with `freeze=True` (`model.graph_freeze`: the decode forward compiled with inductor's
         freezing, q/k/v and gate/up one matmul each), side by side; its memory beside the plain step's is the
@@ -437,6 +449,8 @@ class ModelBench:
             run.measure(name, "transformers static generate", 30, self.hf_static)
         for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio
             run.measure(name, f"graph step, {b} rows", 30, self.rows("graph", b))
+        if args.long_len:
+            run.measure(name, "graph step, long cache", 60, self.graph_long)
         if args.eager:  # measured in the first run (docs/gpu/results.md): behind --eager
             eager_cost = 2 * self.repeats * (self.n + 1) * (0.03 if self.device == "cuda" else 0.05) + 5
             run.measure(name, "transformers eager generate", eager_cost, self.hf_eager)
@@ -467,7 +481,9 @@ def main() -> None:
     ap.add_argument("--graphs", default="manual", choices=["manual", "trees"],
                     help="the step as one captured CUDA graph (manual) or torch.compile's CUDA graphs (trees)")
     ap.add_argument("--memories", default="100000")
-    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=512, help="positions of the graph steps' static caches")
+    ap.add_argument("--long-len", type=int, default=4096,
+                    help="the plain step once more on a cache this long (the app's graph_max_len); 0: not")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--inductor", default="", help="inductor settings of the run, k=v,... (freezing=1: a wrong step)")
     ap.add_argument("--no-static", dest="static", action="store_false", help="skip transformers' static generate")
@@ -478,6 +494,7 @@ def main() -> None:
     if args.smoke:
         args.models, args.tokens, args.repeats, args.memories = "smoke", 6, 1, "2000"
         args.rows, args.graph_rows, args.max_len, args.eager, args.sessions = "2", "2", 128, True, "1,2"
+        args.long_len = 512
     as_ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     args.rows, args.graph_rows, args.memories = as_ints(args.rows), as_ints(args.graph_rows), as_ints(args.memories)
     args.sessions = as_ints(args.sessions)
