@@ -227,7 +227,8 @@ class ModelBench:
 
     def graph_long(self) -> dict:
         """The plain step on a static cache of --long-len positions (the app's `model.graph_max_len`), the same
-        answer: every replay attends over the whole cache, masked, so this is what the cache's length costs."""
+        answer: what the cache's length costs (a replay attends over the smallest window of the cache that holds its
+        columns, so it should cost what the --max-len cache does)."""
         dec = GraphDecoder(self.model, max_len=self.args.long_len, spans=(), graphs=self.args.graphs)
         compile_s = dec.warm_up(spans=False)
         out = {"positions": self.args.long_len, "compile_s": compile_s,

@@ -19,6 +19,11 @@ a tensor form run as transformers' processors after the replay (`DeviceSampler.c
 state is the memory head's query (exact search on the device, `MemoryVectorDB.topk`), its token is dropped,
 and choosing the memory reads its k scores back (the host needs the memory's slot count).
 
+A replay attends over a window of the static cache, not all of it: the smallest of `cache_windows(max_len)` (each a
+quarter of the next, from 128) that holds its columns. The layers hold views of the window while the forward runs and
+the step builds the window's mask; the window's length is dynamic to torch.compile (one compile a width), and each
+window has its own captured graph. So a replay reads the keys it needs, not `max_len` of them a row.
+
 Qwen3-VL's mRoPE positions go through the same buffer: a step feeds its text positions and adds the rotary
 offset its prompt's images left (`delta`, set at prefill) on the three rotary axes.
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -40,6 +46,7 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 from decoding.compiled import TRACING
 from decoding.memory import Recall
@@ -52,6 +59,16 @@ from models.modeling import backbone_and_head, head_logits, unwrap_model
 
 log = logging.getLogger("decoding.graph")
 SPANS = (17, 33)  # widths of the wide graphs: a recalled memory's slots and its suffix in one replay (16 + 1, 32 + 1)
+WINDOW_MIN = 128  # the shortest stretch of the static cache a replay attends over
+
+
+def cache_windows(max_len: int) -> tuple[int, ...]:
+    """The stretches of a static cache of `max_len` positions a replay may attend over (from its start): `max_len`
+    and each a quarter of the next, down to `WINDOW_MIN` (4,096: 256, 1,024, 4,096)."""
+    windows = [max_len]
+    while windows[-1] // 4 >= WINDOW_MIN:
+        windows.append(windows[-1] // 4)
+    return tuple(sorted(windows))
 
 
 class GraphStep:
@@ -83,6 +100,13 @@ class GraphStep:
         self.config = config = base.config.get_text_config(decoder=True)
         self.batch, self.max_len, self.spans = batch, max_len, tuple(sorted(spans))
         self.cache = StaticCache(config=config, max_cache_len=max_len)
+        # a replay attends over the smallest window of the cache that holds its columns, not all of it (a replay reads
+        # every key it attends to): one compile for all windows (their length symbolic), a captured graph per window.
+        # For SDPA over plain static layers (the step builds their mask); others attend over the whole cache.
+        self.windowed = getattr(config, "_attn_implementation", None) == "sdpa" and graphs != "trees" and all(
+            type(layer) is StaticLayer for layer in self.cache.layers)
+        self.windows = cache_windows(max_len) if self.windowed else (max_len,)
+        self.window = max_len  # the window of the replay being run
         self.one = Inputs.zeros(batch, 1, config.hidden_size, self.device, self.dtype)
         self.wide = {w: Inputs.zeros(batch, w, config.hidden_size, self.device, self.dtype) for w in self.spans}
         self.offsets = {w: torch.arange(w, device=self.device) for w in (1, *self.spans)}  # [W]
@@ -149,10 +173,42 @@ class GraphStep:
         embeds = torch.where(flag[..., None], vector, self.embed(ids))  # [B, W, H]
         if self.mrope:  # text positions, and the three rotary axes where the prompt's images left them
             position = torch.cat([position[None], (position + self.delta)[None].expand(3, -1, -1)])  # [4, B, W]
+        mask = self._window_mask(ids.shape[1]) if self.windowed else self.mask
         out = self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=self.cache, use_cache=True,
-                            attention_mask=self.mask).last_hidden_state  # [B, W, H]
+                            attention_mask=mask).last_hidden_state  # [B, W, H]
         hidden = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [B, H]
         return hidden, head_logits(self.model, self.head, hidden)
+
+    def _window_mask(self, width: int) -> torch.Tensor:
+        """[B, 1, W, window] bool (SDPA's: True attends): a replay's column attends to the window's columns up to its
+        own, and in rows mode only to its row's (what transformers builds from the cache's positions and a 2D mask,
+        over the whole cache)."""
+        layer = self.cache.layers[0]
+        window = layer.keys.shape[2]  # (its narrowed view: `_narrow`)
+        columns = layer.cumulative_length + torch.arange(width, device=self.device)  # [W]: this replay's columns
+        attend = torch.arange(window, device=self.device) <= columns[:, None]  # [W, window]
+        if self.rows:
+            attend = attend & self.mask[:, None]  # [B, W, window] (the mask narrowed too)
+        return attend.expand(self.batch, width, window)[:, None]
+
+    @contextlib.contextmanager
+    def _narrow(self) -> Iterator[None]:
+        """The cache's layers hold views of their first `window` positions while the forward runs (the step's own
+        mask is as wide); their length dynamic to torch.compile, so every window shares one compile."""
+        full, mask = [(layer.keys, layer.values) for layer in self.cache.layers], self.mask
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :self.window], layer.values[:, :, :self.window]
+            torch._dynamo.mark_dynamic(layer.keys, 2)
+            torch._dynamo.mark_dynamic(layer.values, 2)
+        if self.rows:
+            self.mask = mask[:, :self.window]
+            torch._dynamo.mark_dynamic(self.mask, 1)
+        try:
+            yield
+        finally:
+            for layer, (keys, values) in zip(self.cache.layers, full):
+                layer.keys, layer.values = keys, values
+            self.mask = mask
 
     def _body(self, inputs: Inputs, kind: Kind | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything one replay does: count the input tokens (repetition penalty), set the positions, the forward,
@@ -172,7 +228,8 @@ class GraphStep:
             self.mask.scatter_(1, columns, valid.expand(self.batch, -1))
         if self.mode == "trees":
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are dead (copied out)
-        hidden, logits = (self._fn_one if width == 1 else self._fn)(*inputs.tensors())
+        with self._narrow() if self.windowed else contextlib.nullcontext():
+            hidden, logits = (self._fn_one if width == 1 else self._fn)(*inputs.tensors())
         if width > 1 and not self.rows:
             pad = width - inputs.n  # the padding's keys are overwritten before they are read
             lengths = [layer.cumulative_length for layer in self.cache.layers]
@@ -183,10 +240,14 @@ class GraphStep:
         return hidden, logits
 
     @torch.no_grad()
-    def _run(self, inputs: Inputs, kind: Kind | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, inputs: Inputs, kind: Kind | None, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One replay of `inputs` (its graph: width, kind and the smallest window of the cache that holds the
+        replay's columns, or `window`)."""
+        ends = self.length + inputs.ids.shape[1]
+        self.window = window or next((w for w in self.windows if w >= ends), self.max_len)
         if self.mode != "manual":
             return self._body(inputs, kind)
-        key = (inputs.ids.shape[1], kind)
+        key = (inputs.ids.shape[1], kind, self.window)
         if key not in self._captured:
             try:
                 graph = torch.cuda.CUDAGraph()
@@ -197,6 +258,7 @@ class GraphStep:
             except Exception as e:  # noqa: BLE001 - the proven path instead of none
                 self.fallback = f"manual capture failed ({type(e).__name__}: {e}); torch.compile's CUDA graphs"
                 self.mode, self._captured, self.freeze = "trees", {}, False
+                self.windowed, self.windows, self.window = False, (self.max_len,), self.max_len
                 self._mark_state()
                 self._fn, self._fn_one = self._compile()
                 return self._body(inputs, kind)
@@ -315,6 +377,9 @@ class GraphStep:
         empty. A `stop` set ends it between graphs (the rest are captured when first used). Returns the seconds."""
         t0 = time.perf_counter()
         greedy = Kind()
+        # (compiled on the narrowest window: a view narrower than the cache has its own strides, so the compile does
+        # not tie them to its length, and the wider windows run on it too)
+        self.window = self.windows[0]
         with torch.no_grad(), self._compiling():
             self.prefill(self.embed(torch.zeros((self.batch, prompt), dtype=torch.long, device=self.device)))
             widths = self.spans if spans else ()
@@ -332,13 +397,14 @@ class GraphStep:
             for kind in dict.fromkeys((greedy, None, *kinds)) if self.mode == "manual" else ():
                 # (a memory longer than the widest span replays it first without committing a token)
                 long = () if kind is None or not widths else ((widths[-1], dataclasses.replace(kind, commit=False)),)
-                for width, variant in ((1, kind), *((w, kind) for w in widths), *long):
+                for (width, variant), window in itertools.product(((1, kind), *((w, kind) for w in widths), *long),
+                                                                  self.windows):
                     if stop is not None and stop.is_set():
                         break
                     for layer in self.cache.layers:  # (a capture does not run: its replay moves the cache on)
                         layer.cumulative_length.fill_(prompt)
                     self.one.position.fill_(prompt)
-                    self._run(self.one if width == 1 else self.wide[width], variant)
+                    self._run(self.one if width == 1 else self.wide[width], variant, window)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
         self.length = 0

@@ -289,6 +289,32 @@ def test_the_compiled_step_equals_the_eager_one(model, eager, freeze):
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
 
 
+def windows_seen(step) -> list[int]:
+    """The cache windows of `step`'s replays from now on (recorded as each runs)."""
+    seen, body = [], step._body
+    step._body = lambda inputs, kind: (seen.append(step.window), body(inputs, kind))[1]
+    return seen
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_answer_crossing_a_cache_window_equals_the_loop(model, compiled):
+    """A replay attends over the smallest window of the static cache that holds its columns (128 or 512 here; the
+    step builds that window's mask): an answer whose prompt, recalls and tokens run past the first window equals the
+    loop's, tokens, recalls and logits; compiled, every window runs on the warm-up's compiles."""
+    from torch._dynamo.utils import counters
+
+    dec = GraphDecoder(model, max_len=512, compile=compiled)
+    assert dec.graph.windows == (128, 512)
+    dec.warm_up()
+    graphs, seen = counters["stats"]["unique_graphs"], windows_seen(dec.graph)
+    ids, recall = prompt(5, length=100), kv_recall(model)
+    s = GenerationSettings(max_new_tokens=60, sequence_bias=(((RECALL,), 4.0),))
+    got = dec.generate(ids, s, recall=recall, keep_logits=True)
+    assert set(seen) == {128, 512} and got.recalls
+    assert_same_as_loop(got, loop_run(model, ids, s, recall), ids, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -474,13 +500,13 @@ def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where, 
 
     model = request.getfixturevalue("model" if where == "cpu" else "cuda_model")
     s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),), repetition_penalty=1.1)
-    rows = GraphRows(model, rows=3, max_len=256, spans=(17,), compile=where == "cuda" or freeze, freeze=freeze)
+    rows = GraphRows(model, rows=3, max_len=512, spans=(17,), compile=where == "cuda" or freeze, freeze=freeze)
     rows.warm_up(settings=(s,), eos=[EOS])  # (its graphs captured now: a capture synchronises)
     recalls = [kv_recall(model, max_slots=30, min_slots=18), kv_recall(model, max_slots=6),
                Recall(RECALL, PAD, None, without_memory="answer")]
     controls = Controls(eos_token_id=EOS)
-    ids = [prompt(2), prompt(3, length=20), prompt(4, length=7)]
-    batch = Batch()
+    ids = [prompt(2, length=100), prompt(3, length=20), prompt(4, length=7)]  # (the first: past the 128 window)
+    batch, seen = Batch(), windows_seen(rows.graph)
     rows.decoder.launch_guard = no_sync if where == "cuda" else contextlib.nullcontext
     try:
         got = drive(batch, [(0, lambda x=x, rc=rc: rows.stream(batch, Prompt({"input_ids": x}), s, rc, None, None,
@@ -493,7 +519,7 @@ def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where, 
         assert told(events) == told(want)
         assert events[-1].result.missed_recall == want[-1].result.missed_recall
         widths += [e.length for e in events if type(e).__name__ == "RecallEvent"]
-    assert max(widths) > 17 and rows.replays > 30 and rows.free_rows() == 3
+    assert max(widths) > 17 and rows.replays > 30 and rows.free_rows() == 3 and set(seen) == {128, 512}
 
 
 def test_the_gumbel_noise_is_finite_and_a_greedy_row_beside_sampled_ones_takes_its_argmax():
