@@ -20,7 +20,7 @@ state is the memory head's query (exact search on the device, `MemoryVectorDB.to
 and choosing the memory reads its k scores back (the host needs the memory's slot count).
 
 A replay attends over a window of the static cache, not all of it: the smallest of `cache_windows(max_len)` (each a
-quarter of the next, from 128) that holds its columns. The layers hold views of the window while the forward runs and
+quarter of the next, none under 128) that holds its columns. The layers hold views of the window while the forward runs and
 the step builds the window's mask; the window's length is dynamic to torch.compile (one compile a width), and each
 window has its own captured graph. So a replay reads the keys it needs, not `max_len` of them a row.
 
@@ -64,7 +64,7 @@ WINDOW_MIN = 128  # the shortest stretch of the static cache a replay attends ov
 
 def cache_windows(max_len: int) -> tuple[int, ...]:
     """The stretches of a static cache of `max_len` positions a replay may attend over (from its start): `max_len`
-    and each a quarter of the next, down to `WINDOW_MIN` (4,096: 256, 1,024, 4,096)."""
+    and each a quarter of the next, none under `WINDOW_MIN` (4,096: 256, 1,024, 4,096; 512: 128, 512)."""
     windows = [max_len]
     while windows[-1] // 4 >= WINDOW_MIN:
         windows.append(windows[-1] // 4)
@@ -103,10 +103,13 @@ class GraphStep:
         # a replay attends over the smallest window of the cache that holds its columns, not all of it (a replay reads
         # every key it attends to): one compile for all windows (their length symbolic), a captured graph per window.
         # For SDPA over plain static layers (the step builds their mask); others attend over the whole cache.
-        self.windowed = getattr(config, "_attn_implementation", None) == "sdpa" and graphs != "trees" and all(
-            type(layer) is StaticLayer for layer in self.cache.layers)
+        self.windowed = len(cache_windows(max_len)) > 1 and graphs != "trees" and all(
+            type(layer) is StaticLayer for layer in self.cache.layers) and getattr(
+            config, "_attn_implementation", None) == "sdpa"
         self.windows = cache_windows(max_len) if self.windowed else (max_len,)
         self.window = max_len  # the window of the replay being run
+        if self.windowed:
+            self._allocate_strided()
         self.one = Inputs.zeros(batch, 1, config.hidden_size, self.device, self.dtype)
         self.wide = {w: Inputs.zeros(batch, w, config.hidden_size, self.device, self.dtype) for w in self.spans}
         self.offsets = {w: torch.arange(w, device=self.device) for w in (1, *self.spans)}  # [W]
@@ -114,7 +117,8 @@ class GraphStep:
         # rows: each row its own request (`decoding.graph_rows`): a replay writes the same columns of every row, a
         # row's positions are the columns its mask holds (`host_mask`: the host's copy), a span is right-aligned
         self.rows = rows
-        self.mask = torch.zeros((batch, max_len), dtype=torch.bool, device=self.device) if rows else None
+        self.mask = torch.zeros((batch, max_len + 1), dtype=torch.bool, device=self.device)[:, :max_len] if rows \
+            else None  # (a strict view, as the cache's: `_allocate_strided`)
         self.host_mask = torch.zeros((batch, max_len), dtype=torch.bool) if rows else None
         self.sampler = DeviceSampler(batch, self.embed.weight.shape[0], self.device)
         self.length = 0  # positions the cache holds (counted on the host)
@@ -131,6 +135,20 @@ class GraphStep:
         self._fn, self._fn_one = self._compile()
         self._captured: dict = {}  # (width, kind) -> (CUDAGraph, (hidden, logits))
         self.compile_seconds: float | None = None
+
+    def _allocate_strided(self) -> None:
+        """The cache's keys and values allocated now, each the first `max_len` positions of a buffer one position
+        longer: every window, the widest too, is then a view with the same strides (a compile guards on how a
+        tensor's strides relate to its length: the whole of a contiguous buffer would compile again)."""
+        config = self.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        none = torch.zeros((self.batch, heads, 0, head_dim), dtype=self.dtype, device=self.device)
+        for layer in self.cache.layers:
+            layer.max_cache_len += 1
+            layer.lazy_initialization(none, none)  # (transformers' own allocation, one position longer)
+            layer.max_cache_len -= 1
+            layer.keys, layer.values = layer.keys[:, :, :self.max_len], layer.values[:, :, :self.max_len]
 
     def _compile(self) -> tuple[Callable, Callable]:
         """(the forward of the span graphs, the one-position forward): frozen or not (`freeze`)."""
@@ -198,11 +216,14 @@ class GraphStep:
         full, mask = [(layer.keys, layer.values) for layer in self.cache.layers], self.mask
         for layer in self.cache.layers:
             layer.keys, layer.values = layer.keys[:, :, :self.window], layer.values[:, :, :self.window]
-            torch._dynamo.mark_dynamic(layer.keys, 2)
-            torch._dynamo.mark_dynamic(layer.values, 2)
         if self.rows:
             self.mask = mask[:, :self.window]
-            torch._dynamo.mark_dynamic(self.mask, 1)
+        if self.compiled:  # (what is dynamic: the views are new tensors each time)
+            for layer in self.cache.layers:
+                torch._dynamo.mark_dynamic(layer.keys, 2)
+                torch._dynamo.mark_dynamic(layer.values, 2)
+            if self.rows:
+                torch._dynamo.mark_dynamic(self.mask, 1)
         try:
             yield
         finally:
@@ -361,6 +382,13 @@ class GraphStep:
             start += n
         return out
 
+    def _rewind(self, length: int) -> None:
+        """The cache back to its first `length` positions (the warm-up's dummy prompt), on the device and the host."""
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(length)
+        self.one.position.fill_(length)
+        self.length = length
+
     @contextlib.contextmanager
     def _compiling(self) -> Iterator[None]:
         """While the warm-up compiles: the frozen forward's compile is frozen (`_compile`)."""
@@ -386,10 +414,12 @@ class GraphStep:
             for _ in range(3 if self.mode == "trees" else 2):  # compile (and, for trees, record and replay)
                 if stop is not None and stop.is_set():
                     break
+                self._rewind(prompt)
                 self._body(self.one, None) if self.mode == "manual" else self.step(greedy)
                 for w in widths:
                     if stop is not None and stop.is_set():
                         break
+                    self._rewind(prompt)
                     self.forward_span([0, 0], {0: torch.zeros(self.embed.weight.shape[1], device=self.device,
                                                               dtype=self.dtype)}) if self.mode != "manual" else \
                         self._body(self.wide[w], None)
@@ -401,9 +431,7 @@ class GraphStep:
                                                                   self.windows):
                     if stop is not None and stop.is_set():
                         break
-                    for layer in self.cache.layers:  # (a capture does not run: its replay moves the cache on)
-                        layer.cumulative_length.fill_(prompt)
-                    self.one.position.fill_(prompt)
+                    self._rewind(prompt)  # (a capture does not run: its replay moves the cache on)
                     self._run(self.one if width == 1 else self.wide[width], variant, window)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()

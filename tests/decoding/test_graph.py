@@ -502,6 +502,8 @@ def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where, 
     s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),), repetition_penalty=1.1)
     rows = GraphRows(model, rows=3, max_len=512, spans=(17,), compile=where == "cuda" or freeze, freeze=freeze)
     rows.warm_up(settings=(s,), eos=[EOS])  # (its graphs captured now: a capture synchronises)
+    from torch._dynamo.utils import counters
+    graphs = counters["stats"]["unique_graphs"]  # (every window and width compiled in the warm-up)
     recalls = [kv_recall(model, max_slots=30, min_slots=18), kv_recall(model, max_slots=6),
                Recall(RECALL, PAD, None, without_memory="answer")]
     controls = Controls(eos_token_id=EOS)
@@ -520,6 +522,7 @@ def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where, 
         assert events[-1].result.missed_recall == want[-1].result.missed_recall
         widths += [e.length for e in events if type(e).__name__ == "RecallEvent"]
     assert max(widths) > 17 and rows.replays > 30 and rows.free_rows() == 3 and set(seen) == {128, 512}
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_the_gumbel_noise_is_finite_and_a_greedy_row_beside_sampled_ones_takes_its_argmax():
