@@ -19,10 +19,8 @@ a tensor form run as transformers' processors after the replay (`DeviceSampler.c
 state is the memory head's query (exact search on the device, `MemoryVectorDB.topk`), its token is dropped,
 and choosing the memory reads its k scores back (the host needs the memory's slot count).
 
-A replay attends over a window of the static cache, not all of it: the smallest of `cache_windows(max_len)` (each a
-quarter of the next, none under 128) that holds its columns. The layers hold views of the window while the forward runs and
-the step builds the window's mask; the window's length is dynamic to torch.compile (one compile a width), and each
-window has its own captured graph. So a replay reads the keys it needs, not `max_len` of them a row.
+A replay attends over the smallest window of the static cache that holds its columns (`decoding.graph_windows`: each
+a quarter of the next, none under 128), not all of it: one compile a width for every window, a captured graph each.
 
 Qwen3-VL's mRoPE positions go through the same buffer: a step feeds its text positions and adds the rotary
 offset its prompt's images left (`delta`, set at prefill) on the three rotary axes.
@@ -46,12 +44,12 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 from transformers import StaticCache
-from transformers.cache_utils import StaticLayer
 
 from decoding.compiled import TRACING
 from decoding.memory import Recall
 from decoding.device_sampler import FULL, DeviceSampler, Kind
 from decoding.graph_inputs import Inputs
+from decoding.graph_windows import allocate_strided, cache_windows, window_mask, windowable
 from decoding.graph_loop import Decoded, HostLoop
 from decoding.processors import build_logits_processor
 from decoding.settings import GenerationSettings
@@ -59,16 +57,6 @@ from models.modeling import backbone_and_head, head_logits, unwrap_model
 
 log = logging.getLogger("decoding.graph")
 SPANS = (17, 33)  # widths of the wide graphs: a recalled memory's slots and its suffix in one replay (16 + 1, 32 + 1)
-WINDOW_MIN = 128  # the shortest stretch of the static cache a replay attends over
-
-
-def cache_windows(max_len: int) -> tuple[int, ...]:
-    """The stretches of a static cache of `max_len` positions a replay may attend over (from its start): `max_len`
-    and each a quarter of the next, none under `WINDOW_MIN` (4,096: 256, 1,024, 4,096; 512: 128, 512)."""
-    windows = [max_len]
-    while windows[-1] // 4 >= WINDOW_MIN:
-        windows.append(windows[-1] // 4)
-    return tuple(sorted(windows))
 
 
 class GraphStep:
@@ -100,16 +88,12 @@ class GraphStep:
         self.config = config = base.config.get_text_config(decoder=True)
         self.batch, self.max_len, self.spans = batch, max_len, tuple(sorted(spans))
         self.cache = StaticCache(config=config, max_cache_len=max_len)
-        # a replay attends over the smallest window of the cache that holds its columns, not all of it (a replay reads
-        # every key it attends to): one compile for all windows (their length symbolic), a captured graph per window.
-        # For SDPA over plain static layers (the step builds their mask); others attend over the whole cache.
-        self.windowed = len(cache_windows(max_len)) > 1 and graphs != "trees" and all(
-            type(layer) is StaticLayer for layer in self.cache.layers) and getattr(
-            config, "_attn_implementation", None) == "sdpa"
+        # a replay attends over the smallest window of the cache that holds its columns (`decoding.graph_windows`)
+        self.windowed = graphs != "trees" and windowable(self.cache, config, max_len)
         self.windows = cache_windows(max_len) if self.windowed else (max_len,)
         self.window = max_len  # the window of the replay being run
         if self.windowed:
-            self._allocate_strided()
+            allocate_strided(self.cache, config, batch, max_len, self.dtype, self.device)
         self.one = Inputs.zeros(batch, 1, config.hidden_size, self.device, self.dtype)
         self.wide = {w: Inputs.zeros(batch, w, config.hidden_size, self.device, self.dtype) for w in self.spans}
         self.offsets = {w: torch.arange(w, device=self.device) for w in (1, *self.spans)}  # [W]
@@ -118,7 +102,7 @@ class GraphStep:
         # row's positions are the columns its mask holds (`host_mask`: the host's copy), a span is right-aligned
         self.rows = rows
         self.mask = torch.zeros((batch, max_len + 1), dtype=torch.bool, device=self.device)[:, :max_len] if rows \
-            else None  # (a strict view, as the cache's: `_allocate_strided`)
+            else None  # (a strict view, as the cache's: `graph_windows.allocate_strided`)
         self.host_mask = torch.zeros((batch, max_len), dtype=torch.bool) if rows else None
         self.sampler = DeviceSampler(batch, self.embed.weight.shape[0], self.device)
         self.length = 0  # positions the cache holds (counted on the host)
@@ -135,20 +119,6 @@ class GraphStep:
         self._fn, self._fn_one = self._compile()
         self._captured: dict = {}  # (width, kind) -> (CUDAGraph, (hidden, logits))
         self.compile_seconds: float | None = None
-
-    def _allocate_strided(self) -> None:
-        """The cache's keys and values allocated now, each the first `max_len` positions of a buffer one position
-        longer: every window, the widest too, is then a view with the same strides (a compile guards on how a
-        tensor's strides relate to its length: the whole of a contiguous buffer would compile again)."""
-        config = self.config
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        none = torch.zeros((self.batch, heads, 0, head_dim), dtype=self.dtype, device=self.device)
-        for layer in self.cache.layers:
-            layer.max_cache_len += 1
-            layer.lazy_initialization(none, none)  # (transformers' own allocation, one position longer)
-            layer.max_cache_len -= 1
-            layer.keys, layer.values = layer.keys[:, :, :self.max_len], layer.values[:, :, :self.max_len]
 
     def _compile(self) -> tuple[Callable, Callable]:
         """(the forward of the span graphs, the one-position forward): frozen or not (`freeze`)."""
@@ -191,23 +161,11 @@ class GraphStep:
         embeds = torch.where(flag[..., None], vector, self.embed(ids))  # [B, W, H]
         if self.mrope:  # text positions, and the three rotary axes where the prompt's images left them
             position = torch.cat([position[None], (position + self.delta)[None].expand(3, -1, -1)])  # [4, B, W]
-        mask = self._window_mask(ids.shape[1]) if self.windowed else self.mask
+        mask = window_mask(self.cache, ids.shape[1], self.mask, self.batch) if self.windowed else self.mask
         out = self.backbone(inputs_embeds=embeds, position_ids=position, past_key_values=self.cache, use_cache=True,
                             attention_mask=mask).last_hidden_state  # [B, W, H]
         hidden = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [B, H]
         return hidden, head_logits(self.model, self.head, hidden)
-
-    def _window_mask(self, width: int) -> torch.Tensor:
-        """[B, 1, W, window] bool (SDPA's: True attends): a replay's column attends to the window's columns up to its
-        own, and in rows mode only to its row's (what transformers builds from the cache's positions and a 2D mask,
-        over the whole cache)."""
-        layer = self.cache.layers[0]
-        window = layer.keys.shape[2]  # (its narrowed view: `_narrow`)
-        columns = layer.cumulative_length + torch.arange(width, device=self.device)  # [W]: this replay's columns
-        attend = torch.arange(window, device=self.device) <= columns[:, None]  # [W, window]
-        if self.rows:
-            attend = attend & self.mask[:, None]  # [B, W, window] (the mask narrowed too)
-        return attend.expand(self.batch, width, window)[:, None]
 
     @contextlib.contextmanager
     def _narrow(self) -> Iterator[None]:
