@@ -360,8 +360,24 @@ class GraphStep:
                 stop: threading.Event | None = None) -> float:
         """Compile the forward for each width, run every sampler operation once, and capture the graphs of greedy
         decoding, of the fallback (processors after the replay) and of `kinds`, on a dummy prompt; the cache is left
-        empty. A `stop` set ends it between graphs (the rest are captured when first used). Returns the seconds."""
+        empty. A `stop` set ends it between graphs (the rest are captured when first used). Returns the seconds.
+        A warm-up that fails with the cache's windows is run again without them (logged, in `fallback`)."""
         t0 = time.perf_counter()
+        try:
+            self._warm_up(prompt, spans, kinds, stop)
+        except Exception as e:  # noqa: BLE001 - the whole cache instead of no step
+            if not self.windowed:
+                raise
+            log.warning("the graph step's cache windows failed (%s: %s); it attends over the whole cache",
+                        type(e).__name__, e)
+            self.fallback = f"cache windows failed ({type(e).__name__}: {e}); the whole cache"
+            self.windowed, self.windows, self._captured = False, (self.max_len,), {}
+            self._warm_up(prompt, spans, kinds, stop)
+        self.compile_seconds = time.perf_counter() - t0
+        return self.compile_seconds
+
+    def _warm_up(self, prompt: int, spans: bool, kinds: tuple[Kind | None, ...],
+                 stop: threading.Event | None) -> None:
         greedy = Kind()
         # (compiled on the narrowest window: a view narrower than the cache has its own strides, so the compile does
         # not tie them to its length, and the wider windows run on it too)
@@ -399,8 +415,6 @@ class GraphStep:
         if self.rows:
             self.mask.zero_()
             self.host_mask.zero_()
-        self.compile_seconds = time.perf_counter() - t0
-        return self.compile_seconds
 
 
 class GraphDecoder:

@@ -315,6 +315,22 @@ def test_an_answer_crossing_a_cache_window_equals_the_loop(model, compiled):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_a_step_whose_windows_fail_attends_over_the_whole_cache(model, monkeypatch):
+    """A warm-up that fails with the cache's windows (here their mask raises) runs again without them: the step
+    works, over the whole cache, and says why in `fallback`."""
+    import decoding.graph as graph_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no windows here")
+
+    monkeypatch.setattr(graph_module, "window_mask", broken)
+    dec = GraphDecoder(model, max_len=512, compile=False)
+    dec.warm_up()
+    assert not dec.graph.windowed and dec.graph.windows == (512,) and "no windows here" in dec.graph.fallback
+    ids, s = prompt(5, length=100), GenerationSettings(max_new_tokens=40)
+    assert_same_as_loop(dec.generate(ids, s, keep_logits=True), loop_run(model, ids, s), ids)
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -522,7 +538,7 @@ def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where, 
         assert events[-1].result.missed_recall == want[-1].result.missed_recall
         widths += [e.length for e in events if type(e).__name__ == "RecallEvent"]
     assert max(widths) > 17 and rows.replays > 30 and rows.free_rows() == 3 and set(seen) == {128, 512}
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["stats"]["unique_graphs"] == graphs and rows.graph.fallback is None  # (the windows held)
 
 
 def test_the_gumbel_noise_is_finite_and_a_greedy_row_beside_sampled_ones_takes_its_argmax():
