@@ -117,7 +117,7 @@ class GraphStep:
         self._freezing = False  # the frozen forward may compile now (the warm-up's)
         self._mark_state()
         self._fn, self._fn_one = self._compile()
-        self._captured: dict = {}  # (width, kind) -> (CUDAGraph, (hidden, logits))
+        self._captured: dict = {}  # (width, kind, window) -> (CUDAGraph, (hidden, logits))
         self.compile_seconds: float | None = None
 
     def _compile(self) -> tuple[Callable, Callable]:
