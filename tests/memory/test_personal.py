@@ -138,6 +138,8 @@ def test_a_change_made_by_another_process_is_seen(tmp_path):
     assert sorted(e["text"] for e in here.entries()) == ["The user has two cats.", "The user is a nurse."]
 
 
+# (each memory's key its own axis: random keys were once close enough (cosine >= 0.8) for a new memory to supersede
+# an old one, which the test then counted as lost)
 WRITER = """
 import sys, torch
 from memory import MemoryVectorDB
@@ -145,8 +147,9 @@ from memory.personal import PersonalMemory
 mine = PersonalMemory(sys.argv[1])
 i = len(mine)
 while True:
-    k = torch.randn(1, 16)
-    mine.add(k, None, f"memory {i}", make_bank=lambda: MemoryVectorDB(16))
+    k = torch.zeros(1, 256)
+    k[0, i] = 1.0
+    mine.add(k, None, f"memory {i}", make_bank=lambda: MemoryVectorDB(256))
     i += 1
     print(i, flush=True)
 """
