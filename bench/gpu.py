@@ -233,6 +233,9 @@ class ModelBench:
         compile_s = dec.warm_up(spans=False)
         out = {"positions": self.args.long_len, "compile_s": compile_s,
                **per_token(lambda k: dec.generate(self.ids, self.greedy(k)), self.n, self.repeats)}
+        return self._vs_the_step(out)
+
+    def _vs_the_step(self, out: dict) -> dict:
         one = self.info.get("graph step", {}).get("ms_per_token")
         if one:
             out["vs_the_step"] = out["ms_per_token"] / one
@@ -251,9 +254,7 @@ class ModelBench:
         out["memory_gb"] = (allocated() - before) / 1e9
         out["same_tokens_as_the_step"] = self.answers["frozen"] == self.answers.get("graph")
         out["frozen"] = dec.graph.freeze
-        one = self.info.get("graph step", {}).get("ms_per_token")
-        if one:
-            out["vs_the_step"] = out["ms_per_token"] / one
+        self._vs_the_step(out)
         del dec
         gc.collect()
         if self.device == "cuda":

@@ -145,8 +145,8 @@ class GraphStep:
         """The step's buffers (inputs and mutable state) as static addresses (torch.compile's CUDA graphs then use
         them in place: never copied into the graph's own inputs), or, with `freeze`, as plain inputs: freezing
         folds a static input into a constant (GPU run 3's wrong step took the cache's length as one). The cache's
-        tensors exist after its first update; transformers marks them static then, so `_body` calls this again
-        before the forward runs."""
+        tensors exist after its first update (a prefill: eager); transformers marks them static then, so a prefill
+        calls this again."""
         state = [self.delta, *([self.mask] if self.rows else []), *self.one.tensors(),
                  *(t for inputs in self.wide.values() for t in inputs.tensors())]
         state += [t for layer in self.cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
@@ -193,8 +193,6 @@ class GraphStep:
         """Everything one replay does: count the input tokens (repetition penalty), set the positions, the forward,
         forget the padding's cache positions, advance the position, and (with a kind) choose and commit the
         token."""
-        if self.freeze:
-            self._mark_state()  # (the cache's tensors are made on its first update, and transformers marks them)
         width, offsets = inputs.ids.shape[1], self.offsets[inputs.ids.shape[1]]
         first = width - inputs.n[:, None] if self.rows else 0  # [B, 1]: a row's first real column (rows: right-aligned)
         valid = (offsets >= first) if self.rows else (offsets < inputs.n[:, None])  # [B, W]
@@ -272,6 +270,8 @@ class GraphStep:
             self.host_mask[:, start:start + n] = True
         hidden = self.backbone(inputs_embeds=embeds, position_ids=positions, past_key_values=self.cache,
                                use_cache=True, attention_mask=self.mask, **(vision or {})).last_hidden_state[:, -1]
+        if self.freeze:
+            self._mark_state()  # (a cache's tensors are made on its first update, here, and transformers marks them)
         self.length = start + n
         self.one.position.fill_(start + n)
         return hidden, head_logits(self.model, self.head, hidden)
