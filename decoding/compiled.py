@@ -16,8 +16,9 @@ Past dynamo's recompile limit (8 compiles of one function) a step would run eage
 the process without a word, so nothing may recompile it. It runs without autograd, on copies of its
 inputs with a fresh tensor's strides: dynamo guards on strides, also those of size-1 dimensions,
 which `.contiguous()` keeps, so a slice of a wider tensor would compile anew. Each model's step
-counts its compiles apart from other models' (`isolate_recompiles`, torch >= 2.13), so the 7
-buckets of one model and those of another (int8 beside fp32) never add up past the limit.
+counts its compiles apart from other models' (`isolate_recompiles` from torch 2.13 on; before it, a copy of
+the function's code a step, as dynamo counts a code object's compiles), so the 7 buckets of one model and
+those of another (int8 beside fp32) never add up past the limit.
 
 While dynamo traces a forward, transformers' output capture (`output_hidden_states`: every layer's
 state, which entropy decoding reads) is one process-wide variable, not per thread: a forward that
@@ -33,6 +34,7 @@ import inspect
 import logging
 import threading
 import time
+import types
 
 import torch
 from transformers import StaticCache
@@ -42,8 +44,7 @@ from models.modeling import backbone_and_head, max_positions, unwrap_model
 BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)  # static cache lengths: few shapes, few compiles. A step
                                                     # attends over its whole bucket (masked): the shorter the better
 _ATTR = "_recall_compiled_step"
-_OWN_COMPILES = ({"isolate_recompiles": True}  # torch >= 2.13: each model's step counts its own compiles
-                 if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
+_ISOLATE = "isolate_recompiles" in inspect.signature(torch.compile).parameters  # torch >= 2.13
 log = logging.getLogger("decoding.compiled")
 TRACING = threading.Lock()  # held while a warm-up compiles: transformers' output capture is not thread-safe then
 
@@ -54,13 +55,22 @@ def capturing(layers: bool):
     return TRACING if layers else contextlib.nullcontext()
 
 
+def _own_code(method):
+    """`method` on a copy of its function's code: before torch 2.13 dynamo counts compiles (and its recompile
+    limit) per code object, so every step's would count together."""
+    f = method.__func__
+    copy = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return types.MethodType(copy, method.__self__)
+
+
 class CompiledStep:
     """One decode step, compiled: embeds [B, 1, H], position ids [B, 1], a `StaticCache` -> hidden [B, H]."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.backbone, _ = backbone_and_head(model)
-        self._fn = torch.compile(self._step, dynamic=False, **_OWN_COMPILES)
+        self._fn = torch.compile(self._step, dynamic=False, isolate_recompiles=True) if _ISOLATE else \
+            torch.compile(_own_code(self._step), dynamic=False)  # (each model's step counts its own compiles)
         self.ready = threading.Event()  # set once warm_up has compiled it
         self.lengths: set[int] = set()  # cache lengths it is compiled for (a longer cache decodes eagerly:
                                         # compiling another shape would stall the worker for minutes)
