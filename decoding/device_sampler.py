@@ -3,13 +3,14 @@
 
 `DeviceSampler.configure` reads the request's transformers `LogitsProcessorList` (built by `decoding.processors`,
 the order of `generate`) and returns a `Kind` when every processor has a tensor form here: one-token
-`sequence_bias`, the repetition penalty (no left padding), temperature, top-k, top-p and min-p, in that order, and
-the chat's `decoding.memory.NoMemory` before the warpers (its record of a wanted memory kept on the device,
-`wanted_at`), with the same operations (so the processed scores are theirs); `None` otherwise (the documented
-fallback: multi-token sequence biases, n-gram bans, bad words, min-length, forced tokens, suppressions,
-typical/epsilon/eta, watermarking, guidance; those run as transformers' processors on the host's queue, outside the
-graph, and some of them synchronise). The kind says which operations a graph holds; their values (penalty, temperature,
-k, ...) live in buffers, so a new request with other values replays the same graph.
+`sequence_bias`, the repetition penalty (no left padding), the no-repeat n-gram ban (n up to `NGRAM_MAX`),
+temperature, top-k, top-p, min-p and typical-p, in that order, and the chat's `decoding.memory.NoMemory` before the
+warpers (its record of a wanted memory kept on the device, `wanted_at`), with the same operations (so the processed
+scores are theirs); `None` otherwise (the documented fallback: multi-token sequence biases, bad words, min-length,
+forced tokens, suppressions, epsilon/eta, watermarking, guidance; those run as transformers' processors on the
+host's queue, outside the graph, and some of them synchronise). The penalty's counts and the n-gram ban's sequence
+are kept on the device as the tokens are fed (`see`). The kind says which operations a graph holds; their values
+(penalty, temperature, k, ...) live in buffers, so a new request with other values replays the same graph.
 
 The draw is the Gumbel-max race: argmax(scores + G), G = -log(-log U), which picks i with probability
 softmax(scores)_i (the law of `torch.multinomial`). U is a counter-based hash of (seed, the row's commits, lane,
@@ -19,7 +20,8 @@ Every value has one row per batch row: `configure` loads one request into all of
 the row), `configure_row` one request into one row (the rows of `decoding.graph_rows`, each its own request, lane
 0, so a request draws the same tokens in any row as alone). A graph holds the union of its rows' kinds; a row
 without an operation holds its neutral value (no bias, penalty 1, temperature 1, top-k = the vocabulary, a top-p
-bound no sum reaches, min-p 0, nothing suppressed, no noise for a greedy row), so its scores are exactly its own.
+bound no sum reaches, min-p 0, n-gram size 0, a typical mass no sum reaches, nothing suppressed, no noise for a
+greedy row), so its scores are exactly its own.
 
 `commit` writes the chosen tokens where the next replay reads them (the step's input ids), masks the finished
 rows of a batch (EOS then padding, decided on the device), and puts them in a ring of R steps copied to pinned
@@ -34,14 +36,15 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (
-    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor, TemperatureLogitsWarper,
-    TopKLogitsWarper, TopPLogitsWarper,
+    MinPLogitsWarper, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper,
 )
 
 from decoding.memory import NoMemory
 
 RING = 4  # steps of tokens kept for the host's read-back (it reads one step behind)
 EOS_SLOTS = 8  # EOS ids a request may name (the rest of the buffer is -1)
+NGRAM_MAX = 10  # the longest no-repeat n-gram with a tensor form (the page's slider ends there)
 _M = 0xFFFFFFFF
 
 
@@ -58,7 +61,9 @@ class Kind:
     min_p: bool = False
     masked: bool = False  # finished rows of a batch go on with padding
     no_memory: bool = False  # `<recall>` and `<|memory_pad|>` suppressed, wanting a memory recorded (NoMemory)
-    commit: bool = True  # False: the tokens are counted (penalty) but nothing is chosen (a long span's first parts)
+    ngram: bool = False  # no-repeat n-gram ban
+    typical: bool = False  # typical-p
+    commit: bool = True  # False: the tokens are seen (`see`) but nothing is chosen (a long span's first parts)
 
     @staticmethod
     def union(kinds) -> "Kind":
@@ -68,11 +73,17 @@ class Kind:
         return Kind(**{f.name: any(getattr(k, f.name) for k in kinds) for f in dataclasses.fields(Kind)
                        if f.name != "commit"})
 
+    @property
+    def sees(self) -> bool:
+        """Its operations read the tokens fed so far (`DeviceSampler.see`)."""
+        return self.penalty or self.ngram
 
-FULL = Kind(True, True, True, True, True, True, True, True, True)  # every operation (warm-up: each op's first run)
+
+FULL = Kind(**{f.name: True for f in dataclasses.fields(Kind)})  # every operation (warm-up: each op's first run)
 NEVER = 1 << 62  # `wanted_at` of a row that never wanted a memory
-_ORDER = (SequenceBiasLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-          TopPLogitsWarper, MinPLogitsWarper)
+_ORDER = (SequenceBiasLogitsProcessor, RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor,
+          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper)
+_BEFORE_NO_MEMORY = 3  # (NoMemory goes after the bias, the penalty and the n-gram ban: `before_warpers`)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -85,9 +96,10 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 class DeviceSampler:
-    """The buffers of one graph step's sampling: `batch` rows over `vocab` tokens on `device`."""
+    """The buffers of one graph step's sampling: `batch` rows over `vocab` tokens on `device`, sequences of up to
+    `max_len` tokens (the n-gram ban's; 0: no n-gram ban in the graph)."""
 
-    def __init__(self, batch: int, vocab: int, device: torch.device):
+    def __init__(self, batch: int, vocab: int, device: torch.device, max_len: int = 0):
         z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.batch, self.vocab, self.device = batch, vocab, device
         f32 = torch.float32
@@ -96,6 +108,13 @@ class DeviceSampler:
         self.top_k, self.top_p, self.min_p = z(batch, 1) + vocab, z(batch, 1, dtype=f32) - 1, z(batch, 1, dtype=f32)
         self.noise = z(batch, 1, dtype=f32)  # 1: the row samples, 0: greedy (a graph that samples other rows)
         self.counts = z(batch, vocab, dtype=torch.int32)  # tokens of each row's sequence (the penalty's input)
+        self.ngram, self.typical = z(batch, 1), z(batch, 1, dtype=f32) + 2  # n (0: none); the typical mass
+        self.max_len = max_len
+        self.history = z(batch, max_len + 1)  # each row's sequence (the n-gram ban's input), a spare column last
+        self.length = z(batch)  # tokens in each row's sequence
+        k, i = torch.arange(NGRAM_MAX - 1, device=device), torch.arange(max_len, device=device)
+        self._k, self._i = k, i  # [K]: a prefix's offsets, [L]: where windows start
+        self._windows = (i[:, None] + k).clamp(max=max_len).view(1, -1)  # [1, L * K]: each window's tokens
         self.seed, self.lane = z(batch), torch.arange(batch, device=device)  # the draw's seed and lane per row
         self.step = z(1)  # commits so far (the read-back ring's counter)
         self.row_step = z(batch)  # each row's own commits (the hash's counter, NoMemory's first token)
@@ -145,8 +164,9 @@ class DeviceSampler:
     def _load(self, procs, rows: slice, do_sample: bool, seed: int, prompt: int, write: bool = True) -> Kind | None:
         at = next((i for i, p in enumerate(procs) if isinstance(p, NoMemory)), None)
         no_memory = None if at is None else procs[at]
-        if no_memory is not None:  # where `before_warpers` puts it: after the bias and the penalty, before the rest
-            if any(type(p) not in _ORDER[:2] for p in procs[:at]) or any(type(p) in _ORDER[:2] for p in procs[at:]):
+        if no_memory is not None:  # where `before_warpers` puts it: after the bias, the penalty and the n-gram ban
+            before = _ORDER[:_BEFORE_NO_MEMORY]
+            if any(type(p) not in before for p in procs[:at]) or any(type(p) in before for p in procs[at:]):
                 return None
             procs = [*procs[:at], *procs[at + 1:]]
         found: dict[type, object] = {}
@@ -162,9 +182,16 @@ class DeviceSampler:
         penalty = found.get(RepetitionPenaltyLogitsProcessor)
         if penalty is not None and penalty.prompt_ignore_length is not None:
             return None
-        kind = Kind(do_sample, bias is not None, penalty is not None, TemperatureLogitsWarper in found,
-                    TopKLogitsWarper in found, TopPLogitsWarper in found, MinPLogitsWarper in found, False,
-                    no_memory is not None)
+        ngram = found.get(NoRepeatNGramLogitsProcessor)
+        if ngram is not None and not 0 < ngram.ngram_size <= min(NGRAM_MAX, self.max_len):
+            return None
+        typical = found.get(TypicalLogitsWarper)
+        if typical is not None and typical.min_tokens_to_keep != 1:
+            return None
+        kind = Kind(sample=do_sample, bias=bias is not None, penalty=penalty is not None,
+                    temperature=TemperatureLogitsWarper in found, top_k=TopKLogitsWarper in found,
+                    top_p=TopPLogitsWarper in found, min_p=MinPLogitsWarper in found, no_memory=no_memory is not None,
+                    ngram=ngram is not None, typical=typical is not None)
         if not write:
             return kind
         self.bias[rows] = 0
@@ -177,11 +204,14 @@ class DeviceSampler:
         # (transformers compares with 1 - top_p; -1: no sum of probabilities is at or below it)
         self.top_p[rows] = 1 - found[TopPLogitsWarper].top_p if TopPLogitsWarper in found else -1.0
         self.min_p[rows] = found[MinPLogitsWarper].min_p if MinPLogitsWarper in found else 0.0
+        self.ngram[rows] = ngram.ngram_size if ngram is not None else 0
+        self.typical[rows] = typical.mass if typical is not None else 2.0  # (a mass no cumulative sum reaches)
         self.noise[rows] = 1.0 if do_sample else 0.0
         self.seed[rows] = seed & 0x7FFFFFFF
         self.row_step[rows] = 0
         self.held[rows] = False
         self.counts[rows] = 0
+        self.length[rows] = 0
         self.suppress[rows] = False
         self.first_ends[rows] = False
         self.wanted_at[rows] = NEVER
@@ -193,9 +223,15 @@ class DeviceSampler:
         return kind
 
     def see(self, ids: torch.Tensor, valid: torch.Tensor | None = None, rows: slice = slice(None)) -> None:
-        """Count tokens [B, W] into the rows' sequences (`valid` [B, W] bool: which of them are real)."""
+        """Tokens [B, W] fed to the rows: counted (the penalty's input) and appended to their sequences (the n-gram
+        ban's); `valid` [B, W] bool: which of them are real (the rest are not appended)."""
         add = torch.ones_like(ids, dtype=torch.int32) if valid is None else valid.to(torch.int32)
         self.counts[rows].scatter_add_(1, ids, add)
+        if self.max_len:
+            spare = self.max_len
+            at = torch.where(add > 0, self.length[rows][:, None] + add.cumsum(1) - 1, spare).clamp(max=spare)
+            self.history[rows].scatter_(1, at, ids)
+            self.length[rows] += add.sum(1)
 
     def scores(self, logits: torch.Tensor, kind: Kind, rows: slice = slice(None)) -> torch.Tensor:
         """The processed scores [B, V] float32 of raw logits [B, V] (of `rows`): transformers' operations, in their
@@ -206,6 +242,8 @@ class DeviceSampler:
         if kind.penalty:
             p = self.penalty[rows]
             s = torch.where(self.counts[rows] > 0, torch.where(s < 0, s * p, s / p), s)
+        if kind.ngram:
+            s = s.masked_fill(self._banned(rows, s.shape[-1]), -float("inf"))
         if kind.no_memory:  # NoMemory, before the warpers
             step, wanted_at = self.row_step[rows], self.wanted_at[rows]
             first = s.argmax(-1) == self.recall_id  # [B]: rows that want a memory (recorded at their first commit)
@@ -215,6 +253,20 @@ class DeviceSampler:
         if kind.sample:
             s = self._warp(s, kind, rows)
         return s
+
+    def _banned(self, rows: slice, vocab: int) -> torch.Tensor:
+        """[B, V] bool: the tokens that would repeat an n-gram of the row's sequence (transformers'
+        `NoRepeatNGramLogitsProcessor`: the last n - 1 tokens matched against every window of n, each matching
+        window banning its last token), for every row's own n at once."""
+        h, n, cur = self.history[rows], self.ngram[rows], self.length[rows][:, None]  # [B, L + 1], [B, 1], [B, 1]
+        b, k, i = h.shape[0], self._k, self._i
+        windows = h.gather(1, self._windows.expand(b, -1)).view(b, self.max_len, -1)  # [B, L, K]
+        prefix = h.gather(1, (cur - n + 1 + k).clamp(0, self.max_len))  # [B, K]: the last n - 1 tokens
+        same = (windows == prefix[:, None]) | (k >= n - 1)[:, None]  # (a window's offsets past n - 1 do not count)
+        matches = same.all(-1) & (i <= cur - n) & (n > 0)  # [B, L]: the windows of n tokens that match
+        last = h.gather(1, (i + n - 1).clamp(0, self.max_len))  # [B, L]: each window's last token
+        banned = torch.zeros((b, vocab + 1), dtype=torch.bool, device=h.device)  # (non-matches: the spare column)
+        return banned.scatter_(1, torch.where(matches, last.clamp(max=vocab), vocab), True)[:, :vocab]
 
     def _warp(self, s: torch.Tensor, kind: Kind, rows: slice) -> torch.Tensor:
         """Temperature, top-k, top-p and min-p, as transformers' warpers."""
@@ -233,7 +285,22 @@ class DeviceSampler:
             remove = probs < self.min_p[rows] * probs.amax(dim=-1, keepdim=True)
             remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
             s = s.masked_fill(remove, -float("inf"))
+        if kind.typical:
+            s = s.masked_fill(self._atypical(s, self.typical[rows]), -float("inf"))
         return s
+
+    @staticmethod
+    def _atypical(s: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """[B, V] bool: what typical-p removes (transformers' `TypicalLogitsWarper`, its operations) at each row's
+        mass [B, 1]."""
+        normalized = torch.nn.functional.log_softmax(s, dim=-1)
+        ent = -(normalized * torch.exp(normalized)).nansum(-1, keepdim=True)
+        ordered, order = torch.sort(torch.abs(-normalized - ent), descending=False)
+        cumulative = s.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+        last = (cumulative < mass).sum(dim=1).clamp(max=s.shape[-1] - 1)
+        remove = ordered > ordered.gather(1, last.view(-1, 1))
+        remove[..., :1] = False
+        return remove.scatter(1, order, remove)
 
     def gumbel(self, rows: slice = slice(None)) -> torch.Tensor:
         """G [B, V] = -log(-log U), U in (0, 1) hashed from (seed, the row's commits, lane, token)."""

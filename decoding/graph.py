@@ -104,7 +104,7 @@ class GraphStep:
         self.mask = torch.zeros((batch, max_len + 1), dtype=torch.bool, device=self.device)[:, :max_len] if rows \
             else None  # (a strict view, as the cache's: `graph_windows.allocate_strided`)
         self.host_mask = torch.zeros((batch, max_len), dtype=torch.bool) if rows else None
-        self.sampler = DeviceSampler(batch, self.embed.weight.shape[0], self.device)
+        self.sampler = DeviceSampler(batch, self.embed.weight.shape[0], self.device, max_len=max_len)
         self.length = 0  # positions the cache holds (counted on the host)
         self.owner: Callable[[], object] | None = None  # weakref to the conversation's handle whose positions the
         # cache holds (`decoding.graph_stream.GraphCache`): it takes them with it before they are overwritten
@@ -196,7 +196,7 @@ class GraphStep:
         width, offsets = inputs.ids.shape[1], self.offsets[inputs.ids.shape[1]]
         first = width - inputs.n[:, None] if self.rows else 0  # [B, 1]: a row's first real column (rows: right-aligned)
         valid = (offsets >= first) if self.rows else (offsets < inputs.n[:, None])  # [B, W]
-        if kind is not None and kind.penalty:
+        if kind is not None and kind.sees:
             self.sampler.see(inputs.ids, None if width == 1 else valid.expand_as(inputs.ids))
         if width > 1:
             torch.add(self.one.position - first, offsets, out=inputs.position)  # [B, W]: this span's positions

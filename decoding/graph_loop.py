@@ -60,7 +60,7 @@ class HostLoop:
         self.masked = rows > 1 and bool(eos)
         self.kind = g.sampler.configure(self.processors, do_sample=settings.do_sample, seed=seed, eos=eos,
                                         pad=pad_token_id, masked=self.masked, prompt=length)
-        if self.kind is not None and self.kind.penalty:
+        if self.kind is not None and self.kind.sees:
             g.sampler.see(self.prompt)
         self.host_side = self.kind is None  # the fallback: processors and draw after the replay, on the host's queue
         self.seq = torch.zeros((rows, g.max_len), dtype=torch.long, device=g.device) if self.host_side else None

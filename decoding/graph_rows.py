@@ -345,7 +345,7 @@ def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Promp
     del cache
     sampler.configure_row(row, req.processors, do_sample=req.settings.do_sample, seed=int(torch.randint(1 << 31, ())),
                           prompt=req.prompt_len)  # (a seeded request is the loop's: `takes`)
-    if kind.penalty:
+    if kind.sees:
         sampler.see(req.input_ids.to(g.device), rows=slice(row, row + 1))
     max_new, made, queued = req.settings.max_new_tokens, 0, None
     parts: list[RowTurn] = []  # a memory's span, in parts, still to ride the next replays

@@ -90,6 +90,26 @@ def test_the_buffer_step_equals_the_loop(model, eager, settings):
     assert_same_as_loop(eager.generate(ids, settings, keep_logits=True), loop_run(model, ids, settings), ids)
 
 
+def test_an_n_gram_ban_in_the_step_equals_the_loop_and_acts(model, eager):
+    """The no-repeat n-gram ban runs in the step (its tensor form: no host-side fallback), also with a recall's
+    forced tokens in the sequence it reads: the loop's tokens, logits and recalls; and without the ban the greedy
+    answer repeats itself."""
+    ids, recalls = prompt(), 0
+    for n in (2, 3):
+        for recall in (None, kv_recall(model)):
+            s = GenerationSettings(max_new_tokens=40, no_repeat_ngram_size=n,
+                                   sequence_bias=() if recall is None else (((RECALL,), 4.0),))
+            procs = build_logits_processor(s, eos_token_id=None, prompt_ids=ids, vocab_size=VOCAB)
+            assert eager.graph.sampler.kind_of(procs, False) is not None
+            got = eager.generate(ids, s, recall=recall, keep_logits=True)
+            assert_same_as_loop(got, loop_run(model, ids, s, recall=recall), ids)
+            recalls += len(got.recalls)
+    assert recalls > 0
+    plain = eager.generate(ids, GenerationSettings(max_new_tokens=40)).tokens[0]
+    pairs = list(zip(plain, plain[1:]))
+    assert len(set(pairs)) < len(pairs)  # (so the ban had something to ban)
+
+
 def test_an_injected_memory_equals_the_loop(model, eager):
     """Recalls at the prompt's end and in the middle of the answer: the same memories at the same positions,
     the same tokens and logits (a memory's slots and `</recall>` in one wide step)."""
@@ -160,22 +180,24 @@ def test_the_no_sync_draw_has_the_reference_distribution(settings):
 SAMPLED = [GenerationSettings(do_sample=True),
            GenerationSettings(do_sample=True, temperature=0.7, top_k=6, top_p=0.9),
            GenerationSettings(do_sample=True, min_p=0.05, repetition_penalty=1.5, sequence_bias=(((4,), 1.5),)),
-           GenerationSettings(do_sample=True, temperature=1.3, top_k=0, top_p=0.6, min_p=0.1)]
+           GenerationSettings(do_sample=True, temperature=1.3, top_k=0, top_p=0.6, min_p=0.1),
+           GenerationSettings(do_sample=True, temperature=0.8, typical_p=0.7, no_repeat_ngram_size=1)]
+SAMPLED_IDS = ["plain", "top-k-top-p", "min-p-penalty-bias", "temp-top-p-min-p", "typical-ngram"]
 
 
 def configured(settings, rows: int, n: int = 10):
     seen = torch.tensor([[n - 1, 3]]).expand(rows, -1)
     procs = build_logits_processor(settings, eos_token_id=None, prompt_ids=seen, vocab_size=n)
-    sampler = DeviceSampler(rows, n, torch.device("cpu"))
+    sampler = DeviceSampler(rows, n, torch.device("cpu"), max_len=16)
     kind = sampler.configure(procs, do_sample=settings.do_sample, seed=5, eos=[], pad=0, masked=False)
     assert kind is not None
-    if kind.penalty:
+    if kind.sees:
         sampler.see(seen)
     return seen, procs, sampler, kind
 
 
 @pytest.mark.parametrize("settings", SAMPLED + [GenerationSettings(repetition_penalty=0.8)],
-                         ids=["plain", "top-k-top-p", "min-p-penalty-bias", "temp-top-p-min-p", "greedy-penalty"])
+                         ids=SAMPLED_IDS + ["greedy-penalty"])
 def test_the_graph_sampler_processes_as_transformers(settings):
     """The in-graph processors' scores are transformers' processors' scores (the same -inf, the same floats)."""
     scores = torch.randn(6, 10, generator=torch.Generator().manual_seed(1)) * 2
@@ -210,7 +232,47 @@ def test_no_memory_in_the_graph_is_the_processors(settings):
         assert (sampler.wanted_at == step).tolist() == wanted.tolist()
 
 
-@pytest.mark.parametrize("settings", SAMPLED, ids=["plain", "top-k-top-p", "min-p-penalty-bias", "temp-top-p-min-p"])
+def test_the_graph_n_gram_ban_and_typical_p_are_transformers_row_by_row():
+    """Rows of other n (0: none, 1 to `NGRAM_MAX`) and typical masses side by side in one sampler, over sequences
+    with repeats fed in pieces as replays feed them (a span's real columns right-aligned, or one token in the last
+    column): each row's scores are transformers' processors' for that row's sequence alone, and the bans ban."""
+    from decoding.device_sampler import NGRAM_MAX
+
+    g = torch.Generator().manual_seed(4)
+    sizes = [0, 1, 2, 3, 5, NGRAM_MAX, 2, 4]
+    b, vocab = len(sizes), 12
+    source = torch.randint(0, 6, (b, 40), generator=g)  # 6 of the 12 tokens: n-grams repeat
+    sampler, kinds, procs = DeviceSampler(b, vocab, torch.device("cpu"), max_len=40), [], []
+    for row, n in enumerate(sizes):
+        s = GenerationSettings(do_sample=True, no_repeat_ngram_size=n, typical_p=1.0 if row % 3 == 0 else 0.6)
+        procs.append(build_logits_processor(s, eos_token_id=None, prompt_ids=source[row:row + 1, :7],
+                                            vocab_size=vocab))
+        kinds.append(sampler.configure_row(row, procs[-1], do_sample=True, seed=row, prompt=7))
+        assert kinds[-1] is not None and kinds[-1].ngram == (n > 0) and kinds[-1].typical == (row % 3 != 0)
+    kind = Kind.union(kinds)
+    sampler.see(source[:, :7])
+    seqs, used, banned = [source[row, :7] for row in range(b)], [7] * b, 0
+    for step in range(8):
+        width = 5 if step % 2 else 1
+        fed, valid = torch.zeros((b, width), dtype=torch.long), torch.zeros((b, width), dtype=torch.bool)
+        for row in range(b):
+            k = width if row % 2 == 0 else 1  # even rows: the whole span, odd rows: one token, last column
+            fed[row, width - k:] = source[row, used[row]:used[row] + k]
+            valid[row, width - k:] = True
+            seqs[row] = torch.cat([seqs[row], fed[row, width - k:]])
+            used[row] += k
+        sampler.see(fed, valid)
+        scores = torch.randn(b, vocab, generator=g) * 2
+        got = sampler.scores(scores, kind)
+        for row in range(b):
+            want = procs[row](seqs[row][None], scores[row:row + 1].clone())
+            torch.testing.assert_close(got[row:row + 1], want, atol=0, rtol=0)
+            if sizes[row]:  # (its first processor: the ban)
+                banned += int(torch.isinf(procs[row][0](seqs[row][None], scores[row:row + 1].clone())).sum())
+    assert banned >= 20  # (the bans acted)
+
+
+@pytest.mark.parametrize("settings", SAMPLED, ids=SAMPLED_IDS)
 def test_the_graph_draw_has_the_reference_distribution(settings):
     """The in-graph draw (Gumbel-max over hashed uniforms): across rows at one step, and across steps of one row,
     the law of softmax(processed scores), by the chi-square test that rejects a slightly different law."""
@@ -231,18 +293,19 @@ def test_the_graph_draw_has_the_reference_distribution(settings):
 
 
 def test_a_seeded_graph_draw_repeats_and_a_fallback_equals_the_loop(model, eager):
-    """The same seed, the same sampled tokens (no generator state); processors without a tensor form (n-gram
-    bans) run on the host after the replay and still give the loop's tokens and logits."""
+    """The same seed, the same sampled tokens (no generator state); processors without a tensor form (a
+    suppressed token) run on the host after the replay and still give the loop's tokens and logits."""
     s = GenerationSettings(max_new_tokens=16, do_sample=True, top_k=20, repetition_penalty=1.2, seed=11)
     first = eager.generate(prompt(), s).tokens
     assert eager.generate(prompt(), s).tokens == first
     assert eager.generate(prompt(), GenerationSettings(**{**s.__dict__, "seed": 12})).tokens != first
-    ngram = GenerationSettings(max_new_tokens=24, no_repeat_ngram_size=2)
-    procs = build_logits_processor(ngram, eos_token_id=None, prompt_ids=prompt(), vocab_size=VOCAB)
+    greedy_first = eager.generate(prompt(), GenerationSettings(max_new_tokens=1)).tokens[0][0]
+    fallback = GenerationSettings(max_new_tokens=24, suppress_tokens=(greedy_first,))  # (it acts at once)
+    procs = build_logits_processor(fallback, eos_token_id=None, prompt_ids=prompt(), vocab_size=VOCAB)
     assert DeviceSampler(1, VOCAB, torch.device("cpu")).configure(procs, do_sample=False, seed=0, eos=[], pad=0,
                                                                   masked=False) is None
     ids = prompt()
-    assert_same_as_loop(eager.generate(ids, ngram, keep_logits=True), loop_run(model, ids, ngram), ids)
+    assert_same_as_loop(eager.generate(ids, fallback, keep_logits=True), loop_run(model, ids, fallback), ids)
 
 
 def test_a_long_memory_takes_the_span_buckets(model):

@@ -154,11 +154,12 @@ def test_a_stop_in_the_rows_ends_that_answer_and_the_others_go_on(rowed, tiny_ll
 
 
 def test_what_the_rows_do_not_take_decodes_in_the_loop(rowed, tiny_llama):
-    """A seeded draw and processors without a tensor form (an n-gram ban) are the loop's; both answer as alone."""
+    """A seeded draw and processors without a tensor form (a suppressed token) are the loop's; both answer as
+    alone."""
     batch = Batch()
     rows = graph_rows.attached_rows(rowed.merged())
     for settings in (GenerationSettings(max_new_tokens=8, do_sample=True, seed=3),
-                     GenerationSettings(max_new_tokens=8, no_repeat_ngram_size=2)):
+                     GenerationSettings(max_new_tokens=8, suppress_tokens=(5,))):
         before = rows.replays
         conv, ref = Conversation(rowed, batch=batch), Conversation(tiny_llama)
         got = drive(batch, [(0, lambda: conv.stream("Hi.", settings=settings))])[0]
@@ -166,12 +167,33 @@ def test_what_the_rows_do_not_take_decodes_in_the_loop(rowed, tiny_llama):
         assert rows.replays == before and not isinstance(conv.cache, GraphCache)
 
 
+def test_n_gram_bans_in_the_rows_are_each_the_loops_alone(rowed, tiny_llama, bank):
+    """No-repeat n-gram bans of other sizes in three rows at once (one answer recalls: its memory's forced tokens
+    are in the sequence the ban reads; one has none), and a second turn whose ban reads the first turn too: each the
+    loop's conversation alone, and every answer decoded in the rows."""
+    batch = Batch()
+    rows = graph_rows.attached_rows(rowed.merged())
+    plans = [("Tell me a story.", GenerationSettings(max_new_tokens=24, no_repeat_ngram_size=2)),
+             ("Who am I?", recalling(rowed, no_repeat_ngram_size=3)),
+             ("And then?", GenerationSettings(max_new_tokens=24))]
+    convs, refs = [Conversation(rowed, batch=batch) for _ in plans], [Conversation(tiny_llama) for _ in plans]
+    before = rows.replays
+    for turn in (0, 1):
+        texts = [text if turn == 0 else "Go on." for text, _ in plans]
+        got = drive(batch, [(i, lambda c=c, t=t, p=p: c.stream(t, settings=p[1], memory_db=bank))
+                            for i, (c, t, p) in enumerate(zip(convs, texts, plans))])
+        for ref, text, (_, settings), events in zip(refs, texts, plans, got):
+            assert told(events) == told(list(ref.stream(text, settings=settings, memory_db=bank))), (turn, text)
+        assert all(isinstance(c.cache, GraphCache) and c.cache.step is rows.graph for c in convs)
+    assert rows.replays > before + 40 and any(e[0] == "recall" for e in told(got[1]))
+
+
 def test_sampled_answers_in_the_rows_draw_as_alone(rowed):
     """Unseeded sampling draws each row's tokens from its own hashed noise (its own seed and commits, not its row):
     two answers sampled at once, each replayed alone in the rows with the same seed, draw the same tokens."""
     rows = graph_rows.attached_rows(rowed.merged())
     settings = GenerationSettings(max_new_tokens=16, do_sample=True, temperature=1.5, top_k=50, top_p=0.95,
-                                  repetition_penalty=1.2)
+                                  repetition_penalty=1.2, typical_p=0.9, no_repeat_ngram_size=3)
     seeds = iter([101, 202, 101, 202])
     real = torch.randint
 
