@@ -431,8 +431,11 @@ def test_the_step_is_one_captured_graph(graphed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("settings", [GenerationSettings(max_new_tokens=32),
                                       GenerationSettings(max_new_tokens=32, do_sample=True, temperature=0.8, top_k=40,
-                                                         top_p=0.9, min_p=0.02, repetition_penalty=1.2, seed=3)],
-                         ids=["greedy", "sample"])
+                                                         top_p=0.9, min_p=0.02, repetition_penalty=1.2, seed=3),
+                                      GenerationSettings(max_new_tokens=32, no_repeat_ngram_size=3),
+                                      GenerationSettings(max_new_tokens=32, do_sample=True, typical_p=0.9,
+                                                         no_repeat_ngram_size=2, seed=3)],
+                         ids=["greedy", "sample", "greedy-ngram", "sample-typical-ngram"])
 def test_no_host_sync_in_a_decode_step(cuda_model, graphed, settings):
     graphed.generate(prompt(), settings)  # (the first replays of a new path may record)
     graphed.launch_guard = no_sync
