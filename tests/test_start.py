@@ -83,3 +83,15 @@ def test_a_start_up_bank_that_cannot_be_loaded_stops_the_start(tmp_path):
     assert proc.returncode != 0
     assert f"recall-chat: memory.bank '{broken}' cannot be loaded: broken.safetensors: expected a readable " \
            "safetensors file" in out, out
+
+
+def test_every_command_the_readme_names_is_installed_and_runs():
+    """`.venv/bin/NAME` in the README is a command the setup installs (`recall-users` was named and missing)."""
+    import re
+
+    named = set(re.findall(r"\.venv/bin/([a-z][a-z-]*)", (ROOT / "README.md").read_text()))
+    assert {"python", "recall-memory", "recall-users"} <= named
+    bin_dir = Path(sys.executable).parent
+    for name in sorted(named - {"python", "pip"}):
+        done = subprocess.run([str(bin_dir / name), "--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "usage" in done.stdout.lower(), (name, done.stdout, done.stderr)
