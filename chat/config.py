@@ -178,6 +178,11 @@ class Config:
     app: AppConfig = field(default_factory=AppConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
 
+    def __post_init__(self):  # (a default no request may ask for would refuse every request that keeps it)
+        cap = self.app.max_new_tokens_cap
+        _check(self.generation.max_new_tokens <= cap, "generation.max_new_tokens", self.generation.max_new_tokens,
+               f"at most app.max_new_tokens_cap ({cap})")
+
 
 def _build(cls, data: Any, path: str):
     """`cls(**data)` with nested dataclasses, naming the full key in every error."""

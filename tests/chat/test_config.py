@@ -39,6 +39,9 @@ def test_unknown_key_names_the_key_and_the_allowed_ones(tmp_path):
     ("app:\n  port: 70000\n", ["app", "port", "70000"]),
     ("app:\n  max_running: 0\n", ["app", "max_running", "0", "a positive integer"]),
     ("memory:\n  hidden_state:\n    pooling: max\n", ["hidden_state", "pooling", "max"]),
+    # a default over the cap passed the start, then refused every request that kept it
+    ("generation:\n  max_new_tokens: 100000\n", ["generation.max_new_tokens", "100000", "app.max_new_tokens_cap",
+                                                 "1024"]),
 ])
 def test_out_of_range_values_name_key_value_and_allowed(tmp_path, text, words):
     with pytest.raises(ConfigError) as err:
