@@ -22,19 +22,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from chat.config import MemoryConfig
 from memory import BankError, MemoryVectorDB
 
 
-def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None]:
-    """Texts (and metadata) from a .txt (one memory per non-empty line) or .jsonl ({"text", "metadata"?})."""
+def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None, list[int]]:
+    """Texts (and metadata) from a .txt (one memory per non-empty line) or .jsonl ({"text", "metadata"?}), and the
+    line of the file each came from."""
     lines = path.read_text(encoding="utf-8").splitlines()
+    numbers = [number for number, line in enumerate(lines, 1) if line.strip()]
     if path.suffix.lower() == ".txt":
-        texts, metadata = [ln.strip() for ln in lines if ln.strip()], None
+        texts, metadata = [lines[n - 1].strip() for n in numbers], None
     elif path.suffix.lower() == ".jsonl":
         texts, metadata = [], []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
+        for number in numbers:
+            line = lines[number - 1]
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -50,7 +52,7 @@ def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None]:
                          f"got {path.suffix or 'no extension'!r}")
     if not texts:
         raise ValueError(f"{path.name}: expected at least one memory, got none")
-    return texts, metadata
+    return texts, metadata, numbers
 
 
 def _load_model(args: argparse.Namespace, values: str = "auto", layer: int = -1, pooling: str = "last"):
@@ -72,10 +74,18 @@ def _load_model(args: argparse.Namespace, values: str = "auto", layer: int = -1,
 def cmd_build(args: argparse.Namespace) -> None:
     from models import build_bank
 
-    texts, metadata = read_memories(Path(args.input))
+    source = Path(args.input)
+    texts, metadata, numbers = read_memories(source)
     loaded = _load_model(args, args.values, args.layer, args.pooling)
     db = build_bank(loaded.model, loaded.tokenizer, texts, loaded.encoder, metadata=metadata,
                     batch_size=args.batch_size, value_dtype=args.value_dtype)
+    slots = [e["slots"] for e in db.entries(0, len(db))] if db.has_values else []
+    long = [(n, k) for n, k in zip(numbers, slots) if k > args.max_slots]
+    if long:  # (the app refuses a bank with such a memory: memory.max_slots)
+        where = ", ".join(f"line {n} ({k} slots)" for n, k in long[:5]) + (" and more" if len(long) > 5 else "")
+        raise ValueError(f"{source.name}: expected memories of at most {args.max_slots} value slots (--max-slots, "
+                         f"the app's memory.max_slots), got {len(long)} longer: {where}; split those lines into "
+                         f"shorter memories. Nothing was written")
     db.info["model"] = loaded.name
     db.save(args.out)
     print(f"saved {len(db)} memories to {args.out}: {describe(db)}")
@@ -149,6 +159,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--layer", type=int, default=-1, help="hidden-state index (-1 = final layer) of state values")
     b.add_argument("--pooling", choices=("last", "mean"), default="last")
     b.add_argument("--batch-size", type=int, default=8)
+    b.add_argument("--max-slots", type=int, default=MemoryConfig.max_slots,
+                   help="the most value slots a memory may have: the app's memory.max_slots (default %(default)s)")
     b.set_defaults(run=cmd_build)
     s = sub.add_parser("show", help="print the size, dimension and a few entries of a bank")
     s.add_argument("bank")

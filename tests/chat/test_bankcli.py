@@ -68,6 +68,21 @@ def test_build_and_search_key_value_memories(tmp_path, tiny_dir, capsys):
     assert code == 0 and out.strip().endswith(f"[1] {MEMORIES[1]}")
 
 
+def test_a_memory_longer_than_the_app_takes_is_refused_by_its_line_and_nothing_is_written(tmp_path, tiny_dir,
+                                                                                         capsys):
+    """A CLI-built bank with a memory over `memory.max_slots` was written, then refused by `app.py --bank`: the build
+    refuses it, naming the file's line (blank lines counted) and the limit, and writes nothing."""
+    src, bank = tmp_path / "memories.txt", tmp_path / "bank.safetensors"
+    src.write_text(f"{MEMORIES[0]}\n\n{MEMORIES[1]}\n{' '.join(['word'] * 300)}\n")
+    code, _, err = run(capsys, "build", src, bank, "--model", tiny_dir)
+    err = err.strip().splitlines()[-1]  # (after the model's loading bar)
+    assert code == 2 and err.startswith("error: ")
+    assert "memories.txt: expected memories of at most 128 value slots" in err and "got 1 longer: line 4 (" in err
+    assert "Nothing was written" in err and not bank.exists()
+    code, out, _ = run(capsys, "build", src, bank, "--model", tiny_dir, "--max-slots", "400")  # a larger limit
+    assert code == 0 and "saved 3 memories" in out and MemoryVectorDB.load(bank, max_slots=400).token_values
+
+
 def test_errors_are_one_line_and_exit_2(tmp_path, tiny_dir, capsys):
     code, out, err = run(capsys, "show", tmp_path / "missing.pt")
     assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
