@@ -92,7 +92,7 @@ _GENERATION_RULES = {
     "watermark_bias": (float, False, None, ""),
     "max_new_tokens": (int, False, _GE1, "must be >= 1"),
     "max_time": (float, True, _GT0, "must be > 0 seconds, or None for no limit"),
-    "seed": (int, True, _GE0, "must be >= 0, or None"),
+    "seed": (int, True, lambda v: 0 <= v < 2 ** 64, "must be from 0 to 2**64 - 1 (a generator's seed), or None"),
     "early_stop_on_tool_call": (bool, False, None, ""),
     "entropy_decoding": (str, True, lambda v: v in ENTROPY_MODES,
                          f"must be None (off) or one of {', '.join(map(repr, ENTROPY_MODES))}"),

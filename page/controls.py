@@ -32,7 +32,10 @@ CONTROLS: dict[str, tuple] = {
     "max_new_tokens": ("generation.max_new_tokens", "Decoding",  # no more than a request may ask for
                        lambda v, cfg: gr.Slider(1, cfg.app.max_new_tokens_cap, v, step=1, precision=0,
                                                 label="max new tokens")),
-    "seed": ("generation.seed", "Decoding", lambda v, cfg: gr.Number(v, precision=0, label="seed (empty = random)")),
+    # (a text box: Gradio's Number shows and sends 0 for an empty value, so every answer drew with seed 0)
+    "seed": ("generation.seed", "Decoding",
+             lambda v, cfg: gr.Textbox("" if v is None else str(v), label="seed (empty = random)", elem_id="seed"),
+             lambda text, values: _seed(text)),
     "entropy_decoding": ("generation.entropy_decoding", "Decoding",
                          lambda v, cfg: gr.Radio(list(ENTROPY_MODES), value="off" if v is None else v,
                                                  label="layer each token is decoded from: the last (off), the one "
@@ -84,6 +87,17 @@ CONTROLS: dict[str, tuple] = {
 def settings_tab(cfg: Config, tab: str) -> dict[str, gr.Component]:
     """The controls of one tab, at the configuration's values."""
     return {name: row[2](setting_value(cfg, row[0]), cfg) for name, row in CONTROLS.items() if row[1] == tab}
+
+
+def _seed(text: Any) -> int | None:
+    """The seed box: empty (or None from an API client) = a new random seed each answer, else an integer."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    try:
+        return int(text.strip() if isinstance(text, str) else text)
+    except (TypeError, ValueError):
+        raise ValueError(f"seed: expected an integer from 0 to 2**64 - 1, or empty for a random one, "
+                         f"got {text!r}") from None
 
 
 def settings(cfg: Config, values: dict[str, Any]) -> tuple[GenerationSettings, RecallSettings]:

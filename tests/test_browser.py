@@ -164,6 +164,7 @@ def test_entropy_and_mixture_pictures_show_in_the_page(page, smollm2):
         page.goto(server.url)
         page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
         page.get_by_role("tab", name="Decoding").click()
+        assert page.input_value("#seed textarea") == ""  # (a Number box showed, and sent, seed 0: `seed: null`)
         page.locator("#entropy-mode").get_by_label("trough").check()
         page.locator("#message textarea").fill("Name a colour.")
         page.locator("#message textarea").press("Enter")

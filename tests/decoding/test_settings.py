@@ -206,7 +206,7 @@ INVALID = [  # field, value, text the message must show
     ("watermark_greenlist_ratio", 1.0, "1.0"), ("watermark_greenlist_ratio", 0.0, "0.0"),
     ("watermark_bias", "big", "'big'"), ("max_new_tokens", 0, "0"), ("max_new_tokens", 10.0, "10.0"),
     ("max_time", 0.0, "0.0"), ("max_time", -1, "-1"), ("stop_strings", [""], "['']"), ("stop_strings", [3], "[3]"),
-    ("seed", -1, "-1"), ("seed", "1", "'1'"), ("early_stop_on_tool_call", None, "None"),
+    ("seed", -1, "-1"), ("seed", "1", "'1'"), ("seed", 2 ** 70, str(2 ** 70)), ("early_stop_on_tool_call", None, "None"),
 ]
 
 

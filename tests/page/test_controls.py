@@ -36,3 +36,17 @@ def test_the_gamma_rule_radio_reaches_the_mixture():
     values = {n: c.value for n, c in PAGE.items()}
     assert values["mixture_gamma_rule"] == "fixed"
     assert settings(CFG, {**values, "mixture_gamma_rule": "seed"})[0].mixture.gamma_rule == "seed"
+
+
+def test_the_seed_box_starts_empty_and_empty_is_a_random_seed():
+    """Gradio's Number showed and sent 0 for the configured `seed: null`, so "Regenerate" with sampling on drew the
+    same answer every time. The box starts empty; empty (or None from an API client) is no seed; a number is that
+    seed; anything else is refused by name."""
+    values = {n: c.value for n, c in PAGE.items()}
+    assert CFG.generation.seed is None and values["seed"] == ""
+    assert settings(CFG, values)[0].seed is None and settings(CFG, {**values, "seed": None})[0].seed is None
+    assert settings(CFG, {**values, "seed": " 42 "})[0].seed == 42 and settings(CFG, {**values, "seed": 7})[0].seed == 7
+    with pytest.raises(ValueError, match=r"seed: expected an integer from 0 to 2\*\*64 - 1, or empty .* got 'abc'"):
+        settings(CFG, {**values, "seed": "abc"})
+    with pytest.raises(ValueError, match=r"seed is 1180591620717411303424: must be from 0 to 2\*\*64 - 1"):
+        settings(CFG, {**values, "seed": str(2 ** 70)})
