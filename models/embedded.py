@@ -103,7 +103,18 @@ def resolve_device(device: str) -> torch.device:
         if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    return torch.device(device)
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"model.device is {device!r}: expected auto, cpu, cuda, cuda:N or mps") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device is {device!r}, but this torch ({torch.__version__}) sees no CUDA device: "
+                         "use cpu or auto")
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"model.device is {device!r}: expected one of the {torch.cuda.device_count()} CUDA devices")
+    if where.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError(f"model.device is {device!r}, but this machine has no MPS device: use cpu or auto")
+    return where
 
 
 def digest(folder: Path) -> str:

@@ -15,6 +15,21 @@ def test_model_path_that_does_not_exist():
         load_model("/no/such/model")
 
 
+def test_a_device_this_machine_lacks_is_refused_by_name():
+    """`--device cuda` on a CPU-only torch ended the start with torch's AssertionError and a traceback."""
+    from models.embedded import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"model.device is 'tpu': expected auto, cpu, cuda, cuda:N or mps"):
+        resolve_device("tpu")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"model.device is 'cuda:99': expected one of the \d+ CUDA devices"):
+            resolve_device("cuda:99")
+    else:
+        with pytest.raises(ValueError, match=r"model.device is 'cuda', but this torch .* sees no CUDA device"):
+            resolve_device("cuda")
+
+
 @pytest.mark.slow
 def test_embedded_model_converts_once_then_reuses_the_cache(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
