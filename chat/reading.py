@@ -21,6 +21,7 @@ def recall_context(lm: LoadedModel, memory_db, settings: RecallSettings, text: s
     closes a memory (`</recall>` for a model trained to read memories between the two)."""
     tokens, encoder = lm.tokens, lm.encoder
     query, suffix = None, ()
+    close = lm.tokenizer.convert_tokens_to_ids(encoder.close) if encoder.close is not None else None
     if memory_db is not None and memory_db.has_values:
         if encoder.keys is None:
             raise ValueError(f"this bank's keys are text embeddings ({memory_db.info.get('keys')}) but {lm.name} "
@@ -28,12 +29,13 @@ def recall_context(lm: LoadedModel, memory_db, settings: RecallSettings, text: s
         vector = encoder.message_query(text)
         query = lambda hidden: vector  # noqa: E731 - the message, not the <recall> state, is the query
         memory_db = readable(lm, memory_db, vector, settings, text)
-        if encoder.close is not None:
-            suffix = (lm.tokenizer.convert_tokens_to_ids(encoder.close),)
+        if close is not None:
+            suffix = (close,)
     embedding = encoder.embedding_for(memory_db) if memory_db is not None else None
-    # with no memory to read, the model answers from what it knows: never a bare <recall> (`NoMemory`)
+    # with no memory to read, the model answers from what it knows: never a bare <recall> (`NoMemory`); a <recall>
+    # whose search finds none at min_score (a bank keyed by states: known only then) reads an empty memory (`close`)
     return Recall(tokens.recall, tokens.memory_pad, memory_db, settings, embedding, query, suffix,
-                  without_memory="answer").with_tokens(lm.model.get_input_embeddings())
+                  without_memory="answer", close=close).with_tokens(lm.model.get_input_embeddings())
 
 
 def readable(lm: LoadedModel, memory_db, vector: torch.Tensor, settings: RecallSettings, text: str):

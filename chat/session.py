@@ -259,15 +259,18 @@ class Conversation:
     ) -> Iterator[Event]:
         """Add a user message and stream the answer's events; the turn is stored when it ends. With
         `recall_first` a model trained to recall starts its answer with `<recall>`; any other model reads
-        the memory at the end of the user's message (its encoder's `placement`)."""
+        the memory at the end of the user's message (its encoder's `placement`). With no memory to read (none
+        at `min_score`), nothing is forced: the model answers from what it knows and the result says it missed
+        its recall (a bare `<recall>` with nothing after it ended the answer before it began)."""
         context = self.recall(memory_db, recall, text)
+        missed, recall_first = recall_first and not context.active, recall_first and context.active
         place = None
-        if recall_first and self.lm.encoder.placement == "user" and context.active and memory_db.has_values:
+        if recall_first and self.lm.encoder.placement == "user" and memory_db.has_values:
             place = memory_now(context, settings)
         self.placed = []
         inputs = self.build_inputs(text, images, recall_first, place)
         yield from self.placed
-        yield from self._run(inputs, len(self.ids), settings, context, interrupt_event)
+        yield from self._run(inputs, len(self.ids), settings, context, interrupt_event, missed)
 
     def regenerate(self, settings, recall, memory_db=None, interrupt_event=None) -> Iterator[Event]:
         """Drop the last answer and answer the last user message again."""
@@ -278,7 +281,10 @@ class Conversation:
         self.placed = [r for r in answer.recalls if r.position < answer.start]  # read in the prompt: kept
         yield from self.placed
         context = self.recall(memory_db, recall, self.messages[-1].text if self.messages else "")
-        yield from self._run(self.inputs(), len(self.ids), settings, context, interrupt_event)
+        missed = not context.active and bool(self.ids) and self.ids[-1] == self.lm.tokens.recall
+        if missed:  # recall first, with no memory to read now: not forced (as `stream`)
+            self._truncate(len(self.ids) - 1)
+        yield from self._run(self.inputs(), len(self.ids), settings, context, interrupt_event, missed)
 
     def _truncate(self, length: int) -> None:
         self.ids = self.ids[:length]
@@ -290,7 +296,9 @@ class Conversation:
         """The loop's recall context for a message (`chat.reading.recall_context`)."""
         return recall_context(self.lm, memory_db, settings, text)
 
-    def _run(self, inputs, prompt_len, settings, recall: Recall, interrupt_event) -> Iterator[Event]:
+    def _run(self, inputs, prompt_len, settings, recall: Recall, interrupt_event,
+             missed: bool = False) -> Iterator[Event]:
+        """Answer `inputs`; `missed`: recall first was asked with no memory to read (the result says so)."""
         self._settle()
         past = self.cache if self.cache is not None and cache_length(self.cache) < prompt_len else None
         answer = Message("assistant", "", start=prompt_len)
@@ -300,6 +308,8 @@ class Conversation:
             for event in engine.stream(Prompt(inputs, past, self.memory), settings, recall, interrupt_event):
                 if isinstance(event, DoneEvent):
                     result = event.result
+                    if missed:
+                        result.missed_recall = [True]
                 yield event
         finally:
             self.cache = None

@@ -100,7 +100,8 @@ class GenerationResult:
     attention_mask: torch.Tensor | None = None  # [B, L] for a padded batch (also where another row's memory span
                                                 # gave a row masked columns); None: every position is real
     # Per row, with recall off in `Recall.without_memory: answer` mode: the model's first choice was <recall> at
-    # some step (it answered without the memory it asked for); None when that mode was off.
+    # some step (it answered without the memory it asked for); also a recall that found no memory at min_score
+    # (`Recall.close`: an empty memory was read). None when neither could happen.
     missed_recall: list[bool] | None = None
 
     @property

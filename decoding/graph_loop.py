@@ -20,7 +20,7 @@ from decoding.settings import GenerationSettings
 
 
 # (the query state [H], the position after `<recall>`) -> the memory's tokens, their vectors by position, its event
-Recaller = Callable[[torch.Tensor, int], tuple[list[int], dict[int, torch.Tensor], RecallEvent]]
+Recaller = Callable[[torch.Tensor, int], tuple[list[int], dict[int, torch.Tensor], RecallEvent | None]]
 
 
 @dataclass
@@ -99,15 +99,17 @@ class HostLoop:
     def recall_span(self, hidden: torch.Tensor) -> tuple[list[int], int]:
         """Recall at the newest position (its final state `hidden` [1, H]); forward the memory's slots and suffix;
         (the forced tokens, the read-back slot of the token sampled after them)."""
-        g, recall = self.g, self.recall
-        tokens, vectors, event = self.recaller(hidden[0], self.cur)
-        self.out.recalls.append(event)
+        g, recall, start = self.g, self.recall, self.cur
+        tokens, vectors, event = self.recaller(hidden[0], start)
+        if event is not None:  # (None: an empty memory, its close alone: `recall_step`)
+            self.out.recalls.append(event)
         self.out.memory_vectors.update(vectors)
         if self.host_side:
             self.seq[:, self.cur:self.cur + len(tokens)] = torch.tensor(tokens, device=g.device)
         self.cur += len(tokens)
-        slots = {p - event.position: v for p, v in vectors.items()}
-        embedded = recall.embed(torch.stack([slots[i] for i in sorted(slots)]), g.device, g.dtype)  # [k, H]
+        slots = {p - start: v for p, v in vectors.items()}
+        embedded = recall.embed(torch.stack([slots[i] for i in sorted(slots)]), g.device, g.dtype) \
+            if slots else []  # [k, H]
         _, logits = g.forward_span(tokens, dict(zip(sorted(slots), embedded)), self.kind)
         self.out.steps += 1
         return tokens, self.advance(logits)

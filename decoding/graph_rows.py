@@ -365,7 +365,8 @@ def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Promp
         nonlocal made
         tokens, vectors, events = req.recall_row(0, state)
         if rows.room(row) + len(tokens) + g.spans[-1] >= g.max_len:
-            r.injections.pop()
+            if vectors:  # (an empty memory, its close alone, records no injection)
+                r.injections.pop()
             raise NoRoom(f"a memory of {len(tokens)} positions: the graph step's rows hold {g.max_len}")
         r.memory[0].update(vectors)
         slots = {p - r.cur: v for p, v in vectors.items()}

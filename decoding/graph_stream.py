@@ -37,7 +37,7 @@ import torch
 from transformers import DynamicCache
 
 from decoding.compiled import seq_length
-from decoding.events import DoneEvent, Event, PrefillEvent
+from decoding.events import DoneEvent, Event, PrefillEvent, RecallEvent
 from decoding.graph import GraphDecoder, GraphStep
 from decoding.graph_loop import Decoded, HostLoop
 from decoding.forward import prefill_positions, vision_suffix
@@ -244,13 +244,15 @@ def _answer(decoder: GraphDecoder, req: Request, prompt: Prompt, interrupt: thre
 
     def recaller(state: torch.Tensor, position: int):
         tokens, vectors, events = req.recall_row(0, state)
+        event = events[-1] if events and isinstance(events[-1], RecallEvent) else None  # (None: an empty memory)
         if not g.room_for(len(tokens)):  # a memory longer than `max_slots` near the end of the step's cache
-            rows.injections.pop()
+            if event is not None:
+                rows.injections.pop()
             raise NoRoom(f"a memory of {len(tokens)} positions at position {position}: the graph step holds "
                          f"{g.max_len}")
         rows.memory[0].update(vectors)
         told.extend(events)
-        return tokens, vectors, events[-1]
+        return tokens, vectors, event
 
     out = Decoded([], "length")
     run = HostLoop(g, req.input_ids, req.settings, req.recall if req.recall_on else None, req.eos, req.pad,

@@ -97,8 +97,9 @@ def _step_inputs(fwd: Backend, rows: Rows, recall: Recall | None, block: torch.T
     start = rows.cur - width
     for row in spans:
         slots = [c for c in range(width) if start + c in rows.memory[row]]
-        vectors = torch.stack([rows.memory[row][start + c] for c in slots])  # [k, H]
-        emb[row, slots] = recall.embed(vectors, fwd.device, fwd.dtype)
+        if slots:  # (an empty memory, its close alone, has none)
+            vectors = torch.stack([rows.memory[row][start + c] for c in slots])  # [k, H]
+            emb[row, slots] = recall.embed(vectors, fwd.device, fwd.dtype)
     counts = torch.tensor(_widths(spans, block.shape[0]), device=position.device)
     steps = torch.arange(1, width + 1, device=position.device) - (width - counts)[:, None]  # [B, W]
     return emb, position + steps.clamp(min=1).to(position.dtype)  # fillers (masked) repeat the first position
@@ -113,7 +114,8 @@ def _log_injections(req: Request, spans: dict[int, Span], emb: torch.Tensor, hid
     if logits is None:
         logits = req.fwd.logits(hidden if req.entropy is None else hidden[:, -1])
     width, cur = emb.shape[1], req.rows.cur
-    for e in req.rows.injections[-len(spans):]:
+    read = sum(1 for _, vectors in spans.values() if vectors)  # (an empty memory injects nothing)
+    for e in req.rows.injections[len(req.rows.injections) - read:]:
         shift = width - len(spans[e.row][0])
         slots = emb[e.row, shift:shift + e.length]  # [k, H]
         log.info("[inject] row %d: memory %d (similarity %.4f) fills the %d <|memory_pad|> slots from position %d; "

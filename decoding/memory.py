@@ -48,6 +48,11 @@ class Recall:
     `without_memory`: what `<recall>` is while recall is off (no bank, an empty one, or disabled): `token`, a
     plain token the model may write (the seeds' loop); `answer`, suppressed, so the model answers from what it
     knows, and the result says whether it would have recalled (`NoMemory`; what the chat does).
+    `close`: the token that ends a memory for a model trained to read memories between `<recall>` and it
+    (`</recall>`). A `<recall>` whose search finds no memory at `settings.min_score` (a bank keyed by states, whose
+    query is the `<recall>` state itself: nothing can be checked before) then reads nothing: `close` alone is
+    forced after it, an empty memory, and the model answers from what it knows (`recall_step`). None: the best
+    memory is read then (the step needs one).
     """
 
     recall_id: int
@@ -59,6 +64,7 @@ class Recall:
     suffix: tuple[int, ...] = ()
     tokens: Embedding | None = None
     without_memory: str = "token"
+    close: int | None = None
 
     def __post_init__(self) -> None:
         if self.without_memory not in ("token", "answer"):
@@ -147,11 +153,14 @@ class NoMemory(LogitsProcessor):
 
 
 def recall_step(selector: "MemorySelector", recall: Recall, hidden: torch.Tensor, row: int,
-                position: int) -> tuple[list[int], dict[int, torch.Tensor], RecallEvent]:
+                position: int) -> tuple[list[int], dict[int, torch.Tensor], RecallEvent | None]:
     """The one recall step, for the plain loop and the mixture alike: the newest input of `row` is
     `<recall>`, with final hidden state `hidden` [H]. Returns the tokens forced from `position` on
-    (`Recall.span`), the value vector of each of their slot positions, and the event of the injection."""
-    memory = selector.choose(hidden)
+    (`Recall.span`), the value vector of each of their slot positions, and the event of the injection; with no
+    memory at `min_score` and a `Recall.close`, an empty memory: `[close]`, no vector and no event."""
+    memory = selector.choose(hidden, required=recall.close is None)
+    if memory is None:
+        return [recall.close], {}, None
     vectors = {position + i: v for i, v in enumerate(recall.values(memory))}
     return recall.span(memory), vectors, RecallEvent(row, position, memory.score, memory.index, memory.text,
                                                      memory.slots, memory.source)
@@ -196,10 +205,17 @@ class MemorySelector:
         query = hidden if self.query is None else self.query(hidden)
         return self.db.topk(query.detach().float(), self.recall.top_k or None)
 
-    def choose(self, hidden: torch.Tensor) -> Memory:
+    def choose(self, hidden: torch.Tensor, required: bool = True) -> Memory | None:
+        """The memory read for the query of `hidden`: a memory under `min_score` is not a candidate; with none
+        over it, None, or (`required`: the step needs one) the best."""
         scores, ids = self.scores(hidden)  # [k], [k]
         fits = scores >= self.recall.min_score
-        fits[0] = True  # under `min_score` a memory is not a candidate, but the best stays one (the step needs one)
+        if not fits.any() and not required:
+            if self.recall.debug:
+                log.info("[memory head] no memory scores min_score=%g (best %.4f): nothing is read",
+                         self.recall.min_score, float(scores[0]) if len(scores) else float("nan"))
+            return None
+        fits[0] = True  # (the best always fits when any does: the scores come best first)
         scores, ids = scores[fits], ids[fits]
         warped = self.warper(None, scores[None].clone()) if self.warper else scores[None]  # [1, k]
         pick = int(sample(warped, self.recall.use_sampling, self.generator)[0])

@@ -174,6 +174,7 @@ class Request:
     decode_s: float = 0.0
     steps: int = 0
     scored: int | None = None  # steps whose scores count (the graph step scores one more than it keeps; None: all)
+    empty: set[int] = field(default_factory=set)  # rows whose recall found no memory at min_score (`recall_row`)
     kept_logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -226,7 +227,8 @@ class Request:
         """The recall step of a row whose newest input is `<recall>`, with final state `hidden` [H] there: the
         tokens forced from the row's next position on (its memory's slots and the suffix), their value vectors
         (the caller places them in `rows.memory`, where its columns put them), and the events (the held
-        `<recall>`, then the recall)."""
+        `<recall>`, then the recall). A search that finds no memory at `min_score` reads an empty one (`recall_step`:
+        the close alone, no vector, no recall event): the result then says the row missed its recall."""
         rows, events = self.rows, []
         if row in rows.held:
             token = rows.held.pop(row)
@@ -235,8 +237,19 @@ class Request:
             log.info("[recall] row %d: newest input is <recall> (id %d) at position %d; its hidden state %s is "
                      "the query", row, self.recall.recall_id, rows.cur - 1, tuple(hidden.shape))
         tokens, vectors, event = recall_step(self.selector, self.recall, hidden, row, rows.cur)
+        if event is None:
+            self.empty.add(row)
+            return tokens, vectors, events
         rows.injections.append(event)
         return tokens, vectors, [*events, event]
+
+    def missed_recall(self) -> list[bool] | None:
+        """Per row: it wanted a memory with none to read (`NoMemory`), or a recall of it found none at `min_score`;
+        None when neither could happen."""
+        missed = self.no_memory.rows(self.batch, self.scored) if self.no_memory is not None else None
+        if self.empty:
+            missed = [bool(missed and missed[r]) or r in self.empty for r in range(self.batch)]
+        return missed
 
     def result(self, kind: type[GenerationResult] = GenerationResult, **extra) -> GenerationResult:
         rows = self.rows
@@ -247,7 +260,7 @@ class Request:
             decode_seconds=self.decode_s, steps=self.steps,
             logits=torch.stack(self.kept_logits, dim=1) if self.kept_logits else None,
             entropy=self.entropy.trace(sequences) if self.entropy is not None else None,
-            missed_recall=self.no_memory.rows(self.batch, self.scored) if self.no_memory is not None else None, **extra,
+            missed_recall=self.missed_recall(), **extra,
             attention_mask=None if rows.mask is None else rows.mask[:, :rows.cur])
 
 

@@ -351,3 +351,91 @@ def test_a_message_read_ahead_but_never_answered_leaves_the_conversation_as_it_w
     for c in (conv, fresh):  # longer than the one read: the cache would be taken as its prefix)
         run(c, longer, settings=GenerationSettings(max_new_tokens=12))
     assert conv.ids == fresh.ids
+
+
+# --------------------------------------------------------------------------- recall first with nothing that fits
+
+
+def test_recall_first_with_no_memory_at_min_score_answers_as_without_it(tiny_llama, text_keys):
+    """Recall first, no memory at `min_score`: no `<recall>` is forced (after a bare one, with nothing to read, the
+    default model ended its answer before it began: an empty answer or a new line). The answer is the one without
+    recall first, and the result says the recall was missed (the "none fits" notice). A regenerate with nothing
+    to read now drops the `<recall>` an earlier answer was forced to start with."""
+    lm = kv_model(tiny_llama, text_keys, "answer")
+    bank = kv_bank(lm)
+    strict = RecallSettings(min_score=0.99)
+    first, plain = Conversation(lm), Conversation(lm)
+    events = run(first, "What is the capital of France?", settings=GREEDY, recall=strict, memory_db=bank,
+                 recall_first=True)
+    run(plain, "What is the capital of France?", settings=GREEDY, recall=strict, memory_db=bank)
+    assert lm.tokens.recall not in first.ids and first.ids == plain.ids
+    assert not any(isinstance(e, RecallEvent) for e in events) and events[-1].result.missed_recall == [True]
+
+    again, plain = Conversation(lm), Conversation(lm)
+    run(again, "When does the ferry leave?", settings=GREEDY, memory_db=bank, recall_first=True)
+    assert again.messages[-1].recalls and again.ids[again.messages[-1].start - 1] == lm.tokens.recall  # (read)
+    events = list(again.regenerate(GREEDY, strict, bank))
+    run(plain, "When does the ferry leave?", settings=GREEDY, recall=strict, memory_db=bank)
+    assert again.ids == plain.ids and again.messages[-1].recalls == [] and again.memory == {}
+    assert events[-1].result.missed_recall == [True]
+    assert again.cache.get_seq_length() == len(again.ids) - 1
+
+
+def closing(lm):
+    """`lm` with the `state` memories of the seeds (a bank keyed by `<recall>` states), as a model trained to read a
+    memory between `<recall>` and `</recall>`."""
+    import dataclasses
+    from models.encoder import MemoryEncoder
+    return dataclasses.replace(lm, encoder=MemoryEncoder(close="</recall>"))
+
+
+def test_a_recall_in_a_bank_of_states_with_nothing_at_min_score_reads_nothing(tiny_llama, bank):
+    """A bank keyed by `<recall>` states (bare vectors) can be checked only at the recall: each `<recall>`, forced by
+    recall first or written by the model, whose search finds no memory at `min_score` reads an empty memory
+    (`</recall>` right after it: nothing injected, no recall event) and the result says it missed its recall. With
+    no `min_score` the same answer reads its memories."""
+    lm = closing(tiny_llama)
+    settings = GenerationSettings(max_new_tokens=16, sequence_bias=(((lm.tokens.recall,), 6.0),))  # (it recalls)
+    conv = Conversation(lm)
+    events = run(conv, "Who am I?", settings=settings, recall=RecallSettings(min_score=0.9), memory_db=bank,
+                 recall_first=True)
+    answer = conv.messages[-1]
+    at = [i for i, t in enumerate(conv.ids) if t == lm.tokens.recall]
+    assert at[0] == answer.start - 1 and len(at) >= 2  # forced, then written by the model
+    assert all(conv.ids[i + 1] == lm.tokens.recall_end for i in at if i + 1 < len(conv.ids))
+    assert lm.tokens.memory_pad not in conv.ids and conv.memory == {} and answer.recalls == []
+    assert not any(isinstance(e, RecallEvent) for e in events) and events[-1].result.missed_recall == [True]
+    # the next turn reads the conversation as it is (no vector wanted anywhere)
+    run(conv, "And then?", settings=GREEDY, recall=RecallSettings(min_score=0.9), memory_db=bank)
+
+    read = Conversation(lm)
+    events = run(read, "Who am I?", settings=settings, recall=RecallSettings(), memory_db=bank, recall_first=True)
+    recalls = [e for e in events if isinstance(e, RecallEvent)]
+    assert len(recalls) >= 2 and max(e.score for e in recalls) < 0.9 and read.memory
+    assert events[-1].result.missed_recall is None
+
+
+def test_on_llama_cpp_recall_first_with_nothing_that_fits_answers_from_what_it_knows(default_lm):
+    """The default model (llama.cpp): recall first on the example bank, a question no memory fits, answered as
+    without recall first (it answered nothing, or a new line); a bank of bare vectors (keyed by `<recall>` states,
+    none at 0.3) reads nothing and the model answers too."""
+    from chat.banks import EXAMPLE_MEMORIES
+    from memory import MemoryVectorDB
+    from models import build_bank
+
+    texts = [t.strip() for t in EXAMPLE_MEMORIES.read_text().splitlines() if t.strip() and not t.startswith("#")]
+    example = build_bank(default_lm.model, default_lm.tokenizer, texts, default_lm.encoder, progress=False)
+    recall, settings = RecallSettings(min_score=0.3), GenerationSettings(max_new_tokens=12)
+    for text in ["What is the capital of France?", "What is 2+2?"]:
+        first, plain = Conversation(default_lm), Conversation(default_lm)
+        events = run(first, text, settings=settings, recall=recall, memory_db=example, recall_first=True)
+        run(plain, text, settings=settings, recall=recall, memory_db=example)
+        assert first.messages[-1].text.strip() and first.ids == plain.ids, text
+        assert events[-1].result.missed_recall == [True]
+    states = MemoryVectorDB(default_lm.hidden_size)
+    states.add(torch.randn(10, default_lm.hidden_size, generator=torch.Generator().manual_seed(0)))
+    conv = Conversation(default_lm)
+    events = run(conv, "What is the capital of France?", settings=settings, recall=recall, memory_db=states,
+                 recall_first=True)
+    assert not any(isinstance(e, RecallEvent) for e in events) and "Paris" in conv.messages[-1].text
+    assert events[-1].result.missed_recall == [True] and conv.memory == {}

@@ -354,3 +354,27 @@ def test_the_rows_are_ready_only_once_every_row_is_free(smollm2_dir):
     rows._reset = lambda: seen.append(rows.ready.is_set()) or reset()
     rows.warm_up()
     assert seen == [False] and rows.ready.is_set() and rows.free_rows() == 2
+
+
+def test_a_recall_with_nothing_at_min_score_reads_nothing_in_the_rows_as_in_the_loop(rowed, tiny_llama, bank):
+    """A bank keyed by `<recall>` states, nothing in it at `min_score`, a model that closes its memories: answers at
+    once in the rows read an empty memory at each `<recall>` (`</recall>` alone), each as the loop's alone."""
+    import dataclasses
+    from models.encoder import MemoryEncoder
+
+    on, off = (dataclasses.replace(lm, encoder=MemoryEncoder(close="</recall>")) for lm in (rowed, tiny_llama))
+    strict, batch = RecallSettings(min_score=0.9), Batch()
+    plans = [("Who am I?", recalling(on), True), ("And then?", recalling(on, 8.0), False)]
+    convs = [Conversation(on, batch=batch) for _ in plans]
+    got = drive(batch, [(i, lambda c=c, p=p: c.stream(p[0], settings=p[1], recall=strict, memory_db=bank,
+                                                      recall_first=p[2]))
+                        for i, (c, p) in enumerate(zip(convs, plans))])
+    rows = graph_rows.attached_rows(rowed.merged())
+    assert rows.free_rows() == 3 and all(isinstance(c.cache, GraphCache) and c.cache.step is rows.graph for c in convs)
+    for conv, (text, settings, first), events in zip(convs, plans, got):
+        ref = Conversation(off)
+        want = list(ref.stream(text, settings=settings, recall=strict, memory_db=bank, recall_first=first))
+        assert told(events) == told(want) and conv.ids == ref.ids and not conv.memory and not ref.memory, text
+        at = [i for i, t in enumerate(conv.ids) if t == on.tokens.recall]
+        assert at and all(conv.ids[i + 1] == on.tokens.recall_end for i in at if i + 1 < len(conv.ids))
+        assert events[-1].result.missed_recall == want[-1].result.missed_recall == [True]

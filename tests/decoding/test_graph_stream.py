@@ -280,3 +280,26 @@ def test_a_top_p_that_would_keep_only_recall_still_answers(graphed, tiny_llama):
         tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
         assert len(tokens) >= 1 and 0 not in tokens and lm.tokens.recall not in tokens
         assert events[-1].result.missed_recall == [True]
+
+
+def test_a_recall_with_nothing_at_min_score_reads_nothing_on_the_step_as_in_the_loop(graphed, tiny_llama, bank):
+    """A bank keyed by `<recall>` states, nothing in it at `min_score`, a model that closes its memories: each
+    `<recall>` (forced first, then written mid-answer) reads an empty memory, `</recall>` alone, on the step as in
+    the loop: the same events and ids, no vector, and the result says the recall was missed."""
+    import dataclasses
+    from models.encoder import MemoryEncoder
+
+    on, off = (dataclasses.replace(lm, encoder=MemoryEncoder(close="</recall>")) for lm in (graphed, tiny_llama))
+    strict = RecallSettings(min_score=0.9)
+    results = []
+    for lm in (on, off):
+        conv = Conversation(lm)
+        events = list(conv.stream("Who am I?", settings=recalling(lm), recall=strict, memory_db=bank,
+                                  recall_first=True))
+        results.append((told(events), conv.ids, sorted(conv.memory), events[-1].result.missed_recall))
+        assert isinstance(conv.cache, GraphCache) == (lm is on)  # (answered on the step)
+    assert results[0] == results[1]
+    ids = results[0][1]
+    at = [i for i, t in enumerate(ids) if t == on.tokens.recall]
+    assert len(at) >= 2 and all(ids[i + 1] == on.tokens.recall_end for i in at if i + 1 < len(ids))
+    assert results[0][2] == [] and results[0][3] == [True] and not any(e[0] == "recall" for e in results[0][0])
