@@ -20,6 +20,7 @@ import yaml
 
 from decoding.settings import GenerationSettings, RecallSettings
 from models import LoadOptions
+from models.load import resolve_backend
 from models.encoder import ValueKind
 from models.hidden import HiddenStateSpec
 from models.llamacpp import GGUF_TYPES
@@ -279,6 +280,11 @@ def request_settings(cfg: Config, values: Mapping[str, Any]) -> tuple[Generation
         changes["generation"]["mixture"] = dataclasses.replace(cfg.generation.mixture, **changes["mixture"])
     return (dataclasses.replace(cfg.generation, **changes["generation"]),
             dataclasses.replace(cfg.memory.autoregressive_recall, **changes["recall"]))
+
+
+def configured_backend(cfg: Config) -> str:
+    """The backend the configured model runs on: "transformers" or "llamacpp" (`models.load.resolve_backend`)."""
+    return resolve_backend(load_options(cfg), cfg.model.path)
 
 
 def load_options(cfg: Config) -> LoadOptions:

@@ -155,6 +155,12 @@ def test_first_minute_with_the_trained_model(page, default_lm):
                 assert value in answer[answer.index("⟩") + 1:], answer
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "first_minute.png"), full_page=True)
+        # on llama.cpp, layer decoding and the mixture are greyed out and say why (they only answered a warning)
+        page.get_by_role("tab", name="Decoding").click()
+        assert page.locator("#entropy-mode").get_by_label("trough").is_disabled()
+        assert "this server runs llama.cpp" in page.inner_text("#entropy-mode")
+        page.get_by_role("tab", name="Mixture").click()
+        assert page.locator("#mixture-on input").is_disabled()
 
 
 def test_entropy_and_mixture_pictures_show_in_the_page(page, smollm2):
