@@ -15,10 +15,12 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 import gradio as gr  # noqa: E402
+from fastapi.routing import APIRoute  # noqa: E402
 
 from chat import openai_api  # noqa: E402
 from chat.api import ChatService  # noqa: E402
@@ -37,13 +39,28 @@ def launch(demo: gr.Blocks, service: ChatService, **kwargs: Any) -> Any:
     if service.users is not None:  # people: the page asks for a login (Gradio's), checked against the users file
         options.update(auth=service.users.check_password, auth_message="recall chat: log in with your name and "
                        "password (recall-users add NAME)")
+    # the /v1 routes and /health are made with the app, so they are in place when the port opens
+    routes = [*openai_api.routes(service), APIRoute("/health", service.health, methods=["GET"])]
+    app_kwargs = {**(kwargs.pop("app_kwargs", None) or {}), "routes": routes}
     block = not kwargs.pop("prevent_thread_lock", False)
-    out = demo.queue(default_concurrency_limit=8).launch(**{**options, **kwargs, "prevent_thread_lock": True})
-    openai_api.mount(demo.app, service)
-    demo.app.add_api_route("/health", service.health, methods=["GET"])
-    if block:
-        demo.block_thread()
+    out = demo.queue(default_concurrency_limit=8).launch(**{**options, **kwargs, "app_kwargs": app_kwargs,
+                                                            "prevent_thread_lock": True})
+    if block:  # until SIGTERM or Ctrl-C; the caller then closes (`close`)
+        try:
+            while demo.is_running:
+                time.sleep(0.1)
+        except KeyboardInterrupt:
+            pass
     return out
+
+
+def close(demo: gr.Blocks, service: ChatService) -> None:
+    """Shut down in order: the service first, which ends every answer (each open stream gets its last event: the
+    server is shutting down), then the server, which closes once those responses are sent."""
+    try:
+        service.close()
+    finally:
+        demo.close()
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
@@ -95,16 +112,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     _, cfg = parse_args(argv)
-    # SIGTERM ends like Ctrl-C: through `finally`, which stops the worker and removes every session's files
+    # SIGTERM ends like Ctrl-C: through `finally`, which ends every answer, closes the server once their last
+    # events are sent, stops the worker and removes every session's files
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         service = make_service(cfg)
     except (ValueError, RuntimeError) as e:  # the model, the bank, the store or the replicas named what failed
         sys.exit(f"recall-chat: {e}")
+    demo = None
     try:
-        launch(build_demo(service), service)
+        demo = build_demo(service)
+        launch(demo, service)
     finally:
-        service.close()
+        if demo is None:
+            service.close()
+        else:
+            close(demo, service)
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 FORMAT = "recall-chat/conversation-2"
@@ -143,12 +143,27 @@ def decode_image(text: str, where: str) -> bytes:
     """Image bytes from base64, checked to be an image PIL can read, of a sane size."""
     try:
         raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: expected a base64 PNG or JPEG image, got invalid base64") from None
+    return check_image(raw, where)
+
+
+def check_image(raw: bytes, where: str) -> bytes:
+    """`raw`, checked to be an image PIL can read, of a sane size; `ValueError` naming what came otherwise."""
+    kind = "image"
+    try:
         with Image.open(io.BytesIO(raw)) as im:
             if im.width * im.height > MAX_IMAGE_PIXELS:
                 raise ValueError(f"{where}: expected at most {MAX_IMAGE_PIXELS} pixels, got {im.width}x{im.height}")
+            kind = f"{im.format} image"
             im.verify()
-    except (binascii.Error, OSError, Image.DecompressionBombError) as e:
-        raise ValueError(f"{where}: expected a base64 PNG or JPEG image, got unreadable data ({e})") from None
+    except UnidentifiedImageError:  # (its message names PIL's buffer object, nothing of the data)
+        raise ValueError(f"{where}: expected a PNG or JPEG image, got {len(raw)} bytes that are not a readable image "
+                         f"(starting {raw[:8]!r})") from None
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"{where}: expected at most {MAX_IMAGE_PIXELS} pixels, got more ({e})") from None
+    except (OSError, SyntaxError) as e:  # (a truncated file; verify's broken PNG is a SyntaxError)
+        raise ValueError(f"{where}: expected a PNG or JPEG image, got a damaged {kind} ({e})") from None
     return raw
 
 

@@ -29,17 +29,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chat.api import ChatService
 from chat.config import request_settings
-from chat.inputs import decode_image, describe
+from chat.inputs import check_image, describe
 from chat.people import Remembered, public
 from chat.session import Session
 from chat import operations as ops
 from chat.users import LOCAL
-from chat.worker import END, Failed, Notice, ServiceError
+from chat.worker import END, Failed, Notice, ServiceError, ShuttingDown
 from chat.worker import Request as WorkerRequest
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 from decoding.settings import BEAM_SEARCH
 
 ALIAS = "recall-chat"  # always accepted as the model name
+MAX_SEED = 2 ** 64 - 1  # the largest seed a generator takes (torch's: an unsigned 64-bit integer)
 FINISH = {"stop": "stop", "length": "length", "tool_call": "tool_calls", "interrupted": "stop"}
 
 
@@ -49,9 +50,25 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
+
+    @classmethod
+    def of(cls, failed: Failed) -> APIError:
+        """An answer's failure: refused (400, the request asked for what cannot be done), the server shutting
+        down (503) or the answer failing (500)."""
+        if failed.cause == "refused":
+            return cls(400, failed.api or failed.message, param="messages")
+        if failed.cause == "shutdown":
+            return cls(503, failed.message, "server_error", code="server_shutting_down")
+        return cls(500, failed.message, "server_error")
+
+    @classmethod
+    def shutting_down(cls, e: ShuttingDown) -> APIError:
+        return cls(503, str(e), "server_error", code="server_shutting_down")
 
 
 class TextPart(BaseModel):
@@ -89,7 +106,7 @@ class ChatRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
     recall_first: bool = False  # an extension: start the answer with <recall> (pass it in the body)
@@ -98,22 +115,28 @@ class ChatRequest(BaseModel):
     diversity_penalty: float | None = None
 
 
-def _parts(message: ChatMessage) -> tuple[str, list[bytes]]:
+def _parts(message: ChatMessage, index: int) -> tuple[str, list[bytes]]:
+    """The message's text and its images, each checked to be a readable image of a sane size (`APIError` naming
+    the part, as `messages.<i>.content.<j>`, otherwise)."""
     if isinstance(message.content, str):
         return message.content, []
     text, images = [], []
-    for part in message.content:
+    for k, part in enumerate(message.content):
         if isinstance(part, TextPart):
             text.append(part.text)
             continue
-        url = part.image_url.url
+        url, where = part.image_url.url, f"messages.{index}.content.{k}.image_url"
         if not url.startswith("data:image/") or ";base64," not in url:
-            raise APIError(400, "image_url: expected a data:image/...;base64,... URL (nothing is fetched), "
+            raise APIError(400, f"{where}: expected a data:image/...;base64,... URL (nothing is fetched), "
                                 f"got {url[:40]!r}", param="messages")
         try:
-            images.append(base64.b64decode(url.split(",", 1)[1], validate=True))
+            raw = base64.b64decode(url.split(",", 1)[1], validate=True)
         except (binascii.Error, ValueError):
-            raise APIError(400, "image_url: expected base64 image data, got invalid base64", param="messages") from None
+            raise APIError(400, f"{where}: expected base64 image data, got invalid base64", param="messages") from None
+        try:
+            images.append(check_image(raw, where))
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
     return "\n".join(text), images
 
 
@@ -166,7 +189,7 @@ class OpenAIRoutes:
                 body = ChatRequest.model_validate_json(await request.body())
             except ValidationError as e:
                 raise APIError(400, describe(e), param=str(e.errors()[0]["loc"][0])) from None
-            await self.service.wait_for(self.service.ready())
+            await self.loaded()
             if body.model not in (self.model_id, ALIAS):  # (the alias is what /v1/models says while loading)
                 raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_id!r}",
                                param="model", code="model_not_found")
@@ -176,6 +199,16 @@ class OpenAIRoutes:
             return await self.whole(request, session, turn, body)
         except APIError as e:
             return e.response()
+
+    async def loaded(self) -> None:
+        """Wait for the model to be loaded (it loads on first use); 503 while the server shuts down, 500 when the
+        model cannot be loaded."""
+        try:
+            await self.service.wait_for(self.service.ready())
+        except ShuttingDown as e:
+            raise APIError.shutting_down(e) from None
+        except ServiceError as e:
+            raise APIError(500, str(e), "server_error") from None
 
     def start(self, body: ChatRequest, user: str):
         """A fresh session of `user` holding the request's conversation, with its answer queued."""
@@ -201,14 +234,17 @@ class OpenAIRoutes:
                 raise APIError(400, f"messages: expected the last message to be from the user, got {last.role!r}",
                                param="messages")
             past = []
-            for message in history:
-                text, images = _parts(message)
-                past.append((message.role, text, checked(images) if message.role == "user" else []))
-            text, images = _parts(last)
+            for i, message in enumerate(history):
+                text, images = _parts(message, i)
+                past.append((message.role, text, images if message.role == "user" else []))
+            text, images = _parts(last, len(history))
             return s, svc.chat(s, text, self.files(s, images), settings, recall, body.recall_first, past)
         except APIError:
             svc.end_session(s)
             raise
+        except ShuttingDown as e:
+            svc.end_session(s)
+            raise APIError.shutting_down(e) from None
         except (ValueError, ServiceError) as e:
             svc.end_session(s)
             raise APIError(400, str(e)) from None
@@ -220,13 +256,15 @@ class OpenAIRoutes:
         (an id that is not the caller's: 404)."""
         user = await self.user_of(request)
         svc = self.service
-        await svc.wait_for(svc.ready())
+        await self.loaded()
         s = svc.new_session(user)
         try:
             value = await asyncio.to_thread(svc.run, op, s, *args)
             return await svc.wait_for(value) if isinstance(value, WorkerRequest) else value
         except KeyError as e:
             raise APIError(404, str(e.args[0]), code="memory_not_found") from None
+        except ShuttingDown as e:
+            raise APIError.shutting_down(e) from None
         except (ValueError, ServiceError) as e:
             raise APIError(400, str(e)) from None
         finally:
@@ -267,9 +305,9 @@ class OpenAIRoutes:
 
     @staticmethod
     def files(s: Session, images: list[bytes]) -> list[str]:
-        """The message's images, checked, as files of the session's folder."""
+        """The message's images (checked) as files of the session's folder."""
         paths = []
-        for raw in checked(images):
+        for raw in images:
             path = s.files / f"api-{uuid.uuid4().hex}.png"
             path.write_bytes(raw)
             paths.append(str(path))
@@ -300,7 +338,10 @@ class OpenAIRoutes:
 
         yield chunk({"role": "assistant", "content": ""})
         text, finish = StopText(body.stop), None  # the finish chunk goes last (a notice can follow the answer's end)
+        failed = False
         async for event in self.events(request, session, turn):
+            if failed:
+                continue
             if isinstance(event, TokenEvent) and event.text:
                 if out := text.push(event.text):
                     yield chunk({"content": out})
@@ -314,9 +355,10 @@ class OpenAIRoutes:
                 if out := text.finish():
                     yield chunk({"content": out})
                 finish = chunk({}, FINISH[event.reason])
-            elif isinstance(event, Failed):
-                yield f"data: {json.dumps({'error': {'message': event.message, 'type': 'server_error'}})}\n\n"
-        if finish is not None:
+            elif isinstance(event, Failed):  # (then the answer has ended: what follows, a finish, is not sent)
+                failed = True
+                yield f"data: {json.dumps(APIError.of(event).body())}\n\n"
+        if finish is not None and not failed:
             yield finish
         yield "data: [DONE]\n\n"
 
@@ -339,20 +381,13 @@ class OpenAIRoutes:
             elif isinstance(event, FinishEvent):
                 reason = FINISH[event.reason]
             elif isinstance(event, Failed):
-                raise APIError(500, event.message, "server_error")
+                raise APIError.of(event)
         return JSONResponse({
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": self.model_id, "recalls": recalls, "notices": notices, **changes,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text.all()},
                          "finish_reason": reason}],
             "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}})
-
-
-def checked(images: list[bytes]) -> list[bytes]:
-    """Images that are readable, of a sane size; `ValueError` naming the first that is not."""
-    for i, raw in enumerate(images):
-        decode_image(base64.b64encode(raw).decode(), f"image {i}")
-    return images
 
 
 class StopText:
@@ -395,6 +430,7 @@ def _recall(event: RecallEvent) -> dict:
             "memory_index": event.memory_index, "text": event.text, "source": event.source}
 
 
-def mount(app, service: ChatService) -> None:
-    """Add the /v1 routes to a running FastAPI app (Gradio's own: one server, one port)."""
-    app.include_router(OpenAIRoutes(service).router)
+def routes(service: ChatService) -> list:
+    """The /v1 routes, for the FastAPI app the server is made with (Gradio's own: one server, one port), so
+    that they are in place before the port opens."""
+    return list(OpenAIRoutes(service).router.routes)

@@ -231,10 +231,15 @@ class Service(SessionService):
         dropped = 0
         while (need := conv.length_with(text, images, recall_first)) > budget:
             if self.cfg.app.context_overflow != "drop_oldest" or len(conv.messages) < 2:
-                raise ServiceError(
-                    f"the conversation would have {need} tokens with this message, over the limit of {budget} "
-                    f"(app.max_input_tokens={self.limits.max_input_tokens}, the model's context {context} minus "
-                    f"max_new_tokens={settings.max_new_tokens}): clear the conversation or send less")
+                if budget == self.limits.max_input_tokens:  # the configured cap, under the model's context
+                    why, api = "app.max_input_tokens", "the server's app.max_input_tokens"
+                else:
+                    why = f"the model's context of {context} tokens less max_new_tokens={settings.max_new_tokens}"
+                    api = (f"the model's context of {context} tokens less the {settings.max_new_tokens} kept for "
+                           "the answer, max_tokens")
+                raise ServiceError(f"the conversation would have {need} tokens with this message, over the limit of "
+                                   f"{budget} ({why}): clear the conversation or send less",
+                                   api=f"messages: expected at most {budget} tokens ({api}), got {need}")
             conv.drop_oldest_turn()
             dropped += 1
         return dropped
@@ -260,7 +265,9 @@ class Service(SessionService):
                 if images and not conv.lm.is_vision:
                     message = text_only_message(conv.lm, len(images))
                     if not text:
-                        raise ServiceError(f"{message}; there is no text to answer instead")
+                        raise ServiceError(f"{message}; there is no text to answer instead",
+                                           api=f"messages: expected text with the image(s) ({conv.lm.name} reads "
+                                               f"text only), got {len(images)} image(s) and no text")
                     yield Notice(f"{message}; answering the text alone")
                     images = []
                 if recall_first and not (bank is not None and len(bank) and recall.enabled):

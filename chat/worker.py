@@ -34,7 +34,19 @@ END = object()  # the last item of every request's event queue
 
 
 class ServiceError(ValueError):
-    """A request that could not be done; the message is meant for the user."""
+    """A request that could not be done; the message is meant for the user. `api`: the message as the OpenAI API
+    words it (its field names, no page controls), where that differs."""
+
+    def __init__(self, message: str, api: str | None = None):
+        super().__init__(message)
+        self.api = api
+
+
+class ShuttingDown(ServiceError):
+    """The server is shutting down: the request was not taken, or was stopped."""
+
+
+SHUTTING_DOWN = "the server is shutting down: this request was stopped"
 
 
 @dataclass(frozen=True)
@@ -49,7 +61,12 @@ class Notice:
 
 @dataclass(frozen=True)
 class Failed:
+    """A request's end in failure. `cause`: "error" (the work failed), "refused" (a `ServiceError`: the request
+    asked for what cannot be done, the requester's to change) or "shutdown" (stopped as the server closes)."""
+
     message: str
+    cause: str = "error"
+    api: str | None = None  # the message in the OpenAI API's terms, where they differ (`ServiceError.api`)
 
 
 @dataclass(eq=False)
@@ -122,18 +139,36 @@ class Runner:
         raise NotImplementedError
 
     async def wait_for(self, req: Request) -> Any:
-        """Await a request's end; its result, or `ServiceError` with its message."""
-        await asyncio.get_running_loop().run_in_executor(self.waiters, req.done.wait)
+        """Await a request's end; its result, or `ServiceError` with its message (`ShuttingDown` when the server
+        stopped it)."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.waiters, req.done.wait)
+        except RuntimeError:  # the waiters are shut down (`close`): polled here
+            while not req.done.is_set():
+                await asyncio.sleep(0.02)
         if req.error is not None:
-            raise ServiceError(req.error)
+            raise (ShuttingDown if req.error == SHUTTING_DOWN else ServiceError)(req.error)
         return req.result
 
     async def next_event(self, req: Request, timeout: float | None) -> Any:
-        """The request's next event, or None after `timeout` seconds without one."""
+        """The request's next event, or None after `timeout` seconds without one.
+
+        After `close` (its waiters shut down) the queue is polled here: every request has ended or is ending
+        then, and a stream still reads its last events (the HTTP server closes after the runner)."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self.waiters, req.events.get, True, timeout)
         except queue.Empty:
             return None
+        except RuntimeError:  # "cannot schedule new futures after shutdown"
+            pass
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return req.events.get_nowait()
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                await asyncio.sleep(0.02)
 
 
 class Worker(Runner):
@@ -163,7 +198,7 @@ class Worker(Runner):
     def submit(self, req: Request) -> Request:
         with self._cond:
             if self._closed:
-                raise ServiceError("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             req.id = next(self._ids)
             self._pending.append(req)
             req.events.put(Waiting(len(self._pending)))
@@ -178,6 +213,10 @@ class Worker(Runner):
                 return
             self._pending.remove(req)
             self._announce()
+        self._withdrawn(req)
+
+    def _withdrawn(self, req: Request) -> None:
+        """End a request taken off the queue before it ran."""
         req.reason = "interrupted"
         try:
             if req.on_withdraw is not None:
@@ -276,7 +315,8 @@ class Worker(Runner):
     def _fail(self, req: Request, e: Exception) -> None:
         if not isinstance(e, (ValueError, KeyError, FileNotFoundError)):
             log.exception("request %d (%s) failed", req.id, req.kind)
-        self._put(req, Failed(describe(e)))
+        refused = isinstance(e, ServiceError)  # (the requester's to change: the OpenAI API's 400)
+        self._put(req, Failed(describe(e), "refused", e.api) if refused else Failed(describe(e)))
         self._finish(req)
 
     def _finish(self, req: Request) -> None:
@@ -285,10 +325,18 @@ class Worker(Runner):
         self._close(req)
 
     def close(self, timeout: float | None = 5.0) -> None:
+        """Take no more requests and end every one: each is told `SHUTTING_DOWN` (a `Failed` event), a waiting one
+        leaves the queue unrun, a running one stops within a step; then the worker thread ends (waiting
+        `timeout` seconds at most). Those following a request still read its last events (`next_event`)."""
         with self._cond:
             self._closed = True
-            for req in [*self._pending, *self.running]:
+            pending, running = list(self._pending), list(self.running)
+            self._pending.clear()
+            for req in [*pending, *running]:
+                self._put(req, Failed(SHUTTING_DOWN, "shutdown"))
                 req.stop()
             self._cond.notify_all()
+        for req in pending:
+            self._withdrawn(req)
         self._thread.join(timeout)
-        self.waiters.shutdown(wait=False, cancel_futures=True)
+        self.waiters.shutdown(wait=False)  # (not cancelling a wait in flight: its request has ended, or ends)

@@ -149,6 +149,98 @@ def test_health_names_the_in_process_model_and_the_bank_store(server):
     assert health["bank"]["store"] == "faiss"
 
 
+def test_the_port_opens_with_the_api_in_place(monkeypatch, tmp_path):
+    """/v1 and /health are made with Gradio's app, before its port opens: the first request the port takes finds
+    them (they were once added after `launch` had opened it, and a client polling from the start got 404s)."""
+    import gradio.http_server
+    import httpx
+
+    real, first = gradio.http_server.start_server, {}
+
+    def start_server(app, **kw):  # the first requests, as soon as the port is open
+        started = real(app=app, **kw)
+        for path in ("/v1/models", "/health"):
+            first[path] = httpx.get(f"http://127.0.0.1:{started[1]}{path}", timeout=60).status_code
+        return started
+
+    monkeypatch.setattr(gradio.http_server, "start_server", start_server)
+    service = Service(load_config(overrides=[f"memory.user_dir={tmp_path}"], environ={}))  # (its model unloaded)
+    demo = build_demo(service)
+    try:
+        launch(demo, service)
+        assert first == {"/v1/models": 200, "/health": 200}
+    finally:
+        app.close(demo, service)
+
+
+def test_sigterm_ends_every_open_answer_with_a_last_event(tmp_path):
+    """SIGTERM while API answers stream (the default app, llama.cpp): each stream gets an error event (the server
+    is shutting down) and [DONE], a whole answer a 503, then the server exits 0 with no traceback. (The worker's
+    waiters were once shut down under the open streams: one ended cleanly, another broke off mid-body, and the
+    log showed "cannot schedule new futures after shutdown".)"""
+    import signal
+    import threading
+
+    import httpx
+    from test_start import free_port, serving
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--set", f"memory.user_dir={tmp_path}"],
+                            cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, got = f"http://127.0.0.1:{port}", {}
+    ask = {"model": "recall-chat", "max_tokens": 1024,
+           "messages": [{"role": "user", "content": "Write a very long essay about ships."}]}
+    streaming = [threading.Event(), threading.Event()]
+
+    def stream(i):
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json={**ask, "stream": True}, timeout=120) as r:
+                lines = []
+                for line in r.iter_lines():
+                    if line.strip():
+                        lines.append(line)
+                    if '"content": "' in line and '"content": ""' not in line:
+                        streaming[i].set()
+                got[i] = lines
+        except Exception as e:  # noqa: BLE001 - what the test reports
+            got[i] = f"{type(e).__name__}: {e}"
+        finally:
+            streaming[i].set()
+
+    def whole():
+        try:
+            r = httpx.post(f"{url}/v1/chat/completions", json=ask, timeout=120)
+            got["whole"] = (r.status_code, r.json())
+        except Exception as e:  # noqa: BLE001
+            got["whole"] = f"{type(e).__name__}: {e}"
+
+    try:
+        assert serving(proc, port, timeout=300), proc.stdout.read()
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)] + [threading.Thread(target=whole)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(120) for e in streaming)
+        deadline = time.monotonic() + 60  # the whole answer runs too
+        while httpx.get(f"{url}/health", timeout=30).json()["replicas"][0]["running"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        for t in threads:
+            t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read()
+    assert "Traceback" not in log and "cannot schedule" not in log, log[-3000:]
+    for i in range(2):
+        assert isinstance(got[i], list), got[i]
+        assert got[i][-1] == "data: [DONE]" and not any("finish_reason\": \"" in line for line in got[i])
+        error = json.loads(got[i][-2].removeprefix("data: "))["error"]
+        assert error["code"] == "server_shutting_down" and "shutting down" in error["message"]
+    assert got["whole"][0] == 503 and got["whole"][1]["error"]["code"] == "server_shutting_down", got["whole"]
+
+
 def test_cancel_stops_the_server_side_loop(client, server):
     label = "Write a very long essay about the sea."
     job = chat(client, label, max_new_tokens=400)

@@ -13,6 +13,8 @@ from models import build_bank
 from test_app import serve
 
 pytestmark = pytest.mark.slow
+PNG = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAA"
+                                                "DUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="}}  # 1x1
 PROMPTS = ["What is the capital of France?", "Name three colours.", "Write one sentence about rain.",
            "What is 2 plus 2?", "Say hello in Spanish.", "Name a big animal.", "What do bees make?",
            "Tell me a short fact about the moon."]
@@ -108,12 +110,24 @@ def test_a_recall_event_travels_in_the_chunks(api):
     (dict(extra_body={"num_beams": 4}), openai.BadRequestError, "num_beams is 4: must be 1, because beam search"),
     (dict(extra_body={"diversity_penalty": 0.5, "num_beam_groups": 2}), openai.BadRequestError,
      "num_beam_groups is 2: must be 1, because beam search is not offered in a streaming recall chat"),
+    # found while answering (a refusal, not a failure: 400, not 500), worded for the API
+    (dict(messages=[{"role": "user", "content": "hello " * 3300}] * 3), openai.BadRequestError,
+     "messages: expected at most 4096 tokens (the server's app.max_input_tokens), got 99"),
+    (dict(messages=[{"role": "user", "content": [PNG]}]), openai.BadRequestError,
+     "reads text only), got 1 image(s) and no text"),
+    # checked before it starts: no Python internals in the message
+    (dict(seed=2 ** 70), openai.BadRequestError, "seed: Input should be less than or equal to 18446744073709551615"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {
+        "type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]), openai.BadRequestError,
+     "messages.0.content.1.image_url: expected a PNG or JPEG image, got 8 bytes that are not a readable image "
+     "(starting b'\\x89PNG"),
 ])
 def test_bad_requests_get_openai_style_errors(api, kw, error, words):
     args = dict(model=model_id(api), messages=[{"role": "user", "content": "hi"}], max_tokens=4) | kw
     with pytest.raises(error) as info:
         api.chat.completions.create(**args)
     assert words in info.value.message and info.value.body["type"] in ("invalid_request_error",)
+    assert "object at 0x" not in info.value.message
     assert greedy(api, "Say hi.").choices[0].message.content  # and the server answers the next one
 
 
@@ -194,3 +208,26 @@ def test_a_fact_question_with_no_bank_is_answered_without_recall_junk(default_ap
     assert [c.choices[0].finish_reason is not None for c in chunks].count(True) == 1
     plain = greedy(default_api, "What is the capital of France?")
     assert "Paris" in plain.choices[0].message.content and plain.model_extra["notices"] == []
+
+
+def test_a_prompt_over_the_models_context_is_a_bad_request_naming_the_limit(default_api):
+    """The default model reads 2048 tokens: a prompt over that, less the answer's tokens, is refused with 400 (not
+    500) in the API's terms (no conversation to clear, no configured cap beside the context); a stream, already
+    under way when the answer finds it, gets the same error as its event."""
+    messages = [{"role": "user", "content": "hello " * 3300}]
+    with pytest.raises(openai.BadRequestError) as info:
+        default_api.chat.completions.create(model="recall-chat", max_tokens=5, messages=messages)
+    message = info.value.message
+    assert ("messages: expected at most 2043 tokens (the model's context of 2048 tokens less the 5 kept for the "
+            "answer, max_tokens), got 3330") in message
+    assert "clear the conversation" not in message and "4096" not in message and info.value.body["param"] == "messages"
+    with pytest.raises(openai.APIError, match="messages: expected at most 2043 tokens"):
+        list(default_api.chat.completions.create(model="recall-chat", max_tokens=5, messages=messages, stream=True))
+
+
+def test_the_largest_seed_is_accepted_and_repeats_its_answer(api):
+    from chat.openai_api import MAX_SEED
+
+    kw = dict(temperature=0.9, seed=MAX_SEED, max_tokens=6)
+    first = greedy(api, "Name a big animal.", **kw).choices[0].message.content
+    assert first and greedy(api, "Name a big animal.", **kw).choices[0].message.content == first

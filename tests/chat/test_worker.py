@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
 import time
 
-from chat.worker import Failed, Request, Waiting, Worker
+import pytest
+
+from chat.worker import END, SHUTTING_DOWN, Failed, Request, ServiceError, ShuttingDown, Waiting, Worker
+from decoding.events import FinishEvent, TokenEvent
 from tests_helpers import drain, result
 
 
@@ -75,3 +79,61 @@ def test_errors_become_messages_not_tracebacks():
 def result_error(req: Request) -> str:
     req.done.wait(10)
     return req.error
+
+
+def endless(started: threading.Event):
+    """A request that streams a token every 10 ms until it is stopped, then finishes "interrupted"."""
+    def run(interrupt: threading.Event):
+        def events():
+            started.set()
+            while not interrupt.is_set():
+                yield TokenEvent(0, 1, 0, "x")
+                time.sleep(0.01)
+            yield FinishEvent(0, "interrupted")
+        return events()
+    return run
+
+
+def test_close_gives_every_request_a_last_event_and_followers_still_read_it():
+    """SIGTERM closes the worker while HTTP streams follow its requests: each request (running or waiting) is told
+    the server is shutting down and ends, and `next_event`, called after the close, still reads its events to
+    END (it once raised "cannot schedule new futures after shutdown", cutting the stream off)."""
+    worker, started = Worker(), threading.Event()
+    running = worker.submit(Request("chat", endless(started), session_id=1))
+    waiting = worker.submit(Request("chat", endless(threading.Event()), session_id=1))  # (its session is busy)
+    assert started.wait(10)
+    worker.close()
+
+    async def follow(req):
+        events = []
+        while (event := await worker.next_event(req, 0.5)) is not END:
+            if event is not None:
+                events.append(event)
+        return events
+
+    seen = {req.id: asyncio.run(follow(req)) for req in (running, waiting)}
+    for req in (running, waiting):
+        assert Failed(SHUTTING_DOWN, "shutdown") in seen[req.id] and req.done.is_set()
+        with pytest.raises(ShuttingDown):
+            asyncio.run(worker.wait_for(req))
+    assert waiting.started is None and not any(isinstance(e, TokenEvent) for e in seen[waiting.id])  # never ran
+    with pytest.raises(ShuttingDown):
+        worker.submit(Request("late", lambda _: 1))
+
+
+def test_a_refusal_is_told_apart_from_a_failure():
+    """A `ServiceError` (what the request asked for cannot be done) is a refusal, with its wording for the OpenAI
+    API; any other exception a failure (the API's 400 and 500)."""
+    worker = Worker()
+    try:
+        def refuse(_):
+            raise ServiceError("clear the conversation", api="messages: expected at most 10 tokens, got 20")
+
+        def fail(_):
+            raise RuntimeError("out of memory")
+
+        assert Failed("clear the conversation", "refused", "messages: expected at most 10 tokens, got 20") in drain(
+            worker.submit(Request("refused", refuse)))
+        assert Failed("out of memory") in drain(worker.submit(Request("failed", fail)))
+    finally:
+        worker.close()
