@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-from chat.config import Config
+from chat.config import Config, configured_backend
 from chat.inputs import Limits, check_message, check_new_tokens
 from chat.operations import Past, answer, answer_again
 from chat.session import Session
@@ -79,6 +79,7 @@ class ChatService(Protocol):
     def state(self, s: Session, details: bool = False) -> SessionState: ...
 
     # the model and its requests
+    def backend(self) -> str: ...
     def health(self) -> dict: ...
     def ready(self) -> Request: ...
     async def wait_for(self, req: Request) -> Any: ...
@@ -110,6 +111,10 @@ class SessionService:
 
     def state(self, s: Session, details: bool = False) -> SessionState:
         raise NotImplementedError
+
+    def backend(self) -> str:
+        """The backend the model runs on: "transformers" or "llamacpp" (the configured one's)."""
+        return configured_backend(self.cfg)
 
     # ----------------------------------------------------------------- sessions
 

@@ -393,6 +393,10 @@ class Service(SessionService):
         return SessionState(message_states(s.conv), bank, name, notes, s.last_speed, s.last_plot, s.last_note,
                             change=change)
 
+    def backend(self) -> str:
+        """The loaded model's backend (a service may be given its model: `lm`), else the configured one's."""
+        return self._lm.spec.backend if self._lm is not None else super().backend()
+
     def health(self) -> dict:
         """The model worker (this process's) and the shared bank's store and size."""
         store = self.banks.shared

@@ -6,7 +6,6 @@ import gradio as gr
 
 from chat.api import ChatService
 from chat.banks import BANK_TYPES
-from chat.config import configured_backend
 from chat.service import EXAMPLE_IMAGES
 from chat.session import Session
 from chat.view import RECALL_COLUMNS
@@ -136,7 +135,7 @@ def build_demo(service: ChatService) -> gr.Blocks:
                 with gr.Tab("Conversation"):
                     c = _conversation_tab()
 
-        if configured_backend(cfg) == "llamacpp":  # (what llama.cpp cannot run: `decoding.backend.require`)
+        if service.backend() == "llamacpp":  # (what llama.cpp cannot run: `decoding.backend.require`)
             for name in ("entropy_decoding", "mixture"):
                 controls[name].interactive = False
                 controls[name].info = "runs on transformers (model.backend: transformers); this server runs llama.cpp"
