@@ -213,6 +213,9 @@ class OpenAIRoutes:
     def start(self, body: ChatRequest, user: str):
         """A fresh session of `user` holding the request's conversation, with its answer queued."""
         svc = self.service
+        if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
+            raise APIError(400, f"max_tokens and max_completion_tokens: expected one of them (or the same value), "
+                                f"got {body.max_tokens} and {body.max_completion_tokens}", param="max_tokens")
         gen = {"generation.max_new_tokens": body.max_completion_tokens or body.max_tokens
                or svc.cfg.generation.max_new_tokens}
         if body.temperature is not None:
