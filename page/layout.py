@@ -25,7 +25,7 @@ def _memory_tab() -> dict[str, gr.Component]:
     c["bank_file"] = gr.File(label="Upload a bank (.pt, .safetensors, .npy)", file_types=list(BANK_TYPES),
                              type="filepath", height=110, elem_id="bank-upload")
     c["sample"] = gr.Dataframe(headers=["memory", "text", "slots", "key norm"], label="Entries (first 8)", interactive=False,
-                               wrap=True, max_height=480, column_widths=["12%", "64%", "10%", "14%"])
+                               wrap=True, max_height=620, column_widths=["12%", "64%", "10%", "14%"])
     with gr.Accordion("Write memories", open=True):
         c["memory_text"] = gr.Textbox(lines=3, label="One memory a line", elem_id="memory-text")
         c["memory_images"] = gr.File(label="Images (vision model only)", file_count="multiple", file_types=["image"],
