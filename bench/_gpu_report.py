@@ -36,11 +36,14 @@ def table(results: dict) -> str:
             f"{ratio(bound, gms)} | {ratio(gms, sms)} | {cell(m.get('transformers eager generate'), 'ttft_ms', '{:.1f}')} / "
             f"{cell(s, 'ttft_ms', '{:.1f}')} / {cell(g, 'ttft_ms', '{:.1f}')} |")
     lines += ["", "| model | graph step ms/token | the chat's answer on it ms/token (events, detokenizer, criteria) | "
-              "same tokens |", "|---|---|---|---|"]
+              "same tokens | sampled with every page processor ms/token (/ the step, in the graph) |",
+              "|---|---|---|---|---|"]
     for name, m in results.get("models", {}).items():
-        c = m.get("chat on the graph step", {})
+        c, p = m.get("chat on the graph step", {}), m.get("graph step, every page processor", {})
         lines.append(f"| {name} | {cell(m.get('graph step'), 'ms_per_token')} | {cell(c, 'ms_per_token')} | "
-                     f"{c.get('same_tokens_as_the_step', '—') if isinstance(c, dict) else '—'} |")
+                     f"{c.get('same_tokens_as_the_step', '—') if isinstance(c, dict) else '—'} | "
+                     f"{cell(p, 'ms_per_token')} ({cell(p, 'vs_the_step')}, "
+                     f"{p.get('in_graph', '—') if isinstance(p, dict) else '—'}) |")
     lines += ["", "| model | graph step ms/token (memory GB) | frozen (`model.graph_freeze`) ms/token (memory GB, "
               "compile s) | frozen / plain | frozen's first greedy tokens = eager generate's | same tokens as the plain "
               "step |", "|---|---|---|---|---|---|"]

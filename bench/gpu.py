@@ -284,6 +284,19 @@ class ModelBench:
         out["same_tokens_as_the_step"] = self.answers["chat"] == self.answers.get("graph")
         return out
 
+    def page_processors(self) -> dict:
+        """The same step sampling with every processor the page offers (penalty, the n-gram ban over the sequence
+        kept on the device, temperature, top-k, top-p, min-p, typical-p): what they cost inside the graph."""
+        dec = self._decoder("page processors")
+        s = lambda k: GenerationSettings(  # noqa: E731
+            max_new_tokens=k, do_sample=True, temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, typical_p=0.9,
+            repetition_penalty=1.1, no_repeat_ngram_size=3)
+        run_k = lambda k: dec.generate(self.ids, s(k))  # noqa: E731
+        run_k(self.n)  # (its graphs are captured on first use)
+        out = self._vs_the_step(per_token(run_k, self.n, self.repeats))
+        out["in_graph"] = dec._kind(s(self.n), None) is not None  # (not the host-side fallback)
+        return out
+
     def hf_static(self) -> dict:
         generate_k = lambda k: self.model.generate(  # noqa: E731
             self.dev_ids, generation_config=self.hf_config(k, True))
@@ -447,6 +460,7 @@ class ModelBench:
         """Phase 3: the chat's answer on the step, transformers' static path, rows of one request, the eager paths."""
         run, name, args = self.run, self.name, self.args
         run.measure(name, "chat on the graph step", 10, self.chat_graph)
+        run.measure(name, "graph step, every page processor", 10, self.page_processors)
         if args.static:
             run.measure(name, "transformers static generate", 30, self.hf_static)
         for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio

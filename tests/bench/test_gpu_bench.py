@@ -22,6 +22,7 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir)
     # fall either way under other kernels; the chat on the step and the step itself run the same computation)
     assert "/" in model["graph step"]["agrees_with_eager"] and set(model["same_greedy_answer"]) >= {"graph", "chat"}
     assert model["chat on the graph step"]["same_tokens_as_the_step"] is True
+    assert model["graph step, every page processor"]["in_graph"] is True  # (not the host-side fallback)
     frozen = model["graph step, frozen"]  # (its tokens against the plain step's: reported; test_graph.py checks them)
     assert "/" in frozen["agrees_with_eager"] and isinstance(frozen["same_tokens_as_the_step"], bool)
     assert frozen["frozen"] is True
