@@ -109,10 +109,11 @@ class ConversationFile(BaseModel):
         return ids
 
 
-def describe(error: ValidationError) -> str:
-    """The first problem of a pydantic error as one line: field, what was expected, what came."""
+def describe(error: ValidationError, whole: str = "the file") -> str:
+    """The first problem of a pydantic error as one line: field (`whole` for the whole input), what was expected,
+    what came."""
     e = error.errors()[0]
-    where = ".".join(str(p) for p in e["loc"]) or "the file"
+    where = ".".join(str(p) for p in e["loc"]) or whole
     got = repr(e.get("input"))[:80]
     return f"{where}: {e['msg']} (got {got})"
 

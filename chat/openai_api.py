@@ -115,6 +115,12 @@ class ChatRequest(BaseModel):
     diversity_penalty: float | None = None
 
 
+def _param(error: ValidationError) -> str | None:
+    """The request field a validation error is about (None: the body as a whole, e.g. not JSON)."""
+    loc = error.errors()[0]["loc"]
+    return str(loc[0]) if loc else None
+
+
 def _parts(message: ChatMessage, index: int) -> tuple[str, list[bytes]]:
     """The message's text and its images, each checked to be a readable image of a sane size (`APIError` naming
     the part, as `messages.<i>.content.<j>`, otherwise)."""
@@ -188,7 +194,7 @@ class OpenAIRoutes:
             try:
                 body = ChatRequest.model_validate_json(await request.body())
             except ValidationError as e:
-                raise APIError(400, describe(e), param=str(e.errors()[0]["loc"][0])) from None
+                raise APIError(400, describe(e, "the request body"), param=_param(e)) from None
             await self.loaded()
             if body.model not in (self.model_id, ALIAS):  # (the alias is what /v1/models says while loading)
                 raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_id!r}",
@@ -284,7 +290,7 @@ class OpenAIRoutes:
             try:
                 body = MemoryRequest.model_validate_json(await request.body())
             except ValidationError as e:
-                raise APIError(400, describe(e), param="text") from None
+                raise APIError(400, describe(e, "the request body"), param=_param(e)) from None
             done = await self._on_memory(request, ops.remember, body.text)
             if done.written:
                 return JSONResponse(dict(public(done.written[0]), object="memory",

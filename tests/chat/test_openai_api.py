@@ -6,6 +6,7 @@ import random
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -233,3 +234,14 @@ def test_the_largest_seed_is_accepted_and_repeats_its_answer(api):
     kw = dict(temperature=0.9, seed=MAX_SEED, max_tokens=6)
     first = greedy(api, "Name a big animal.", **kw).choices[0].message.content
     assert first and greedy(api, "Name a big animal.", **kw).choices[0].message.content == first
+
+
+@pytest.mark.parametrize("body", [b"{", b"[]", b'"x"', b"null", b""], ids=["cut", "list", "string", "null", "empty"])
+@pytest.mark.parametrize("path", ["chat/completions", "memories"])
+def test_a_body_that_is_not_a_json_object_is_a_400_naming_the_body(server, body, path):
+    """Errors about the body as a whole have no field: the API raised IndexError (a plain-text 500) reading one."""
+    r = httpx.post(server.url + "v1/" + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"].startswith("the request body: ") and error["param"] is None
+    assert error["type"] == "invalid_request_error"
