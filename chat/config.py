@@ -236,9 +236,15 @@ def load_config(
     tree: dict = {}
     if file.is_file():
         try:
-            tree = yaml.safe_load(file.read_text()) or {}
+            tree = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{file}: expected a UTF-8 YAML file, got bytes that are not UTF-8 ({e.reason} at "
+                              f"byte {e.start})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{file}: not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{file}: expected a mapping of sections (model:, generation:, ...), got "
+                              f"{type(tree).__name__} {tree!r:.60}")
     environ = os.environ if environ is None else environ
     for name, raw in environ.items():
         if name.startswith(ENV_PREFIX):

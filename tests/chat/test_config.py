@@ -69,6 +69,14 @@ def test_missing_or_broken_file(tmp_path):
         load_config(tmp_path / "nope.yaml", environ={})
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "generation: [unclosed\n"), environ={})
+    # (these ended the start with AttributeError / UnicodeDecodeError tracebacks)
+    for text in ("- a\n", "5\n"):
+        with pytest.raises(ConfigError, match=r"expected a mapping of sections \(model:, generation:, ...\), got "):
+            load_config(write(tmp_path, text), environ={})
+    binary = tmp_path / "latin1.yaml"
+    binary.write_bytes("app:\n  host: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin1.yaml: expected a UTF-8 YAML file, got bytes that are not UTF-8"):
+        load_config(binary, environ={})
 
 
 def test_a_bare_off_is_off_wherever_it_is_written(tmp_path):
