@@ -202,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "add":
             if args.password_stdin:
                 password = sys.stdin.readline().rstrip("\r\n")
+            elif not sys.stdin.isatty():  # (getpass would end in a termios error or EOFError)
+                raise UsersError("the password is asked on a terminal, and stdin is not one: pass --password-stdin "
+                                 "to read it from the first line of stdin")
             else:
                 password = getpass.getpass(f"password for {args.name}: ")
                 if getpass.getpass("again: ") != password:

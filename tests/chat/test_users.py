@@ -83,3 +83,10 @@ def test_a_file_that_is_not_a_users_file_is_named(tmp_path):
         Users(path)
     with pytest.raises(UsersError, match="found none"):
         Users(tmp_path / "missing.json")
+
+
+def test_a_password_piped_without_password_stdin_is_refused_by_name(tmp_path):
+    """`echo pw | recall-users add NAME` (no --password-stdin) ended in getpass's termios error traceback."""
+    done = cli(tmp_path / "users.json", "add", "ada", stdin="secret-password\n")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "stdin is not one: pass --password-stdin" in done.stderr and not (tmp_path / "users.json").exists()
