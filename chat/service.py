@@ -291,10 +291,16 @@ class Service(SessionService):
             return bank
         try:
             mine = self.people.of(self._model(), s.user)
-            return Joined([("yours", Newest(mine.bank)), (self.banks.label(s), bank)]) if len(mine) else bank
         except (ServiceError, BankError) as e:
             yield Notice(f"{e}; answering without your memories")
             return bank
+        if not len(mine):
+            return bank
+        try:
+            return Joined([("yours", Newest(mine.bank)), (self.banks.label(s), bank)])
+        except ValueError as e:  # the session's bank is of another layout (an upload of bare vectors): no answer came
+            yield Notice(f"{e}: this message reads your own memories alone")
+            return Newest(mine.bank)
 
     def personal(self, s: Session) -> Personal:
         """The session's user's own memory."""

@@ -394,6 +394,27 @@ def test_recall_first_injects_a_memory_and_the_view_matches_the_stored_answer(se
     assert table.iloc[0]["memory"] == view.recalls[0].memory_index and table.iloc[0]["text"]
 
 
+def test_a_bank_of_another_layout_beside_your_memories_still_answers_from_yours(default_lm, tmp_path):
+    """On the default model, a session bank of bare state vectors (a keys-only .npy upload) beside the user's
+    memories, which are keyed by text: joining them raised, and a message about the user got no answer at all. Now it
+    reads the user's memories alone, and says why."""
+    svc = Service(config(f"memory.user_dir={tmp_path / 'users'}"), default_lm)
+    try:
+        s = svc.new_session("ada")
+        assert result(svc.run(ops.remember, s, "My dog is called Pocket.")).written
+        np.save(tmp_path / "states.npy", np.random.default_rng(0).standard_normal((5, default_lm.hidden_size),
+                                                                                 dtype=np.float32))
+        ops.upload_bank(svc, s, tmp_path / "states.npy")
+        events = drain(svc.chat(s, "What is my dog's name?", [], GREEDY, RecallSettings()).request)
+        notices = [e.text for e in events if isinstance(e, Notice)]
+        assert any("expected a bank of the same layout" in n and "reads your own memories alone" in n
+                   for n in notices), notices
+        assert not any(isinstance(e, Failed) for e in events) and isinstance(events[-1], DoneEvent)
+        assert [r.text for r in events if isinstance(r, RecallEvent)] == ["The user's dog is called Pocket."]
+    finally:
+        svc.close()
+
+
 def test_recall_first_without_a_bank_says_so(service):
     s = service.new_session()
     turn = service.chat(s, "Hi", [], GREEDY, RecallSettings(), recall_first=True)
