@@ -349,7 +349,9 @@ def _token_ids(tokenizer: Any, texts: Sequence[str], special: bool) -> list[list
         raise ValueError("texts: expected a list of strings")
     if not texts:
         raise ValueError("texts: expected at least one text, got none")
-    ids = tokenizer(list(texts), add_special_tokens=special)["input_ids"]
+    # (a memory's text is text: "<|im_end|>" or "<recall>" written in it stays those characters, as in a chat
+    # message, never the control tokens)
+    ids = tokenizer(list(texts), add_special_tokens=special, split_special_tokens=True)["input_ids"]
     empty = [i for i, s in enumerate(ids) if not s]
     if empty:
         raise ValueError(f"texts: expected each text to give at least one token, got none for rows {empty[:5]}")
