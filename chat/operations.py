@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from chat.banks import Banks
 from chat.config import Config
 from chat.inputs import read_upload_text
-from chat.people import Decision, Remembered, about_the_user, public
+from chat.people import Decision, Imported, People, Remembered, about_the_user, public
 from chat.session import Conversation, Session
 from chat.worker import Request, ServiceError, Worker, describe
 from decoding.settings import GenerationSettings, RecallSettings
@@ -34,6 +34,7 @@ from memory.personal import Personal
 from models import LoadedModel
 
 MEMORIES_FORMAT = "recall-chat-memories-1"
+MAX_IMPORT = 500  # the most memories one import writes (it holds the model worker; see docs/limits.md)
 Past = tuple[str, str, Sequence[bytes]]  # an earlier message its client keeps: role, text, its images' bytes
 
 
@@ -43,6 +44,7 @@ class ModelSide(Protocol):
     cfg: Config
     banks: Banks
     worker: Worker
+    people: People
 
     def wait_model(self) -> LoadedModel: ...
     def answer(self, s: Session, text: str, images: Sequence[str], settings: GenerationSettings,
@@ -306,6 +308,8 @@ def edit_memory(svc: ModelSide, s: Session, memory_id: str, text: str) -> Reques
     text = (text or "").strip()
     if not text:
         raise ServiceError("text: expected the memory's new text, got nothing")
+    if len(text) > svc.cfg.app.max_message_chars:
+        raise ServiceError(f"text: expected at most {svc.cfg.app.max_message_chars} characters, got {len(text)}")
 
     def run(_) -> Remembered:
         old = mine.remove([memory_id])  # first: the new text may read as a duplicate of the one it replaces
@@ -334,22 +338,32 @@ def export_memories(svc: ModelSide, s: Session) -> Path:
 @operation(queued=True, files=("path",))
 def import_memories(svc: ModelSide, s: Session, path: str | Path) -> Request:
     """Queue writing every memory of an exported file (or a JSON list of texts) into the user's memory; each is
-    written as "remember that ..." writes it, so duplicates are skipped."""
+    judged as "remember that ..." judges it (duplicates skipped, a newer value supersedes), all written at once or
+    none. At most `MAX_IMPORT` memories (the import holds the model worker: every user's chat waits for it), each
+    within `app.max_message_chars` and `memory.max_slots`; the result is `chat.people.Imported`."""
     name = Path(path).name
     try:
         data = json.loads(read_upload_text(path, svc.cfg.memory.max_upload_mb))
     except ValueError as e:
         raise ServiceError(f"{name}: expected a JSON file of memories ({describe(e)})") from None
+    except RecursionError:
+        raise ServiceError(f"{name}: expected a JSON list of memories, got nesting too deep; nothing was written") \
+            from None
     items = data.get("memories") if isinstance(data, dict) else data
     texts = [m.get("text") if isinstance(m, dict) else m for m in items] if isinstance(items, list) else None
     if not texts or not all(isinstance(t, str) and t.strip() for t in texts):
         raise ServiceError(f"{name}: expected {{\"memories\": [{{\"text\": ...}}, ...]}} (an export) or a list of "
                            "texts, got something else; nothing was written")
+    if len(texts) > MAX_IMPORT:
+        raise ServiceError(f"{name}: expected at most {MAX_IMPORT} memories in one import, got {len(texts)}: split "
+                           "the file; nothing was written")
+    cap = svc.cfg.app.max_message_chars
+    if long := [i for i, t in enumerate(texts) if len(t.strip()) > cap]:
+        raise ServiceError(f"{name}: memory {long[0] + 1} has {len(texts[long[0]].strip())} characters, over "
+                           f"app.max_message_chars={cap}: split it into shorter memories; nothing was written")
+    texts = [about_the_user(t.strip()) for t in texts]
 
-    def run(_) -> int:
-        written = 0
-        for text in texts:
-            written += len(svc.remember(s, Decision(write=about_the_user(text.strip())), "import").written)
-        return written
+    def run(_) -> Imported:
+        return svc.people.write_many(svc.wait_model(), s.user, texts, source="import", conversation=f"session-{s.id}")
 
     return svc.worker.submit(Request("import_memories", run, s.id))

@@ -106,6 +106,26 @@ class Remembered:
         return " · ".join(parts + ([self.note] if self.note else []))
 
 
+@dataclass(frozen=True)
+class Imported:
+    """What an import did: `kept` of its memories (new, and not replaced by a later one of the same file) of `items`
+    in the file; `duplicates` of memories kept already, `replaced` earlier memories they superseded, `shadowed` items
+    a later item of the file superseded."""
+
+    kept: int
+    items: int = 0
+    duplicates: int = 0
+    replaced: int = 0
+    shadowed: int = 0
+
+    def describe(self) -> str:
+        """The status line: what was kept, and why the rest was not."""
+        rest = [f"{n} {what}" for n, what in ((self.duplicates, "already remembered"),
+                                              (self.replaced, "earlier memories replaced"),
+                                              (self.shadowed, "replaced by a later item of the file")) if n]
+        return f"imported {self.kept} new memories" + (f" of {self.items} ({', '.join(rest)})" if rest else "")
+
+
 @dataclass
 class People:
     """The memories of every user of this server. Thread-safe; `write`/`forget` run on the model worker."""
@@ -192,14 +212,42 @@ class People:
     def _new_bank(self, lm: LoadedModel) -> Callable[[], MemoryVectorDB]:
         return lambda: empty_bank(self.cfg.memory, lm)
 
+    def _encode(self, lm: LoadedModel, texts: list[str]) -> tuple[torch.Tensor, list | None]:
+        """Keys and values of memories of `texts`; `ServiceError` naming the first one with more value slots than
+        `memory.max_slots` (as a bank's memory is refused: the model reads a memory's whole span, so one of thousands
+        of slots ran past the context and every later question it matched answered nothing)."""
+        keys, values = lm.encoder.encode(lm.model, lm.tokenizer, texts, batch_size=16, progress=False)
+        cap = self.cfg.memory.max_slots
+        long = [i for i, v in enumerate(values or []) if len(v) > cap]
+        if long:
+            i = long[0]
+            which = "the memory" if len(texts) == 1 else f"memory {i + 1}"
+            raise ServiceError(f"{which} ({texts[i][:40]!r}...) has {len(values[i])} value slots, over "
+                               f"memory.max_slots={cap}: split it into shorter memories; nothing was written")
+        return keys, None if values is None else list(values)
+
     def write(self, lm: LoadedModel, user: str, text: str, **meta) -> Remembered:
-        """Encode and keep one memory of `user` (not twice; a newer value of the same thing supersedes the older)."""
-        keys, values = lm.encoder.encode(lm.model, lm.tokenizer, [text], batch_size=1, progress=False)
+        """Encode and keep one memory of `user` (not twice; a newer value of the same thing supersedes the older);
+        `ServiceError` for one longer than `memory.max_slots` value slots."""
+        keys, values = self._encode(lm, [text])
         entry, superseded = self.of(lm, user).add(keys, None if values is None else values[0], text,
                                                    similar=self.similar, make_bank=self._new_bank(lm), **meta)
         if entry is None:
             return Remembered(note=f"Already remembered: {text}")
         return Remembered(written=(entry,), superseded=tuple(superseded))
+
+    def write_many(self, lm: LoadedModel, user: str, texts: list[str], **meta) -> Imported:
+        """Encode and keep memories of `user` (an import), judged in order as `write` judges one; with the file store
+        all or none (one write of the file), and none when any is longer than `memory.max_slots` (checked before
+        anything is written)."""
+        keys, values = self._encode(lm, texts)
+        items = [(keys[i:i + 1], None if values is None else values[i], t, meta) for i, t in enumerate(texts)]
+        done = self.of(lm, user).add_many(items, similar=self.similar, make_bank=self._new_bank(lm))
+        ours = {e["id"] for e, _ in done if e is not None}
+        replaced = {o["id"] for _, sup in done for o in sup}
+        return Imported(kept=len([e for e, _ in done if e is not None and e["id"] not in replaced]),
+                        items=len(texts), duplicates=sum(e is None for e, _ in done),
+                        replaced=len(replaced - ours), shadowed=len(replaced & ours))
 
     def undo(self, lm: LoadedModel, user: str, change: Remembered) -> Remembered:
         """Undo one turn's change to `user`'s memory: what it wrote is removed, what it superseded or forgot is put

@@ -120,6 +120,13 @@ class Personal(Protocol):
     def find(self, memory_id: str) -> dict | None:
         return next((e for e in self.entries() if e.get("id") == memory_id), None)
 
+    def add_many(self, items: Sequence[tuple[torch.Tensor, Any, str, dict]], *, similar: Similar = Similar(),
+                 make_bank: Callable[[], MemoryVectorDB] | None = None) -> list[tuple[dict | None, list[dict]]]:
+        """`add` of each (key [1, D], value, text, meta) in turn, each judged against those before it; what `add`
+        gives for each. Here one by one (a store without transactions); `PersonalMemory` writes them all at once."""
+        return [self.add(key, value, text, similar=similar, make_bank=make_bank, **meta)
+                for key, value, text, meta in items]
+
 
 class PersonalMemory(Personal):
     """A person's memories in one bank file (checked on every read as any bank file: `MemoryVectorDB.load`'s
@@ -191,21 +198,34 @@ class PersonalMemory(Personal):
         """Write one memory (key [1, D], its value as `MemoryVectorDB.add` takes it, or None for a bank whose values
         are its keys; `make_bank` makes the first bank); (the new entry, or None for a duplicate of one kept; the
         entries it superseded)."""
+        return self.add_many([(key, value, text, meta)], similar=similar, make_bank=make_bank)[0]
+
+    def add_many(self, items: Sequence[tuple[torch.Tensor, Any, str, dict]], *, similar: Similar = Similar(),
+                 make_bank: Callable[[], MemoryVectorDB] | None = None) -> list[tuple[dict | None, list[dict]]]:
+        """Write several memories (key [1, D], value, text, meta) as `add` writes each, judged in order (a later one
+        may supersede an earlier one of the same call), on one copy written to the file once: all of them or, on any
+        failure, none (one copy and one file write, where `add` in a loop copied and wrote the whole bank each time)."""
         with self._writing() as now:
             if now is None and make_bank is None:
                 raise ValueError(f"{self.path}: expected make_bank to make the first bank, got None")
             bank = now.copy() if now is not None else make_bank()
-            old = judge(bank.search(key[0], CLOSEST), text, similar)
-            if old is None:
-                return None, []
-            entry = new_entry(**meta)
-            bank.add(key, [text], [entry], None if value is None else [value])
-            superseded = [as_entry(f) for f in old]
-            if old:
-                bank.info = dict(bank.info, history=list(bank.info.get("history", [])) + retired(superseded, entry))
-                bank.remove([f["index"] for f in old])
-            self._publish(bank)
-            return dict(entry, text=text), superseded
+            done, history = [], list(bank.info.get("history", []))
+            for key, value, text, meta in items:
+                old = judge(bank.search(key[0], CLOSEST), text, similar)
+                if old is None:
+                    done.append((None, []))
+                    continue
+                entry = new_entry(**meta)
+                bank.add(key, [text], [entry], None if value is None else [value])
+                superseded = [as_entry(f) for f in old]
+                if old:
+                    history += retired(superseded, entry)
+                    bank.remove([f["index"] for f in old])
+                done.append((dict(entry, text=text), superseded))
+            if any(entry is not None for entry, _ in done):
+                bank.info = dict(bank.info, history=history)
+                self._publish(bank)
+            return done
 
     def restore(self, key: torch.Tensor, value: Any, entry: dict, *,
                 make_bank: Callable[[], MemoryVectorDB] | None = None) -> dict | None:

@@ -276,7 +276,7 @@ class Handlers:
         if not path:
             return self.about_view(s, query)
         return await self._about_job(s, query, lambda: self.service.run(ops.import_memories, s, path),
-                                     lambda n: f"imported {n} new memories")
+                                     lambda imported: imported.describe())
 
     def unload(self, request: gr.Request) -> None:
         """The page closed: free its session now (API clients are freed after the idle time to live)."""

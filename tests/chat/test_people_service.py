@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import threading
 
 import pytest
@@ -15,6 +16,7 @@ from chat.operations import (edit_memory, forget_all_memories, forget_memories, 
                              undo_memory_change)
 from chat.people import Remembered
 from chat.service import Service
+from chat.worker import ServiceError
 from decoding.events import RecallEvent
 from decoding.settings import GenerationSettings, RecallSettings
 from memory.milvus import MilvusBank
@@ -240,5 +242,74 @@ def test_a_new_model_carries_over_an_earlier_ones_memories_once(tiny_llama, tmp_
     svc = started(cfg, tiny_llama)  # and the earlier model, too, finds nothing
     try:
         assert svc.run(my_memories, svc.new_session("ada")) == []
+    finally:
+        svc.close()
+
+
+def test_a_memory_over_max_slots_is_refused_by_remember_edit_and_import_and_nothing_is_written(smollm2, tmp_path):
+    """(A 20,000-character "remember" was kept as a memory of 4,010 value slots: every question it matched then
+    read past the context and answered nothing, across restarts; an import took a 30,000-character text.)"""
+    from chat.operations import import_memories
+    svc = started(config(tmp_path, "faiss", "memory.max_slots=16"), smollm2)  # (the real model: a slot a token)
+    s = svc.new_session("ada")
+    long = "My favourite song goes like this: " + "the sea is calm tonight " * 10
+    try:
+        with pytest.raises(ServiceError, match=r"value slots, over memory.max_slots=16: split it.*nothing was written"):
+            result(svc.run(remember, s, long))
+        result(svc.run(remember, s, "My dog is called Rex."))
+        (rex,) = svc.run(my_memories, s)
+        with pytest.raises(ServiceError, match="over memory.max_slots=16"):
+            result(svc.run(edit_memory, s, rex["id"], long))
+        assert svc.run(my_memories, s) == [rex]  # the failed edit put the old memory back
+        with pytest.raises(ServiceError, match="at most 20000 characters, got 20001"):
+            svc.run(edit_memory, s, rex["id"], "x" * 20001)
+        path = tmp_path / "mine.json"
+        path.write_text(json.dumps(["My boat is called Wave.", long, "My cat is called Tom."]))
+        with pytest.raises(ServiceError, match=r"memory 2 \(.The user's favourite song.*over memory.max_slots=16"):
+            result(svc.run(import_memories, s, str(path)))
+        path.write_text(json.dumps(["My boat is called Wave.", "x" * 30_000]))
+        with pytest.raises(ServiceError, match="memory 2 has 30000 characters, over app.max_message_chars=20000"):
+            svc.run(import_memories, s, str(path))
+        assert svc.run(my_memories, s) == [rex]  # nothing of either import
+    finally:
+        svc.close()
+
+
+def test_an_import_is_capped_written_at_once_and_says_what_replaced_what(tiny_llama, tmp_path):
+    """(3,000 memories held every user's chat for 58 s, each rewriting the whole file, and the status said "imported
+    2771 new memories" where 914 were kept: the rest superseded one another.)"""
+    from chat.operations import MAX_IMPORT, import_memories
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    s = svc.new_session("ada")
+    try:
+        path = tmp_path / "many.json"
+        path.write_text(json.dumps([f"My friend number {i} is called Rex." for i in range(MAX_IMPORT + 1)]))
+        with pytest.raises(ServiceError, match=f"at most {MAX_IMPORT} memories in one import, got {MAX_IMPORT + 1}"):
+            svc.run(import_memories, s, str(path))
+        result(svc.run(remember, s, "My dog is called Rex."))
+        svc.people.similar = Similar(duplicate=0.9999, supersede=0.9)  # (tiny keys: each replaces the one before)
+        path.write_text(json.dumps(["My dog is called Pocket.", "My dog is called Pocket.", "My dog is called Mira."]))
+        done = result(svc.run(import_memories, s, str(path)))
+        mine = svc.run(my_memories, s)
+        assert done.kept == len(mine) == 1 and mine[0]["text"] == "The user's dog is called Mira."
+        assert (done.items, done.duplicates, done.replaced, done.shadowed) == (3, 1, 1, 1)
+        assert done.describe() == ("imported 1 new memories of 3 (1 already remembered, 1 earlier memories replaced, "
+                                   "1 replaced by a later item of the file)")
+        assert [h["text"] for h in svc.personal(s).history] == ["The user's dog is called Rex.",
+                                                                 "The user's dog is called Pocket."]
+    finally:
+        svc.close()
+
+
+def test_an_import_nested_too_deep_is_refused_by_name(tiny_llama, tmp_path):
+    """(A file of 100,000 "[" showed "Error" and logged a RecursionError.)"""
+    from chat.operations import import_memories
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    s = svc.new_session("ada")
+    try:
+        path = tmp_path / "deep.json"
+        path.write_text("[" * 100_000)
+        with pytest.raises(ServiceError, match="expected a JSON list of memories, got nesting too deep"):
+            svc.run(import_memories, s, str(path))
     finally:
         svc.close()
