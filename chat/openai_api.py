@@ -103,12 +103,12 @@ class ChatRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1, max_length=500)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, strict=True)  # (strict: `true` is not 1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, strict=True)
     stream: bool = False
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=1, strict=True)
     recall_first: bool = False  # an extension: start the answer with <recall> (pass it in the body)
     num_beams: int | None = None  # beam search's settings: passed on so the settings refuse them by name
     num_beam_groups: int | None = None

@@ -104,6 +104,7 @@ def test_a_recall_event_travels_in_the_chunks(api):
     (dict(model="gpt-4"), openai.NotFoundError, "does not exist"),
     (dict(temperature=5), openai.BadRequestError, "temperature"),
     (dict(max_tokens=5000), openai.BadRequestError, "max_new_tokens: expected at most 1024"),
+    (dict(max_tokens=True), openai.BadRequestError, "max_tokens: Input should be a valid integer"),  # (it was 1)
     (dict(max_tokens=5, max_completion_tokens=1000), openai.BadRequestError,  # (1000 was used without a word)
      "max_tokens and max_completion_tokens: expected one of them (or the same value), got 5 and 1000"),
     (dict(messages=[{"role": "user", "content": "x" * 200_000}]), openai.BadRequestError, "200000"),
