@@ -63,12 +63,12 @@ class APIError(Exception):
         if failed.cause == "refused":
             return cls(400, failed.api or failed.message, param="messages")
         if failed.cause == "shutdown":
-            return cls(503, failed.message, "server_error", code="server_shutting_down")
+            return cls.shutting_down(failed.message)
         return cls(500, failed.message, "server_error")
 
     @classmethod
-    def shutting_down(cls, e: ShuttingDown) -> APIError:
-        return cls(503, str(e), "server_error", code="server_shutting_down")
+    def shutting_down(cls, message: str | ShuttingDown) -> APIError:
+        return cls(503, str(message), "server_error", code="server_shutting_down")
 
 
 class TextPart(BaseModel):

@@ -409,9 +409,7 @@ class GraphStep:
                     self._run(self.one if width == 1 else self.wide[width], variant, window)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
-        self.length = 0
-        for layer in self.cache.layers:
-            layer.cumulative_length.zero_()
+        self._rewind(0)
         if self.rows:
             self.mask.zero_()
             self.host_mask.zero_()
