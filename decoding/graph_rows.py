@@ -329,39 +329,55 @@ def _prefill(req: Request, prompt: Prompt, chunk: int, interrupt: threading.Even
     return cache, hidden
 
 
+def _seat_answer(rows: GraphRows, row: int, req: Request, prompt: Prompt, kind: Kind,
+                 interrupt: threading.Event | None, prefill_chunk: int
+                 ) -> Generator[PrefillEvent, None, torch.Tensor | None]:
+    """The prompt read on a cache of its own, then copied into the row, and the row's sampler set for the request;
+    the prompt's last state [1, H], or None when stopped while reading."""
+    g = rows.graph
+    req.rows.seq = req.rows.seq.cpu()  # the criteria and the events read the host's copy
+    read = yield from _prefill(req, prompt, prefill_chunk, interrupt)
+    req.prefill_s = time.perf_counter() - req.t0
+    if read is None:
+        return None
+    cache, hidden = read
+    rows.seat(row, req, [(layer.keys, layer.values) for layer in cache.layers], kind, req.recall_on)
+    g.sampler.configure_row(row, req.processors, do_sample=req.settings.do_sample,
+                            seed=int(torch.randint(1 << 31, ())), prompt=req.prompt_len)  # (seeded: the loop's)
+    if kind.sees:
+        g.sampler.see(req.input_ids.to(g.device), rows=slice(row, row + 1))
+    return hidden
+
+
+def _span(rows: GraphRows, row: int, req: Request, tokens: list[int], vectors: dict[int, torch.Tensor]
+          ) -> list[RowTurn]:
+    """A memory's span (its slots and suffix, from the row's next position on) as the turns that ride the next
+    replays, each at most the widest span graph, its value vectors embedded."""
+    g = rows.graph
+    slots = {p - req.rows.cur: v for p, v in vectors.items()}
+    order = sorted(slots)
+    embedded = dict(zip(order, req.recall.embed(torch.stack([slots[i] for i in order]), g.device, g.dtype))
+                    ) if order else {}
+    widest = g.spans[-1]
+    return [RowTurn(rows, row, tokens[at:at + widest], {i - at: e for i, e in embedded.items() if at <= i < at + widest},
+                    last=at + widest >= len(tokens)) for at in range(0, len(tokens), widest)]
+
+
 def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Prompt, kind: Kind,
             interrupt: threading.Event | None, controls: Controls) -> Iterator[Event]:
-    g, r, sampler = rows.graph, req.rows, rows.graph.sampler
-    r.seq = r.seq.cpu()  # the criteria and the events read the host's copy
-    read = yield from _prefill(req, prompt, controls.prefill_chunk, interrupt)
-    req.prefill_s = time.perf_counter() - req.t0
-    if read is None:  # stopped while reading: the conversation keeps what it had
+    g, r = rows.graph, req.rows
+    hidden = yield from _seat_answer(rows, row, req, prompt, kind, interrupt, controls.prefill_chunk)
+    if hidden is None:  # stopped while reading: the conversation keeps what it had
         req.cache = prompt.cache
         yield from req.stop_all()
         return
-    cache, hidden = read
     t1 = time.perf_counter()
-    rows.seat(row, req, [(layer.keys, layer.values) for layer in cache.layers], kind, req.recall_on)
-    del cache
-    sampler.configure_row(row, req.processors, do_sample=req.settings.do_sample, seed=int(torch.randint(1 << 31, ())),
-                          prompt=req.prompt_len)  # (a seeded request is the loop's: `takes`)
-    if kind.sees:
-        sampler.see(req.input_ids.to(g.device), rows=slice(row, row + 1))
     max_new, made, queued = req.settings.max_new_tokens, 0, None
     parts: list[RowTurn] = []  # a memory's span, in parts, still to ride the next replays
-    told: list[Event] = []  # a recall's events (the held `<recall>`, the recall), told with its span
 
-    def tell(new: list[int]) -> tuple[list[Event], bool]:
-        """A block of new tokens (a sampled one, or a memory's span): its events; whether the answer ended."""
-        r.write(torch.tensor([new]), [0])
-        still = not bool(req.criteria(r.seq[:, :r.cur], None)[0])
-        req.steps += 1
-        events, told[:] = [*told, *req.events(0, new, still)], []
-        return events, not r.alive[0]
-
-    def recall(state: torch.Tensor) -> tuple[list[Event], bool]:
+    def recall(state: torch.Tensor) -> list[Event]:
         """Recall with the query state [H] at the newest position: the span's parts queued to ride the next
-        replays, its tokens told (`tell`)."""
+        replays; the events (the held `<recall>`, the recall, the span's tokens)."""
         nonlocal made
         tokens, vectors, events = req.recall_row(0, state)
         if rows.room(row) + len(tokens) + g.spans[-1] >= g.max_len:
@@ -369,31 +385,22 @@ def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Promp
                 r.injections.pop()
             raise NoRoom(f"a memory of {len(tokens)} positions: the graph step's rows hold {g.max_len}")
         r.memory[0].update(vectors)
-        slots = {p - r.cur: v for p, v in vectors.items()}
-        order = sorted(slots)
-        embedded = dict(zip(order, req.recall.embed(torch.stack([slots[i] for i in order]), g.device,
-                                                    g.dtype))) if order else {}
-        widest = g.spans[-1]
-        for at in range(0, len(tokens), widest):
-            parts.append(RowTurn(rows, row, tokens[at:at + widest],
-                                 {i - at: e for i, e in embedded.items() if at <= i < at + widest},
-                                 last=at + widest >= len(tokens)))
-        told.extend(events)
+        parts.extend(_span(rows, row, req, tokens, vectors))
         made += len(tokens)
-        return tell(tokens)
+        return [*events, *req.add(tokens)]
 
     # A seated row rides every replay, so from its seat on the answer parks a turn each round before it yields
     # anything (the worker then advances it to its next turn each round): events are told after the launch.
     stopped, later = False, []
     try:
         if req.recall_on and int(req.input_ids[0, -1]) == req.recall.recall_id:  # the prompt ends with <recall>
-            later, ended = recall(hidden[0])
+            later = recall(hidden[0])
         else:
-            first = sampler.choose(req.fwd.logits(hidden), kind, rows=slice(row, row + 1))
-            sampler.commit_row(row, first, g.one.ids)
+            first = g.sampler.choose(req.fwd.logits(hidden), kind, rows=slice(row, row + 1))
+            g.sampler.commit_row(row, first, g.one.ids)
             made = 1
-            later, ended = tell([int(first)])
-        while not ended:
+            later = req.add([int(first)])
+        while r.alive[0]:
             if interrupt is not None and interrupt.is_set() and not parts:
                 stopped = True
                 break
@@ -417,34 +424,27 @@ def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Promp
                 yield from later                 # replay before it is read (one step late)
                 later = []
                 if r.held:  # the first token was `<recall>`: this replay took it, its state is the query
-                    later, ended = recall(launched.hidden[row])
+                    later = recall(launched.hidden[row])
                     continue
                 before, queued = queued, launched.slot
                 if before is None:
                     continue
                 token = rows.readback.read(before)[row]
             made += 1
-            later, ended = tell([token])
+            later = req.add([token])
             if r.held and launched is not None:  # a `<recall>`: the replay that took it has its query state, and
                 queued = None  # the token it chose after it is dropped
-                events, ended = recall(launched.hidden[row])
-                later += events
+                later += recall(launched.hidden[row])
     except NoRoom as e:  # the answer ends where the step's cache does, before the `<recall>` it could not read
         log.warning("the answer ends at the graph step's cache (model.graph_max_len): %s", e)
-        told.clear()
-        r.held.clear()
-        r.cur -= r.cur > req.prompt_len  # (a `<recall>` the answer wrote is dropped; the prompt's stays)
-        later.append(r.finish(0, "length"))
+        later.append(req.out_of_room())
     if stopped:
-        if r.held:  # stopped right after `<recall>`: the recall never started, so its token is dropped
-            r.held.clear()
-            r.cur -= 1
-        later += list(req.stop_all())
+        later += list(req.interrupted())
     # the row is left before the last events are told: an answer that never parked a turn is advanced one event
     # a round, and a seated row rides every replay (its columns would hold what it never wrote)
     keep = min(r.cur - 1, rows.room(row))  # as the loop's: all but the last token (what the row holds of them)
     if req.no_memory is not None:  # NoMemory ran in the graph: its record is on the device (the row's own commits)
-        req.no_memory.wanted, req.scored = [sampler.wanted_at[row:row + 1] < req.steps], None
+        req.no_memory.wanted, req.scored = [g.sampler.wanted_at[row:row + 1] < req.steps], None
     kv = rows.leave(row, keep)
     req.cache = GraphCache(g, keep, held=kv) if kv else None
     req.decode_s = time.perf_counter() - t1

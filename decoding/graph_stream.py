@@ -261,10 +261,7 @@ def _answer(decoder: GraphDecoder, req: Request, prompt: Prompt, interrupt: thre
     stopped = False
     try:
         for new, _ in blocks:  # a sampled token, or a memory's forced span
-            rows.write(torch.tensor([new]), [0])
-            still = not bool(req.criteria(rows.seq[:, :rows.cur], None)[0])
-            req.steps += 1
-            events, told[:] = [*told, *req.events(0, new, still)], []
+            events, told[:] = [*told, *req.add(new)], []
             yield from events
             if not rows.alive[0]:
                 break
@@ -277,15 +274,11 @@ def _answer(decoder: GraphDecoder, req: Request, prompt: Prompt, interrupt: thre
     except NoRoom as e:  # the answer ends where its cache does, before the `<recall>` it could not read
         log.warning("the answer ends at the graph step's cache (model.graph_max_len): %s", e)
         told.clear()
-        rows.cur -= rows.cur > req.prompt_len  # (a `<recall>` the answer wrote is dropped; the prompt's stays)
-        yield rows.finish(0, "length")
+        yield req.out_of_room()
     finally:
         blocks.close()
     if stopped:
-        if rows.held:  # stopped right after `<recall>`: the recall never started, so its token is dropped
-            rows.held.clear()
-            rows.cur -= 1
-        yield from req.stop_all()
+        yield from req.interrupted()
     req.cache.length = rows.cur - 1  # as the loop's: all but the last token
     req.cache.own()
     req.kept_logits, req.scored = out.logits[:req.steps], req.steps  # (not the step launched after the last read)

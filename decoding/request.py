@@ -192,6 +192,34 @@ class Request:
     def stop_all(self) -> Iterator[FinishEvent]:
         return (self.rows.finish(row, "interrupted") for row in range(self.batch) if self.rows.alive[row])
 
+    # A one-row answer whose tokens are read back from the graph step (`decoding.graph_stream`, `graph_rows`): the
+    # host's copy of the sequence is the one the criteria and the events read.
+
+    def add(self, new: Sequence[int]) -> list[Event]:
+        """A block of new tokens of the row (a sampled one, or a memory's forced span): written, checked by the
+        stopping criteria, counted as a step; its events (`events`)."""
+        rows = self.rows
+        rows.write(torch.tensor([list(new)]), [0])
+        still = not bool(self.criteria(rows.seq[:, :rows.cur], None)[0])
+        self.steps += 1
+        return self.events(0, new, still)
+
+    def interrupted(self) -> Iterator[FinishEvent]:
+        """Stopped: a `<recall>` held right before the stop is dropped (its recall never started), then the finish."""
+        rows = self.rows
+        if rows.held:
+            rows.held.clear()
+            rows.cur -= 1
+        return self.stop_all()
+
+    def out_of_room(self) -> FinishEvent:
+        """The answer ends where the step's cache does, before the `<recall>` whose memory it could not hold: a
+        `<recall>` the answer wrote is dropped (the prompt's stays)."""
+        rows = self.rows
+        rows.held.clear()
+        rows.cur -= rows.cur > self.prompt_len
+        return rows.finish(0, "length")
+
     def events(self, row: int, new: Sequence[int], still: bool) -> list[Event]:
         """The events of a row's new tokens, already written into `rows`: a `TokenEvent` each with the text it
         completes, then the row's finish when `still` is False (the criteria, EOS or the length stopped it) or

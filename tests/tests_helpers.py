@@ -17,6 +17,26 @@ def fresh_tiny_llama(like):
     return LlamaForCausalLM(config).eval(), tok
 
 
+def kv_recall(model, special: tuple[int, int, int], n: int, slots: tuple[int, int], seed: int = 0,
+              key_dim: int = 16):
+    """A `Recall` over `n` key/value memories of `slots[0]`..`slots[1]` value slots (random, seeded), `</recall>`
+    after them; `special`: the ids of `<recall>`, `<|memory_pad|>` and `</recall>`. The query is a fixed projection
+    of the `<recall>` state, computed on the state's device."""
+    from decoding.memory import Recall
+    from decoding.settings import RecallSettings
+    from memory import MemoryVectorDB
+    g = torch.Generator().manual_seed(seed)
+    h, scale = model.config.hidden_size, float(model.get_input_embeddings().weight.detach().std()) * 3
+    db = MemoryVectorDB(key_dim, value_dim=h)
+    widths = torch.randint(slots[0], slots[1] + 1, (n,), generator=g).tolist()
+    db.add(torch.randn(n, key_dim, generator=g), [f"fact {i}" for i in range(n)],
+           values=[torch.randn(k, h, generator=g) * scale for k in widths])
+    proj = torch.randn(h, key_dim, generator=torch.Generator().manual_seed(7))
+    recall, pad, end = special
+    return Recall(recall, pad, db, RecallSettings(), query=lambda hidden: hidden.float() @ proj.to(hidden.device),
+                  suffix=(end,))
+
+
 def bank_file(path, dim: int, n: int = 3):
     """A small valid bank with texts, saved to `path` (format from its extension)."""
     from memory import MemoryVectorDB

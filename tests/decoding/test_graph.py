@@ -21,9 +21,10 @@ from decoding.memory import Recall
 from decoding.processors import before_warpers, build_logits_processor
 from decoding.request import Controls, Prompt
 from decoding.sampling import draw
-from decoding.settings import GenerationSettings, RecallSettings
+from decoding.settings import GenerationSettings
 from memory.bank import MemoryVectorDB
 from memory.device import DeviceKeys
+from tests_helpers import kv_recall as memories
 
 VOCAB, RECALL, PAD, END, EOS = 512, 500, 501, 502, 2
 KEY_DIM = 24
@@ -43,17 +44,8 @@ def prompt(seed: int = 0, length: int = 12, rows: int = 1) -> torch.Tensor:
 
 
 def kv_recall(model, n: int = 12, max_slots: int = 5, min_slots: int = 1) -> Recall:
-    """Key/value memories of 1..`max_slots` slots, `</recall>` after them; the query a fixed projection of the
-    `<recall>` state, computed on the state's device."""
-    g = torch.Generator().manual_seed(0)
-    h, scale = model.config.hidden_size, float(model.get_input_embeddings().weight.detach().std()) * 3
-    db = MemoryVectorDB(KEY_DIM, value_dim=h)
-    slots = torch.randint(min_slots, max_slots + 1, (n,), generator=g).tolist()
-    db.add(torch.randn(n, KEY_DIM, generator=g), [f"fact {i}" for i in range(n)],
-           values=[torch.randn(k, h, generator=g) * scale for k in slots])
-    proj = torch.randn(h, KEY_DIM, generator=torch.Generator().manual_seed(7))
-    return Recall(RECALL, PAD, db, RecallSettings(), query=lambda hidden: hidden.float() @ proj.to(hidden.device),
-                  suffix=(END,))
+    """Key/value memories of 1..`max_slots` slots (`tests_helpers.kv_recall`)."""
+    return memories(model, (RECALL, PAD, END), n, (min_slots, max_slots), seed=0, key_dim=KEY_DIM)
 
 
 def loop_run(model, ids, settings, recall=None):

@@ -20,9 +20,8 @@ from decoding.events import RecallEvent
 from decoding.graph_stream import GraphCache
 from decoding.memory import Recall
 from decoding.settings import GenerationSettings, RecallSettings
-from memory import MemoryVectorDB
 from rounds import drive
-from tests_helpers import told
+from tests_helpers import kv_recall as memories, told
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +40,9 @@ def recalling(lm, bias: float = 6.0, **kw) -> GenerationSettings:
 
 
 def kv_recall(lm, n: int = 8, slots=(3, 20)) -> Recall:
-    """Key/value memories of 3 to 20 value slots (wider than the 9-wide span graph: several replays), `</recall>`
-    after them; the query a fixed projection of the `<recall>` state."""
-    g = torch.Generator().manual_seed(4)
-    h = lm.hidden_size
-    db = MemoryVectorDB(16, value_dim=h)
-    scale = float(lm.model.get_input_embeddings().weight.detach().std()) * 3
-    widths = torch.randint(slots[0], slots[1] + 1, (n,), generator=g).tolist()
-    db.add(torch.randn(n, 16, generator=g), [f"fact {i}" for i in range(n)],
-           values=[torch.randn(k, h, generator=g) * scale for k in widths])
-    proj = torch.randn(h, 16, generator=torch.Generator().manual_seed(7))
-    return Recall(lm.tokens.recall, lm.tokens.memory_pad, db, RecallSettings(), query=lambda s: s.float() @ proj,
-                  suffix=(lm.tokens.recall_end,))
+    """Key/value memories of 3 to 20 value slots (wider than the 9-wide span graph: several replays)."""
+    t = lm.tokens
+    return memories(lm.model, (t.recall, t.memory_pad, t.recall_end), n, slots, seed=4)
 
 
 def test_answers_at_once_in_the_rows_are_each_the_loops_alone(rowed, tiny_llama, bank):
@@ -378,3 +368,34 @@ def test_a_recall_with_nothing_at_min_score_reads_nothing_in_the_rows_as_in_the_
         at = [i for i, t in enumerate(conv.ids) if t == on.tokens.recall]
         assert at and all(conv.ids[i + 1] == on.tokens.recall_end for i in at if i + 1 < len(conv.ids))
         assert events[-1].result.missed_recall == want[-1].result.missed_recall == [True]
+
+
+def test_a_memory_past_the_rows_cache_ends_the_answer_before_its_recall(rowed, monkeypatch):
+    """A memory wider than `max_slots` (the rows reserve room for one of `max_slots`) that does not fit in what is
+    left of the step's cache: the answer ends there, "length", its own `<recall>` dropped and nothing injected, and
+    the row is free for the next answer, which decodes as the loop does."""
+    from decoding.engine import Engine
+    from decoding.events import FinishEvent
+    from decoding.loop import stream_generate
+    from decoding.request import Prompt
+
+    rows = graph_rows.attached_rows(rowed.merged())
+    monkeypatch.setattr(rows.decoder, "max_slots", 0)  # (takes what leaves no room for any memory)
+    recall = kv_recall(rowed, n=2, slots=(40, 40))
+    text = " ".join(["word"] * 400)
+    ids = rowed.tokenizer(text, return_tensors="pt").input_ids[:, :220]  # 220 + 40 + 9 > 256 > 220 + 4 + 9
+    settings = GenerationSettings(max_new_tokens=4, sequence_bias=(((rowed.tokens.recall,), 30.0),))
+    batch = Batch()
+    [events] = drive(batch, [(0, lambda: Engine(rowed, batch).stream(Prompt({"input_ids": ids}), settings, recall))])
+    result = events[-1].result
+    assert [e.reason for e in events if isinstance(e, FinishEvent)] == ["length"]
+    assert not any(isinstance(e, RecallEvent) for e in events) and result.injections == []
+    assert torch.equal(result.sequences, ids)  # (the `<recall>` it wrote is dropped)
+    assert isinstance(result.cache, GraphCache) and result.cache.step is rows.graph and rows.free_rows() == 3
+    short = ids[:, :12]
+    [after] = drive(batch, [(0, lambda: Engine(rowed, batch).stream(Prompt({"input_ids": short}), GREEDY_8, None))])
+    want = list(stream_generate(rowed.merged(), {"input_ids": short}, GREEDY_8, tokenizer=rowed.tokenizer))
+    assert told(after) == told(want)
+
+
+GREEDY_8 = GenerationSettings(max_new_tokens=8)

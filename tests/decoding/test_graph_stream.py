@@ -303,3 +303,32 @@ def test_a_recall_with_nothing_at_min_score_reads_nothing_on_the_step_as_in_the_
     at = [i for i, t in enumerate(ids) if t == on.tokens.recall]
     assert len(at) >= 2 and all(ids[i + 1] == on.tokens.recall_end for i in at if i + 1 < len(ids))
     assert results[0][2] == [] and results[0][3] == [True] and not any(e[0] == "recall" for e in results[0][0])
+
+
+def test_a_memory_past_the_steps_cache_ends_the_answer_before_its_recall(graphed, monkeypatch):
+    """A memory wider than `max_slots` (the step reserves room for one of `max_slots`) that does not fit in what is
+    left of the step's cache: the answer ends there, "length", its own `<recall>` dropped and nothing injected; the
+    conversation's handle holds the prompt, and the next answer on the step is the loop's."""
+    from decoding.engine import Engine
+    from decoding.events import FinishEvent
+    from decoding.loop import stream_generate
+    from decoding.request import Prompt
+    from tests_helpers import kv_recall
+
+    decoder = graph.attached(graphed.merged())
+    monkeypatch.setattr(decoder, "max_slots", 0)  # (takes what leaves no room for any memory)
+    t = graphed.tokens
+    recall = kv_recall(graphed.model, (t.recall, t.memory_pad, t.recall_end), n=2, slots=(40, 40))
+    ids = graphed.tokenizer(" ".join(["word"] * 800), return_tensors="pt").input_ids[:, :480]  # 480 + 4 + 17 < 512
+    settings = GenerationSettings(max_new_tokens=4, sequence_bias=(((t.recall,), 30.0),))
+    events = list(Engine(graphed).stream(Prompt({"input_ids": ids}), settings, recall))
+    result = events[-1].result
+    assert [e.reason for e in events if isinstance(e, FinishEvent)] == ["length"]
+    assert not any(isinstance(e, RecallEvent) for e in events) and result.injections == []
+    assert torch.equal(result.sequences, ids)  # (the `<recall>` it wrote is dropped)
+    assert isinstance(result.cache, GraphCache) and result.cache.valid() == len(ids[0]) - 1
+    short = ids[:, :12]
+    after = list(Engine(graphed).stream(Prompt({"input_ids": short}), GREEDY, None))
+    assert told(after) == told(list(stream_generate(graphed.merged(), {"input_ids": short}, GREEDY,
+                                                    tokenizer=graphed.tokenizer)))
+    assert isinstance(after[-1].result.cache, GraphCache)  # (on the step)
