@@ -3,7 +3,8 @@
     POST /v1/chat/completions   (stream as server-sent events, or one JSON answer)
     GET  /v1/models
 
-Requests are checked with pydantic and refused with OpenAI-style error JSON and status codes.
+Requests are checked with pydantic and refused with OpenAI-style error JSON and status codes
+(`chat.openai_request`).
 Each request is a fresh session: the messages are its conversation (images as data: URLs, never
 fetched), the answer runs on the shared worker, taking turns with everyone else, and the session is
 freed at the end. A client that disconnects stops its answer. Recall events travel as an extra
@@ -15,21 +16,18 @@ ignore.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import hmac
 import json
 import time
 import uuid
-from typing import Annotated, Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chat.api import ChatService
 from chat.config import request_settings
-from chat.inputs import check_image, describe
+from chat.openai_request import ALIAS, APIError, ChatRequest, MemoryRequest, overrides, parse, parts
 from chat.people import Remembered, public
 from chat.session import Session
 from chat import operations as ops
@@ -37,113 +35,8 @@ from chat.users import LOCAL
 from chat.worker import END, Failed, Notice, ServiceError, ShuttingDown
 from chat.worker import Request as WorkerRequest
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
-from decoding.settings import BEAM_SEARCH
 
-ALIAS = "recall-chat"  # always accepted as the model name
-MAX_SEED = 2 ** 64 - 1  # the largest seed a generator takes (torch's: an unsigned 64-bit integer)
 FINISH = {"stop": "stop", "length": "length", "tool_call": "tool_calls", "interrupted": "stop"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-    @classmethod
-    def of(cls, failed: Failed) -> APIError:
-        """An answer's failure: refused (400, the request asked for what cannot be done), the server shutting
-        down (503) or the answer failing (500)."""
-        if failed.cause == "refused":
-            return cls(400, failed.api or failed.message, param="messages")
-        if failed.cause == "shutdown":
-            return cls.shutting_down(failed.message)
-        return cls(500, failed.message, "server_error")
-
-    @classmethod
-    def shutting_down(cls, message: str | ShuttingDown) -> APIError:
-        return cls(503, str(message), "server_error", code="server_shutting_down")
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ImageURL(BaseModel):
-    url: str
-
-
-class ImagePart(BaseModel):
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
-
-
-class MemoryRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    text: str = Field(min_length=1)
-
-
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1, max_length=500)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1, strict=True)  # (strict: `true` is not 1)
-    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, strict=True)
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1, strict=True)
-    recall_first: bool = False  # an extension: start the answer with <recall> (pass it in the body)
-    num_beams: int | None = None  # beam search's settings: passed on so the settings refuse them by name
-    num_beam_groups: int | None = None
-    diversity_penalty: float | None = None
-
-
-def _param(error: ValidationError) -> str | None:
-    """The request field a validation error is about (None: the body as a whole, e.g. not JSON)."""
-    loc = error.errors()[0]["loc"]
-    return str(loc[0]) if loc else None
-
-
-def _parts(message: ChatMessage, index: int) -> tuple[str, list[bytes]]:
-    """The message's text and its images, each checked to be a readable image of a sane size (`APIError` naming
-    the part, as `messages.<i>.content.<j>`, otherwise)."""
-    if isinstance(message.content, str):
-        return message.content, []
-    text, images = [], []
-    for k, part in enumerate(message.content):
-        if isinstance(part, TextPart):
-            text.append(part.text)
-            continue
-        url, where = part.image_url.url, f"messages.{index}.content.{k}.image_url"
-        if not url.startswith("data:image/") or ";base64," not in url:
-            raise APIError(400, f"{where}: expected a data:image/...;base64,... URL (nothing is fetched), "
-                                f"got {url[:40]!r}", param="messages")
-        try:
-            raw = base64.b64decode(url.split(",", 1)[1], validate=True)
-        except (binascii.Error, ValueError):
-            raise APIError(400, f"{where}: expected base64 image data, got invalid base64", param="messages") from None
-        try:
-            images.append(check_image(raw, where))
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-    return "\n".join(text), images
 
 
 class OpenAIRoutes:
@@ -191,10 +84,7 @@ class OpenAIRoutes:
     async def completions(self, request: Request):
         try:
             user = await self.user_of(request)
-            try:
-                body = ChatRequest.model_validate_json(await request.body())
-            except ValidationError as e:
-                raise APIError(400, describe(e, "the request body"), param=_param(e)) from None
+            body = parse(ChatRequest, await request.body())
             await self.loaded()
             if body.model not in (self.model_id, ALIAS):  # (the alias is what /v1/models says while loading)
                 raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_id!r}",
@@ -219,22 +109,7 @@ class OpenAIRoutes:
     def start(self, body: ChatRequest, user: str):
         """A fresh session of `user` holding the request's conversation, with its answer queued."""
         svc = self.service
-        if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
-            raise APIError(400, f"max_tokens and max_completion_tokens: expected one of them (or the same value), "
-                                f"got {body.max_tokens} and {body.max_completion_tokens}", param="max_tokens")
-        gen = {"generation.max_new_tokens": body.max_completion_tokens or body.max_tokens
-               or svc.cfg.generation.max_new_tokens}
-        if body.temperature is not None:
-            gen.update({"generation.do_sample": body.temperature > 0,
-                        "generation.temperature": body.temperature or 1.0})
-        if body.top_p is not None:
-            gen["generation.top_p"] = body.top_p
-        if body.stop:
-            gen["generation.stop_strings"] = [body.stop] if isinstance(body.stop, str) else body.stop
-        if body.seed is not None:
-            gen["generation.seed"] = body.seed
-        beams = {name: getattr(body, name) for name in BEAM_SEARCH}  # (refused by the settings unless off)
-        gen.update({f"generation.{name}": value for name, value in beams.items() if value is not None})
+        gen = overrides(body, svc.cfg.generation.max_new_tokens)
         s = svc.new_session(user)
         try:
             settings, recall = request_settings(svc.cfg, gen)
@@ -244,9 +119,9 @@ class OpenAIRoutes:
                                param="messages")
             past = []
             for i, message in enumerate(history):
-                text, images = _parts(message, i)
+                text, images = parts(message, i)
                 past.append((message.role, text, images if message.role == "user" else []))
-            text, images = _parts(last, len(history))
+            text, images = parts(last, len(history))
             return s, svc.chat(s, text, self.files(s, images), settings, recall, body.recall_first, past)
         except APIError:
             svc.end_session(s)
@@ -287,10 +162,7 @@ class OpenAIRoutes:
 
     async def add_memory(self, request: Request):
         try:
-            try:
-                body = MemoryRequest.model_validate_json(await request.body())
-            except ValidationError as e:
-                raise APIError(400, describe(e, "the request body"), param=_param(e)) from None
+            body = parse(MemoryRequest, await request.body())
             done = await self._on_memory(request, ops.remember, body.text)
             if done.written:
                 return JSONResponse(dict(public(done.written[0]), object="memory",

@@ -230,7 +230,7 @@ def test_a_prompt_over_the_models_context_is_a_bad_request_naming_the_limit(defa
 
 
 def test_the_largest_seed_is_accepted_and_repeats_its_answer(api):
-    from chat.openai_api import MAX_SEED
+    from chat.openai_request import MAX_SEED
 
     kw = dict(temperature=0.9, seed=MAX_SEED, max_tokens=6)
     first = greedy(api, "Name a big animal.", **kw).choices[0].message.content

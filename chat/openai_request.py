@@ -1,0 +1,152 @@
+"""What an OpenAI chat request brings, checked: its pydantic schema, the settings it overrides, its messages' text
+and images, and the OpenAI-style error that refuses it (`APIError`, with the field it names). The routes that use
+them are `chat.openai_api`."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated, Any, Literal, TypeVar
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from chat.inputs import check_image, describe
+from chat.worker import Failed, ShuttingDown
+from decoding.settings import BEAM_SEARCH
+
+ALIAS = "recall-chat"  # always accepted as the model name
+MAX_SEED = 2 ** 64 - 1  # the largest seed a generator takes (torch's: an unsigned 64-bit integer)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+    @classmethod
+    def of(cls, failed: Failed) -> APIError:
+        """An answer's failure: refused (400, the request asked for what cannot be done), the server shutting
+        down (503) or the answer failing (500)."""
+        if failed.cause == "refused":
+            return cls(400, failed.api or failed.message, param="messages")
+        if failed.cause == "shutdown":
+            return cls.shutting_down(failed.message)
+        return cls(500, failed.message, "server_error")
+
+    @classmethod
+    def shutting_down(cls, message: str | ShuttingDown) -> APIError:
+        return cls(503, str(message), "server_error", code="server_shutting_down")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    url: str
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+
+
+class MemoryRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(min_length=1)
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1, max_length=500)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1, strict=True)  # (strict: `true` is not 1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, strict=True)
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1, strict=True)
+    recall_first: bool = False  # an extension: start the answer with <recall> (pass it in the body)
+    num_beams: int | None = None  # beam search's settings: passed on so the settings refuse them by name
+    num_beam_groups: int | None = None
+    diversity_penalty: float | None = None
+
+
+def _param(error: ValidationError) -> str | None:
+    """The request field a validation error is about (None: the body as a whole, e.g. not JSON)."""
+    loc = error.errors()[0]["loc"]
+    return str(loc[0]) if loc else None
+
+
+def parts(message: ChatMessage, index: int) -> tuple[str, list[bytes]]:
+    """The message's text and its images, each checked to be a readable image of a sane size (`APIError` naming
+    the part, as `messages.<i>.content.<j>`, otherwise)."""
+    if isinstance(message.content, str):
+        return message.content, []
+    text, images = [], []
+    for k, part in enumerate(message.content):
+        if isinstance(part, TextPart):
+            text.append(part.text)
+            continue
+        url, where = part.image_url.url, f"messages.{index}.content.{k}.image_url"
+        if not url.startswith("data:image/") or ";base64," not in url:
+            raise APIError(400, f"{where}: expected a data:image/...;base64,... URL (nothing is fetched), "
+                                f"got {url[:40]!r}", param="messages")
+        try:
+            raw = base64.b64decode(url.split(",", 1)[1], validate=True)
+        except (binascii.Error, ValueError):
+            raise APIError(400, f"{where}: expected base64 image data, got invalid base64", param="messages") from None
+        try:
+            images.append(check_image(raw, where))
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+    return "\n".join(text), images
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], raw: bytes) -> M:
+    """The request body as `model`; a 400 naming the field (or the body as a whole) otherwise."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise APIError(400, describe(e, "the request body"), param=_param(e)) from None
+
+
+def overrides(body: ChatRequest, max_new_tokens: int) -> dict[str, Any]:
+    """The configuration keys the request sets (`chat.config.request_settings` checks their values); the answer's
+    length is `max_new_tokens` unless the request gives one."""
+    if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
+        raise APIError(400, f"max_tokens and max_completion_tokens: expected one of them (or the same value), "
+                            f"got {body.max_tokens} and {body.max_completion_tokens}", param="max_tokens")
+    gen: dict[str, Any] = {"generation.max_new_tokens": body.max_completion_tokens or body.max_tokens or max_new_tokens}
+    if body.temperature is not None:
+        gen.update({"generation.do_sample": body.temperature > 0, "generation.temperature": body.temperature or 1.0})
+    if body.top_p is not None:
+        gen["generation.top_p"] = body.top_p
+    if body.stop:
+        gen["generation.stop_strings"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.seed is not None:
+        gen["generation.seed"] = body.seed
+    beams = {name: getattr(body, name) for name in BEAM_SEARCH}  # (refused by the settings unless off)
+    gen.update({f"generation.{name}": value for name, value in beams.items() if value is not None})
+    return gen
