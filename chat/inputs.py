@@ -50,6 +50,13 @@ def check_new_tokens(max_new_tokens: int, limits: Limits) -> None:
                          f"(app.max_new_tokens_cap), got {max_new_tokens}")
 
 
+def check_token_ids(settings, vocab: int) -> None:
+    """Every token id the settings name (`GenerationSettings.token_ids`) is one of the model's `vocab` tokens."""
+    for name, ids in settings.token_ids().items():
+        if bad := [t for t in ids if t >= vocab]:
+            raise ValueError(f"{name}: expected token ids below {vocab} (the model's vocabulary), got {bad[0]}")
+
+
 def read_upload_text(path: str | Path, max_mb: int) -> str:
     """An uploaded text file (a conversation): refused over `max_mb` MB or unreadable, naming the file."""
     name = Path(path).name

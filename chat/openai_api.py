@@ -109,7 +109,7 @@ class OpenAIRoutes:
     def start(self, body: ChatRequest, user: str):
         """A fresh session of `user` holding the request's conversation, with its answer queued."""
         svc = self.service
-        gen = overrides(body, svc.cfg.generation.max_new_tokens)
+        gen = overrides(body, svc.cfg)
         s = svc.new_session(user)
         try:
             settings, recall = request_settings(svc.cfg, gen)

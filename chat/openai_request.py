@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from chat.config import Config, ConfigError, setting_value
 from chat.inputs import check_image, describe
 from chat.worker import Failed, ShuttingDown
 from decoding.settings import BEAM_SEARCH
@@ -84,10 +85,34 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED, strict=True)
     stream: bool = False
     n: int = Field(1, ge=1, le=1, strict=True)
-    recall_first: bool = False  # an extension: start the answer with <recall> (pass it in the body)
+    logit_bias: dict[str, float] | None = None  # token id -> -100..100, added to its logit
+    # extensions (with the `openai` client, pass them in `extra_body`), named as vLLM names them
+    top_k: int | None = Field(None, ge=0, strict=True)
+    min_p: float | None = Field(None, ge=0, le=1)
+    typical_p: float | None = Field(None, gt=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    recall_first: bool = False  # start the answer with <recall>
+    settings: dict[str, Any] = {}  # any `generation.*`, `mixture.*` or `recall.*` setting, by its configuration key
     num_beams: int | None = None  # beam search's settings: passed on so the settings refuse them by name
     num_beam_groups: int | None = None
     diversity_penalty: float | None = None
+    # OpenAI's fields this server does not do: refused (400) unless left at what they are when not sent
+    presence_penalty: float = 0
+    frequency_penalty: float = 0
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None
+    function_call: Any = None
+    response_format: dict | None = None
+
+
+# What each unsupported field is for a request that leaves it alone, and what to use instead.
+UNSUPPORTED = {"presence_penalty": (0, "use repetition_penalty"), "frequency_penalty": (0, "use repetition_penalty"),
+               "logprobs": (False, None), "top_logprobs": (None, None), "tools": (None, "the answer's tool calls are "
+               "not parsed"), "tool_choice": (None, None), "functions": (None, None), "function_call": (None, None)}
+SAMPLING = ("top_p", "top_k", "min_p", "typical_p")  # given without a temperature: they sample
 
 
 def _param(error: ValidationError) -> str | None:
@@ -132,21 +157,54 @@ def parse(model: type[M], raw: bytes) -> M:
         raise APIError(400, describe(e, "the request body"), param=_param(e)) from None
 
 
-def overrides(body: ChatRequest, max_new_tokens: int) -> dict[str, Any]:
-    """The configuration keys the request sets (`chat.config.request_settings` checks their values); the answer's
-    length is `max_new_tokens` unless the request gives one."""
+def overrides(body: ChatRequest, cfg: Config) -> dict[str, Any]:
+    """The configuration keys the request sets (`chat.config.request_settings` checks their values): its fields,
+    then its `settings`; the answer's length is `generation.max_new_tokens` unless the request gives one. A sampling field
+    (`top_p`, `top_k`, `min_p`, `typical_p`) sent without `temperature` samples at the configured temperature (as
+    OpenAI's default temperature, 1, samples); `temperature: 0` is greedy whatever else is sent."""
+    for name, (unset, instead) in UNSUPPORTED.items():
+        value = getattr(body, name)
+        if value not in (unset, []):
+            raise APIError(400, f"{name}: not supported by this server (expected {unset!r}), got {value!r}"
+                                + (f"; {instead}" if instead else ""), param=name)
+    if body.response_format not in (None, {"type": "text"}):
+        raise APIError(400, f"response_format: only {{'type': 'text'}} is supported, got {body.response_format!r}",
+                       param="response_format")
     if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
         raise APIError(400, f"max_tokens and max_completion_tokens: expected one of them (or the same value), "
                             f"got {body.max_tokens} and {body.max_completion_tokens}", param="max_tokens")
-    gen: dict[str, Any] = {"generation.max_new_tokens": body.max_completion_tokens or body.max_tokens or max_new_tokens}
+    gen: dict[str, Any] = {"generation.max_new_tokens": body.max_completion_tokens or body.max_tokens
+                           or cfg.generation.max_new_tokens}
     if body.temperature is not None:
         gen.update({"generation.do_sample": body.temperature > 0, "generation.temperature": body.temperature or 1.0})
-    if body.top_p is not None:
-        gen["generation.top_p"] = body.top_p
+    implied = {"generation.do_sample": True} if body.temperature is None and any(
+        getattr(body, name) is not None for name in SAMPLING) else {}
+    for name in (*SAMPLING, "repetition_penalty", "seed", *BEAM_SEARCH):  # (beams: refused by the settings unless off)
+        if getattr(body, name) is not None:
+            gen[f"generation.{name}"] = getattr(body, name)
     if body.stop:
         gen["generation.stop_strings"] = [body.stop] if isinstance(body.stop, str) else body.stop
-    if body.seed is not None:
-        gen["generation.seed"] = body.seed
-    beams = {name: getattr(body, name) for name in BEAM_SEARCH}  # (refused by the settings unless off)
-    gen.update({f"generation.{name}": value for name, value in beams.items() if value is not None})
-    return gen
+    if body.logit_bias:
+        gen["generation.sequence_bias"] = [[[_token_id(k)], _bias(k, v)] for k, v in body.logit_bias.items()]
+    for key, value in body.settings.items():
+        try:
+            setting_value(cfg, key)
+        except ConfigError as e:
+            raise APIError(400, f"settings: {e}", param="settings") from None
+        if key in gen and (key != "generation.max_new_tokens" or body.max_tokens or body.max_completion_tokens):
+            raise APIError(400, f"settings: {key!r} is set by a field of the request too; expected one of them",
+                           param="settings")
+    return {**implied, **gen, **body.settings}
+
+
+def _token_id(key: str) -> int:
+    if not key.isdigit():
+        raise APIError(400, f"logit_bias: expected token ids as keys (strings of digits), got {key!r}",
+                       param="logit_bias")
+    return int(key)
+
+
+def _bias(key: str, value: float) -> float:
+    if not -100 <= value <= 100:
+        raise APIError(400, f"logit_bias[{key!r}]: expected a bias from -100 to 100, got {value}", param="logit_bias")
+    return value

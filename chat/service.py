@@ -17,6 +17,7 @@ from typing import Any, Concatenate
 from chat.api import P, R, SessionService
 from chat.banks import Banks
 from chat.config import Config, load_options
+from chat.inputs import check_token_ids
 from chat.janitor import Janitor
 from chat.operations import operation_of
 from chat.people import Decision, People, Remembered
@@ -253,6 +254,7 @@ class Service(SessionService):
             nonlocal recall_first, images
             with s.lock:
                 conv = self.conversation(s)
+                _check_tokens(conv, settings)
                 s.last_change = None
                 yield from self._read_ahead(conv, text, images, settings, recall_first, interrupt)
                 try:
@@ -344,6 +346,7 @@ class Service(SessionService):
 
         def run(interrupt: threading.Event) -> Iterator[Any]:
             with s.lock:
+                _check_tokens(conv, settings)
                 question = next((m.text for m in reversed(conv.messages) if m.role == "user"), "")
                 bank = yield from self.recall_bank(s, question)
                 yield from self._noted(s, conv.regenerate(settings, recall, bank, interrupt))
@@ -415,3 +418,11 @@ class Service(SessionService):
         return {"replicas": [{"replica": "in-process", "alive": True, "running": len(self.worker.running),
                               "model": self._lm.name if self._lm else None}],
                 "bank": {"store": self.cfg.memory.store, "size": size}}
+
+
+def _check_tokens(conv: Conversation, settings: GenerationSettings) -> None:
+    """The settings' token ids are the model's (`ServiceError`, a refusal, naming the setting, else)."""
+    try:
+        check_token_ids(settings, conv.lm.spec.vocab_size)
+    except ValueError as e:
+        raise ServiceError(str(e)) from None

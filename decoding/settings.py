@@ -247,6 +247,14 @@ class GenerationSettings:
     diversity_penalty: float = 0.0
     mixture: MixtureSettings = MixtureSettings()
 
+    def token_ids(self) -> dict[str, list[int]]:
+        """The token ids each setting that names tokens names (for a check against the model's vocabulary)."""
+        named = {"bad_words_ids": [t for ids in self.bad_words_ids for t in ids],
+                 "sequence_bias": [t for ids, _ in self.sequence_bias for t in ids],
+                 "suppress_tokens": list(self.suppress_tokens), "begin_suppress_tokens": list(self.begin_suppress_tokens),
+                 "forced_bos_token_id": [self.forced_bos_token_id], "forced_eos_token_id": [self.forced_eos_token_id]}
+        return {name: [t for t in ids if t is not None] for name, ids in named.items()}
+
     def __post_init__(self):
         _validate(self, _GENERATION_RULES)
         for name, normalise in _GENERATION_SEQUENCES.items():

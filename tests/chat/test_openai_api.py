@@ -119,6 +119,21 @@ def test_a_recall_event_travels_in_the_chunks(api):
      "messages: expected at most 4096 tokens (the server's app.max_input_tokens), got 99"),
     (dict(messages=[{"role": "user", "content": [PNG]}]), openai.BadRequestError,
      "reads text only), got 1 image(s) and no text"),
+    # OpenAI's fields the server does not do are refused by name, not ignored; the extensions are checked too
+    (dict(presence_penalty=0.5), openai.BadRequestError,
+     "presence_penalty: not supported by this server (expected 0), got 0.5; use repetition_penalty"),
+    (dict(logprobs=True), openai.BadRequestError, "logprobs: not supported by this server (expected False), got True"),
+    (dict(response_format={"type": "json_object"}), openai.BadRequestError, "response_format: only {'type': 'text'}"),
+    (dict(logit_bias={"hello": 5}), openai.BadRequestError, "logit_bias: expected token ids as keys"),
+    (dict(logit_bias={"42": 300}), openai.BadRequestError, "logit_bias['42']: expected a bias from -100 to 100"),
+    (dict(logit_bias={"999999": 5}), openai.BadRequestError,  # (found on the worker: a refusal, not a 500)
+     "sequence_bias: expected token ids below 49155 (the model's vocabulary), got 999999"),
+    (dict(extra_body={"top_k": -1}), openai.BadRequestError, "top_k: Input should be greater than or equal to 0"),
+    (dict(extra_body={"settings": {"generation.no_such": 1}}), openai.BadRequestError,
+     "settings: unknown setting 'generation.no_such'"),
+    (dict(extra_body={"settings": {"generation.max_new_tokens": 9}}), openai.BadRequestError,
+     "settings: 'generation.max_new_tokens' is set by a field of the request too"),
+    (dict(extra_body={"settings": {"recall.temperature": -1}}), openai.BadRequestError, "temperature"),
     # checked before it starts: no Python internals in the message
     (dict(seed=2 ** 70), openai.BadRequestError, "seed: Input should be less than or equal to 18446744073709551615"),
     (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {
@@ -246,3 +261,28 @@ def test_a_body_that_is_not_a_json_object_is_a_400_naming_the_body(server, body,
     error = r.json()["error"]
     assert error["message"].startswith("the request body: ") and error["param"] is None
     assert error["type"] == "invalid_request_error"
+
+
+def test_the_seeds_settings_reach_an_answer_through_the_api(api, smollm2):
+    """`logit_bias` (OpenAI's) and the extensions `top_k`, `min_p`, `typical_p`, `repetition_penalty` and `settings`
+    (any generation, mixture or recall setting by its configuration key) change the answer; a sampling field with
+    no temperature samples (as OpenAI's default temperature does)."""
+    [token] = smollm2.tokenizer(" banana", add_special_tokens=False).input_ids
+    forced = greedy(api, "What is the capital of France?", max_tokens=3, logit_bias={str(token): 100})
+    assert forced.choices[0].message.content == " banana banana banana"
+    banned = greedy(api, "What is the capital of France?", max_tokens=12, extra_body={"settings": {
+        "generation.bad_words_ids": [smollm2.tokenizer(" Paris", add_special_tokens=False).input_ids]}})
+    assert "Paris" not in banned.choices[0].message.content
+    plain = greedy(api, "Count from one to ten.", max_tokens=12).choices[0].message.content
+    penalised = greedy(api, "Count from one to ten.", max_tokens=12,
+                       extra_body={"repetition_penalty": 5.0}).choices[0].message.content
+    assert plain.startswith("1. 1\n2. 2") and not penalised.startswith("1. 1\n2. 2")  # (each number once at most)
+    kw = dict(model=model_id(api), messages=[{"role": "user", "content": "Write a word."}], max_tokens=8)
+    drawn = {api.chat.completions.create(**kw, top_p=0.99, seed=s).choices[0].message.content for s in range(4)}
+    assert len(drawn) > 1  # (top_p alone samples: four seeds, more than one answer)
+    for extra in ({"top_k": 5}, {"min_p": 0.05}, {"typical_p": 0.9}):
+        out = api.chat.completions.create(**kw, extra_body=extra, seed=1)
+        assert out.choices[0].message.content
+    recall = greedy(api, "Who keeps the lighthouse of Port Avel?", max_tokens=24,
+                    extra_body={"recall_first": True, "settings": {"recall.min_score": 0.99}})
+    assert recall.model_extra["recalls"] == []  # (no memory is that close: the recall settings reached the head)
