@@ -47,6 +47,26 @@ class NegativePrompt:
     attention_mask: torch.Tensor | None = None
 
 
+class Guidance(UnbatchedClassifierFreeGuidanceLogitsProcessor):
+    """transformers' classifier-free guidance, its unconditional branch fed every token added since its last call:
+    transformers' own feeds only the last one, which is the same while a step adds one token, but a recalled
+    memory's span adds k `<|memory_pad|>` slots and its suffix at once (its branch then missed k positions). The
+    unconditional branch reads the slots as their token, not the memory's vectors: the memory conditions the answer,
+    as the prompt does."""
+
+    def get_unconditional_logits(self, input_ids):
+        ctx, first = self.unconditional_context, self.unconditional_context["first_pass"]
+        seen, self.seen = getattr(self, "seen", input_ids.shape[1] - 1), input_ids.shape[1]
+        if first or ctx["use_cache"] is False or seen == input_ids.shape[1] - 1:
+            return super().get_unconditional_logits(input_ids)  # (one new token: transformers' own step)
+        new = input_ids[:, seen:]
+        ctx["attention_mask"] = torch.cat([ctx["attention_mask"], torch.ones_like(new, dtype=torch.long)], dim=1)
+        ctx["input_ids"] = new
+        out = self.model(new, attention_mask=ctx["attention_mask"], use_cache=True, cache=ctx["cache"])
+        ctx["cache"] = out.get("cache", None)
+        return out.logits
+
+
 def build_logits_processor(
     settings: GenerationSettings, *, eos_token_id: int | list[int] | None, prompt_ids: torch.LongTensor,
     vocab_size: int, model: Any = None, negative_prompt: NegativePrompt | None = None,
@@ -73,7 +93,7 @@ def build_logits_processor(
             raise ValueError(f"negative_prompt is {s.negative_prompt!r} but no NegativePrompt was given: "
                              "tokenize the negative prompt and pass negative_prompt=NegativePrompt(ids)")
         negative = negative_prompt or NegativePrompt(None)
-        procs.append(UnbatchedClassifierFreeGuidanceLogitsProcessor(
+        procs.append(Guidance(
             s.guidance_scale, model, unconditional_ids=negative.ids,
             unconditional_attention_mask=negative.attention_mask, use_cache=True))
     if s.sequence_bias:

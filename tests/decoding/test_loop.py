@@ -648,3 +648,30 @@ def test_read_prompt_fills_the_cache_and_a_stop_between_chunks_leaves_none(tiny_
     stop = threading.Event()
     stop.set()
     assert returned(engine.read(Prompt({"input_ids": ids}), stop)) == (None, [events[0]])  # stopped after one chunk
+
+
+def test_guidance_feeds_its_unconditional_branch_a_memorys_whole_span(tiny_llama, monkeypatch):
+    """Classifier-free guidance with memories of 1..5 slots: each step's unconditional branch has read every position
+    the answer added (a memory's slots and `</recall>` too, as their tokens), so its logits equal a fresh forward of
+    the unconditional input and the answer so far; transformers' own processor fed a span's last token only."""
+    from decoding.processors import Guidance
+
+    lm = tiny_llama
+    calls = []
+    unconditional = Guidance.get_unconditional_logits
+
+    def spy(self, input_ids):
+        logits = unconditional(self, input_ids)
+        calls.append((input_ids.clone(), logits[0, -1].clone()))
+        return logits
+
+    monkeypatch.setattr(Guidance, "get_unconditional_logits", spy)
+    inputs = lm.tokenizer([CHAT.format("What do you remember?")], return_tensors="pt")
+    settings = GenerationSettings(max_new_tokens=24, guidance_scale=1.5, sequence_bias=(((lm.tokens.recall,), 6.0),))
+    result = generate(lm.model, inputs, settings, recall=kv_recall_of(lm, kv_bank_for(lm)))
+    assert max((r.length for r in result.injections), default=0) > 1 and len(calls) > 3
+    prompt = inputs["input_ids"].shape[1]
+    for ids, logits in calls[1:]:  # (the first call reads the prompt's last token: no negative prompt)
+        with torch.no_grad():
+            fresh = lm.model(ids[:, prompt - 1:]).logits[0, -1]
+        torch.testing.assert_close(logits, fresh, atol=1e-4, rtol=1e-4)
