@@ -316,11 +316,16 @@ FAMILIES = {
                     num_key_value_heads=2, head_dim=16, final_logit_softcapping=5.0, attn_logit_softcapping=20.0,
                     sliding_window=8, query_pre_attn_scalar=16, max_position_embeddings=512)),
     "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, dict(n_embd=64, n_layer=LAYERS, n_head=4, n_positions=512)),
+    # seed 002's own target: a mixture of experts with sliding-window layers and attention sinks
+    "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM,
+                dict(hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                     max_position_embeddings=512)),
 }
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_oracle_gemma2_softcapped_and_gpt2(family, smollm2_dir):
+def test_oracle_gemma2_softcapped_gpt2_and_gpt_oss(family, smollm2_dir):
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     config_cls, model_cls, kw = FAMILIES[family]
     config = config_cls(vocab_size=len(tok), initializer_range=1.0, bos_token_id=tok.bos_token_id,

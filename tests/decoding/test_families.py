@@ -1,5 +1,6 @@
 """Any decoder-only model: parity with `model.generate` and exact replay of injections, on tiny random
-configs of Llama, Qwen2, Qwen3, Gemma-2 (soft-capped logits, sliding window), Gemma-3, Phi-3 and GPT-2."""
+configs of Llama, Qwen2, Qwen3, Gemma-2 (soft-capped logits, sliding window), Gemma-3, Phi-3, GPT-2 and gpt-oss
+(a mixture of experts with attention sinks: seed 002's target)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ FAMILIES = {
                                                            "query_pre_attn_scalar": 16}),
     "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {}),
     "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, None),
+    "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, {"head_dim": 16, "num_local_experts": 4,
+                                                         "num_experts_per_tok": 2, "sliding_window": 8}),
 }
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
