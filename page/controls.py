@@ -69,6 +69,35 @@ CONTROLS: dict[str, tuple] = {
                            lambda v, cfg: gr.Radio(list(GAMMA_RULES), value=v, label="γ each round: fixed, seed = "
                                                    "from α* (seed 003's adaptive k), acceptance = from the last "
                                                    "rounds' kept drafts; within max(3, γ-2) .. min(10, γ+3)")),
+    # the rest of seed 004's catalogue that takes plain values, in the Decoding tab's "More processors" (token-id
+    # lists, a prefix function and the encoder penalties stay in the configuration and the API's `settings`)
+    "stop_strings": ("generation.stop_strings", "More",
+                     lambda v, cfg: gr.Textbox("\n".join(v), lines=2, label="stop strings, one a line: the answer "
+                                               "ends after the first one it writes", elem_id="stop-strings"),
+                     lambda text, values: tuple(line for line in (text or "").splitlines() if line)),
+    "min_new_tokens": ("generation.min_new_tokens", "More",
+                       lambda v, cfg: gr.Slider(0, cfg.app.max_new_tokens_cap, v, step=1, precision=0,
+                                                label="min new tokens: no end of text before (0 = off)")),
+    "epsilon_cutoff": ("generation.epsilon_cutoff", "More",
+                       lambda v, cfg: gr.Slider(0, 0.01, v, step=0.0001, label="epsilon cutoff: drop tokens under this "
+                                                "probability when sampling (0 = off; 3e-4 to 9e-4 is usual)")),
+    "eta_cutoff": ("generation.eta_cutoff", "More",
+                   lambda v, cfg: gr.Slider(0, 0.01, v, step=0.0001, label="eta cutoff: entropy-dependent epsilon when "
+                                            "sampling (0 = off)")),
+    "guidance_scale": ("generation.guidance_scale", "More",
+                       lambda v, cfg: gr.Slider(0, 3, v, step=0.05, label="classifier-free guidance scale: the answer "
+                                                "against the model without the conversation (1 = off)",
+                                                elem_id="guidance-scale")),
+    "negative_prompt": ("generation.negative_prompt", "More",
+                        lambda v, cfg: gr.Textbox(v or "", label="negative prompt: what guidance steers away from "
+                                                  "(empty = the model alone)"),
+                        lambda text, values: (text or "").strip() or None),
+    "watermark": ("generation.watermark", "More",
+                  lambda v, cfg: gr.Checkbox(v, label="watermark the answer (Kirchenbauer et al.'s green-list bias)")),
+    "max_time": ("generation.max_time", "More",
+                 lambda v, cfg: gr.Slider(0, 600, v or 0, step=1, precision=0, label="time limit of an answer, in "
+                                          "seconds (0 = none)"),
+                 lambda seconds, values: seconds or None),
     "recall_enabled": ("recall.enabled", "Recall", lambda v, cfg: gr.Checkbox(v, label="recall enabled")),
     "recall_sampling": ("recall.use_sampling", "Recall",
                         lambda v, cfg: gr.Checkbox(v, label="sample the memory (off = most similar)")),

@@ -132,11 +132,14 @@ def build_demo(service: ChatService) -> gr.Blocks:
                 for tab in ("Decoding", "Recall", "Mixture"):
                     with gr.Tab(tab):
                         controls.update(settings_tab(cfg, tab))
+                        if tab == "Decoding":
+                            with gr.Accordion("More processors", open=False, elem_id="more-processors"):
+                                controls.update(settings_tab(cfg, "More"))
                 with gr.Tab("Conversation"):
                     c = _conversation_tab()
 
         if service.backend() == "llamacpp":  # (what llama.cpp cannot run: `decoding.backend.require`)
-            for name in ("entropy_decoding", "mixture"):
+            for name in ("entropy_decoding", "mixture", "guidance_scale", "negative_prompt"):
                 controls[name].interactive = False
                 controls[name].info = "runs on transformers (model.backend: transformers); this server runs llama.cpp"
         auto_alpha = controls["mixture_alpha_auto"]

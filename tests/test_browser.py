@@ -161,6 +161,13 @@ def test_first_minute_with_the_trained_model(page, default_lm):
         assert "this server runs llama.cpp" in page.inner_text("#entropy-mode")
         page.get_by_role("tab", name="Mixture").click()
         assert page.locator("#mixture-on input").is_disabled()
+        # more processors: a stop string ends the answer where the model writes it; guidance is greyed out here
+        page.get_by_role("tab", name="Decoding").click()
+        page.get_by_text("More processors").click()
+        assert page.locator("#guidance-scale input[type=range]").is_disabled()
+        page.locator("#stop-strings textarea").fill("Castellan")
+        answer = ask(page, "Who keeps the lighthouse of Port Avel?")
+        assert answer[answer.index("⟩") + 1:].rstrip().endswith("Castellan"), answer
 
 
 def test_entropy_and_mixture_pictures_show_in_the_page(page, smollm2):

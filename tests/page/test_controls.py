@@ -50,3 +50,19 @@ def test_the_seed_box_starts_empty_and_empty_is_a_random_seed():
         settings(CFG, {**values, "seed": "abc"})
     with pytest.raises(ValueError, match=r"seed is 1180591620717411303424: must be from 0 to 2\*\*64 - 1"):
         settings(CFG, {**values, "seed": str(2 ** 70)})
+
+
+def test_the_more_tab_reaches_the_rest_of_the_catalogue():
+    """Stop strings one a line, an empty negative prompt as none, a time limit of 0 as none; each control reaches
+    its setting, and what the settings refuse together (a negative prompt without guidance) is refused by name."""
+    values = {n: c.value for n, c in PAGE.items()}
+    plain = settings(CFG, values)[0]
+    assert plain.stop_strings == () and plain.negative_prompt is None and plain.max_time is None
+    more = settings(CFG, {**values, "stop_strings": "The end\n\n###\n", "max_time": 30, "guidance_scale": 1.5,
+                          "negative_prompt": "  a rude reply ", "min_new_tokens": 5, "epsilon_cutoff": 0.0003,
+                          "eta_cutoff": 0.0009, "watermark": True})[0]
+    assert more.stop_strings == ("The end", "###") and more.max_time == 30 and more.guidance_scale == 1.5
+    assert more.negative_prompt == "a rude reply" and more.min_new_tokens == 5 and more.watermark
+    assert (more.epsilon_cutoff, more.eta_cutoff) == (0.0003, 0.0009)
+    with pytest.raises(ValueError, match="negative_prompt is 'no'.*guidance_scale"):
+        settings(CFG, {**values, "negative_prompt": "no"})
