@@ -108,10 +108,12 @@ class ChatRequest(BaseModel):
     response_format: dict | None = None
 
 
-# What each unsupported field is for a request that leaves it alone, and what to use instead.
-UNSUPPORTED = {"presence_penalty": (0, "use repetition_penalty"), "frequency_penalty": (0, "use repetition_penalty"),
-               "logprobs": (False, None), "top_logprobs": (None, None), "tools": (None, "the answer's tool calls are "
-               "not parsed"), "tool_choice": (None, None), "functions": (None, None), "function_call": (None, None)}
+# OpenAI's fields this server does not do: the values that leave them off (the first is said), what to use instead.
+UNSUPPORTED = {"presence_penalty": ((0,), "use repetition_penalty"),
+               "frequency_penalty": ((0,), "use repetition_penalty"), "logprobs": ((False,), None), "top_logprobs": ((None, 0), None),
+               "tools": ((None, []), "the answer's tool calls are not parsed"), "tool_choice": ((None, "none"), None),
+               "functions": ((None, []), None), "function_call": ((None, "none"), None),
+               "response_format": ((None, {"type": "text"}), None)}
 SAMPLING = ("top_p", "top_k", "min_p", "typical_p")  # given without a temperature: they sample
 
 
@@ -159,17 +161,13 @@ def parse(model: type[M], raw: bytes) -> M:
 
 def overrides(body: ChatRequest, cfg: Config) -> dict[str, Any]:
     """The configuration keys the request sets (`chat.config.request_settings` checks their values): its fields,
-    then its `settings`; the answer's length is `generation.max_new_tokens` unless the request gives one. A sampling field
-    (`top_p`, `top_k`, `min_p`, `typical_p`) sent without `temperature` samples at the configured temperature (as
-    OpenAI's default temperature, 1, samples); `temperature: 0` is greedy whatever else is sent."""
-    for name, (unset, instead) in UNSUPPORTED.items():
-        value = getattr(body, name)
-        if value not in (unset, []):
-            raise APIError(400, f"{name}: not supported by this server (expected {unset!r}), got {value!r}"
+    then its `settings`; the answer's length is `generation.max_new_tokens` unless the request gives one. A sampling
+    field (`top_p`, `top_k`, `min_p`, `typical_p`) sent without `temperature` samples at the configured temperature
+    (as OpenAI's default temperature, 1, samples); `temperature: 0` is greedy whatever else is sent."""
+    for name, (off, instead) in UNSUPPORTED.items():
+        if (value := getattr(body, name)) not in off:
+            raise APIError(400, f"{name}: not supported by this server (expected {off[0]!r}), got {value!r}"
                                 + (f"; {instead}" if instead else ""), param=name)
-    if body.response_format not in (None, {"type": "text"}):
-        raise APIError(400, f"response_format: only {{'type': 'text'}} is supported, got {body.response_format!r}",
-                       param="response_format")
     if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
         raise APIError(400, f"max_tokens and max_completion_tokens: expected one of them (or the same value), "
                             f"got {body.max_tokens} and {body.max_completion_tokens}", param="max_tokens")

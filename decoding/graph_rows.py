@@ -359,8 +359,9 @@ def _span(rows: GraphRows, row: int, req: Request, tokens: list[int], vectors: d
     embedded = dict(zip(order, req.recall.embed(torch.stack([slots[i] for i in order]), g.device, g.dtype))
                     ) if order else {}
     widest = g.spans[-1]
-    return [RowTurn(rows, row, tokens[at:at + widest], {i - at: e for i, e in embedded.items() if at <= i < at + widest},
-                    last=at + widest >= len(tokens)) for at in range(0, len(tokens), widest)]
+    return [RowTurn(rows, row, tokens[at:at + widest],
+                    {i - at: e for i, e in embedded.items() if at <= i < at + widest}, last=at + widest >= len(tokens))
+            for at in range(0, len(tokens), widest)]
 
 
 def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Prompt, kind: Kind,

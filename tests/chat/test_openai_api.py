@@ -123,7 +123,7 @@ def test_a_recall_event_travels_in_the_chunks(api):
     (dict(presence_penalty=0.5), openai.BadRequestError,
      "presence_penalty: not supported by this server (expected 0), got 0.5; use repetition_penalty"),
     (dict(logprobs=True), openai.BadRequestError, "logprobs: not supported by this server (expected False), got True"),
-    (dict(response_format={"type": "json_object"}), openai.BadRequestError, "response_format: only {'type': 'text'}"),
+    (dict(response_format={"type": "json_object"}), openai.BadRequestError, "response_format: not supported by this server (expected None), got {'type': 'json_object'}"),
     (dict(logit_bias={"hello": 5}), openai.BadRequestError, "logit_bias: expected token ids as keys"),
     (dict(logit_bias={"42": 300}), openai.BadRequestError, "logit_bias['42']: expected a bias from -100 to 100"),
     (dict(logit_bias={"999999": 5}), openai.BadRequestError,  # (found on the worker: a refusal, not a 500)
