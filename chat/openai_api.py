@@ -120,7 +120,8 @@ class OpenAIRoutes:
             past = []
             for i, message in enumerate(history):
                 text, images = parts(message, i)
-                past.append((message.role, text, images if message.role == "user" else []))
+                role = "system" if message.role == "developer" else message.role
+                past.append((role, text, images if role == "user" else []))
             text, images = parts(last, len(history))
             return s, svc.chat(s, text, self.files(s, images), settings, recall, body.recall_first, past)
         except APIError:
@@ -212,19 +213,23 @@ class OpenAIRoutes:
     async def chunks(self, request: Request, session: Session, turn, body: ChatRequest) -> AsyncIterator[str]:
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-            data = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+        def chunk(delta: dict | None, finish: str | None = None, **extra) -> str:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+            data = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_id,
+                    "choices": choices, **extra}
             return f"data: {json.dumps(data)}\n\n"
 
         yield chunk({"role": "assistant", "content": ""})
         text, finish = StopText(body.stop), None  # the finish chunk goes last (a notice can follow the answer's end)
-        failed = False
+        failed, tokens, prompt = False, 0, 0
         async for event in self.events(request, session, turn):
             if failed:
                 continue
-            if isinstance(event, TokenEvent) and event.text:
-                if out := text.push(event.text):
+            if isinstance(event, DoneEvent):
+                prompt = event.result.prompt_length
+            elif isinstance(event, TokenEvent):
+                tokens += 1
+                if event.text and (out := text.push(event.text)):
                     yield chunk({"content": out})
             elif isinstance(event, RecallEvent):
                 yield chunk({}, recall=_recall(event))
@@ -241,6 +246,8 @@ class OpenAIRoutes:
                 yield f"data: {json.dumps(APIError.of(event).body())}\n\n"
         if finish is not None and not failed:
             yield finish
+            if body.stream_options is not None and body.stream_options.include_usage:  # (OpenAI: no choices)
+                yield chunk(None, usage=_usage(prompt, tokens))
         yield "data: [DONE]\n\n"
 
     async def whole(self, request: Request, session: Session, turn, body: ChatRequest) -> JSONResponse:
@@ -268,7 +275,7 @@ class OpenAIRoutes:
             "model": self.model_id, "recalls": recalls, "notices": notices, **changes,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text.all()},
                          "finish_reason": reason}],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}})
+            "usage": _usage(prompt, tokens)})
 
 
 class StopText:
@@ -304,6 +311,10 @@ class StopText:
 def _memory_changes(event: Remembered) -> dict[str, list[dict]]:
     """A turn's changes to its author's memory as the API carries them: `remembered` and `forgotten` {id, text}."""
     return {"remembered": [public(e) for e in event.written], "forgotten": [public(e) for e in event.forgotten]}
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _recall(event: RecallEvent) -> dict:

@@ -62,7 +62,7 @@ class ImagePart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]  # (developer: OpenAI's newer name for system)
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
 
 
@@ -70,6 +70,13 @@ class MemoryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text: str = Field(min_length=1)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+Text = Annotated[str, Field(min_length=1)]
 
 
 class ChatRequest(BaseModel):
@@ -81,7 +88,8 @@ class ChatRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1, strict=True)  # (strict: `true` is not 1)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
+    stream_options: StreamOptions | None = None  # include_usage: a last chunk with the usage
     seed: int | None = Field(None, ge=0, le=MAX_SEED, strict=True)
     stream: bool = False
     n: int = Field(1, ge=1, le=1, strict=True)

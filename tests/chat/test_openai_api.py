@@ -61,10 +61,26 @@ def test_models_and_a_whole_answer(api, smollm2):
 
 
 def test_streaming_gives_the_same_text_as_a_whole_answer(api):
-    whole = greedy(api, "Name three colours.").choices[0].message.content
-    chunks = list(greedy(api, "Name three colours.", stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole
-    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    """The same text, the same model name, and with `stream_options.include_usage` a last chunk (no choices) with
+    the whole answer's usage."""
+    whole = greedy(api, "Name three colours.")
+    chunks = list(greedy(api, "Name three colours.", stream=True, stream_options={"include_usage": True}))
+    *text, usage = chunks
+    assert "".join(c.choices[0].delta.content or "" for c in text) == whole.choices[0].message.content
+    assert text[-1].choices[0].finish_reason in ("stop", "length")
+    assert usage.choices == [] and usage.usage == whole.usage
+    assert {c.model for c in chunks} == {whole.model}  # (the chunks named the model as the request did)
+    assert all(c.usage is None for c in greedy(api, "Name three colours.", stream=True))
+
+
+def test_a_developer_message_is_a_system_message(api):
+    """OpenAI's newer SDKs send system instructions as "developer"."""
+    ask = [{"role": "user", "content": "Name a colour."}]
+    system, developer = ([{"role": role, "content": "Answer in French."}, *ask] for role in ("system", "developer"))
+    out = [api.chat.completions.create(model=model_id(api), temperature=0, max_tokens=8, messages=m) for m in
+           (system, developer)]
+    assert out[0].choices[0].message.content == out[1].choices[0].message.content
+    assert out[0].usage.prompt_tokens == out[1].usage.prompt_tokens
 
 
 def test_history_and_system_prompt_are_read_as_the_chat_template_lays_them_out(api, smollm2):
@@ -134,6 +150,8 @@ def test_a_recall_event_travels_in_the_chunks(api):
     (dict(extra_body={"settings": {"generation.max_new_tokens": 9}}), openai.BadRequestError,
      "settings: 'generation.max_new_tokens' is set by a field of the request too"),
     (dict(extra_body={"settings": {"recall.temperature": -1}}), openai.BadRequestError, "temperature"),
+    (dict(stop=""), openai.BadRequestError, "stop"),  # (an empty stop string matched at once: an empty answer)
+    (dict(stop=["ok", ""]), openai.BadRequestError, "stop"),
     # checked before it starts: no Python internals in the message
     (dict(seed=2 ** 70), openai.BadRequestError, "seed: Input should be less than or equal to 18446744073709551615"),
     (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {
