@@ -29,7 +29,7 @@ from memory import BankError, MemoryVectorDB
 def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None, list[int]]:
     """Texts (and metadata) from a .txt (one memory per non-empty line) or .jsonl ({"text", "metadata"?}), and the
     line of the file each came from."""
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = path.read_text(encoding="utf-8-sig").splitlines()
     numbers = [number for number, line in enumerate(lines, 1) if line.strip()]
     if path.suffix.lower() == ".txt":
         texts, metadata = [lines[n - 1].strip() for n in numbers], None
@@ -88,7 +88,9 @@ def cmd_build(args: argparse.Namespace) -> None:
                          f"shorter memories. Nothing was written")
     db.info["model"] = loaded.name
     db.save(args.out)
-    print(f"saved {len(db)} memories to {args.out}: {describe(db)}")
+    size = Path(args.out).stat().st_size
+    print(f"saved {len(db)} memories to {args.out} ({size / 2 ** 20:.1f} MB, {size / max(1, len(db)) / 1024:.1f} KB a "
+          f"memory on disk): {describe(db)}")
 
 
 def describe(db: MemoryVectorDB) -> str:
@@ -96,8 +98,8 @@ def describe(db: MemoryVectorDB) -> str:
         return f"one vector of dimension {db.dim} each (key = value)"
     slots = [e["slots"] for e in db.entries(0, len(db))]
     what = "values (token ids)" if db.token_values else f"values of dimension {db.value_dim}"
-    return (f"{db.info.get('values', 'values')} {what}, {min(slots)}-{max(slots)} slots, "
-            f"keys of dimension {db.dim} ({db.info.get('keys')}), {db.bytes_per_memory() / 1024:.1f} KB a memory")
+    return (f"{db.info.get('values', 'values')} {what}, {min(slots)}-{max(slots)} slots, keys of dimension {db.dim} "
+            f"({db.info.get('keys')}), {db.bytes_per_memory() / 1024:.1f} KB a memory in RAM")
 
 
 def _short(text: Any, width: int = 80) -> str:

@@ -236,7 +236,7 @@ def load_config(
     tree: dict = {}
     if file.is_file():
         try:
-            tree = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+            tree = yaml.safe_load(file.read_text(encoding="utf-8-sig")) or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"{file}: expected a UTF-8 YAML file, got bytes that are not UTF-8 ({e.reason} at "
                               f"byte {e.start})") from None

@@ -63,7 +63,7 @@ def read_upload_text(path: str | Path, max_mb: int) -> str:
     try:
         if Path(path).stat().st_size > max_mb * 2 ** 20:
             raise ValueError(f"{name}: expected at most {max_mb} MB")
-        return Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"could not read {name}: {e}") from None
 

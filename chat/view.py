@@ -125,7 +125,7 @@ def bank_summary(bank: BankState | None) -> str:
     if bank.size is None:
         return f"**Bank:** {bank.label}. No memories: recall is off. Build the example bank or upload one."
     index = f", {bank.index} index" if bank.index != "flat" else ""
-    size = f" · {bank.bytes_per_memory / 1024:.1f} KB a memory" if bank.bytes_per_memory is not None else ""
+    size = f" · {bank.bytes_per_memory / 1024:.1f} KB a memory in RAM" if bank.bytes_per_memory is not None else ""
     return f"**Bank:** {bank.label} · **{bank.size}** memories · {memory_kind(bank)}{size}{index}"
 
 

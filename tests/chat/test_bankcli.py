@@ -33,11 +33,14 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_build_show_search_with_jsonl(tmp_path, tiny_dir, capsys):
     src = tmp_path / "memories.jsonl"
-    src.write_text("\n".join(json.dumps({"text": t, "metadata": {"n": i}}) for i, t in enumerate(MEMORIES)) + "\n\n")
+    src.write_text("\ufeff" + "\n".join(json.dumps({"text": t, "metadata": {"n": i}}) for i, t in enumerate(MEMORIES))
+                   + "\n\n")  # (with the byte order mark some editors write: the first line was invalid JSON)
     bank = tmp_path / "bank.pt"
     code, out, _ = run(capsys, "build", src, bank, "--model", tiny_dir, "--values", "state", "--pooling", "mean",
                        "--batch-size", "2")
     assert code == 0 and "saved 3 memories" in out and "one vector of dimension 64 each (key = value)" in out
+    per_file = bank.stat().st_size / 3 / 1024  # (on disk, beside what it holds in RAM)
+    assert f"{per_file:.1f} KB a memory on disk" in out
     db = MemoryVectorDB.load(bank)
     assert db.metadata(1) == {"n": 1} and db.info["pooling"] == "mean" and db.info["model"] == tiny_dir.name
 

@@ -142,3 +142,12 @@ def test_drop_oldest_turn_keeps_the_rest_exact(tiny_llama):
     fresh = Conversation(lm)
     fresh.build_inputs("two")
     assert conv.ids[:moved.start] == fresh.ids[:moved.start]  # the template, as for a new conversation
+
+
+def test_an_uploaded_text_file_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """Some editors save UTF-8 with a byte order mark: a conversation file re-saved so was refused as invalid JSON."""
+    from chat.inputs import read_upload_text
+
+    path = tmp_path / "conversation.json"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"format": "x"}')
+    assert read_upload_text(path, max_mb=1) == '{"format": "x"}'
