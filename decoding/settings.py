@@ -270,7 +270,7 @@ class GenerationSettings:
         if not isinstance(self.mixture, MixtureSettings):
             raise _bad("mixture", self.mixture, "must be MixtureSettings or a mapping of its fields")
         if self.mixture.enabled and (self.entropy_decoding is not None or self.guidance_scale != 1):
-            raise ValueError("mixture.enabled with entropy_decoding or classifier-free guidance: the mixture decodes "
+            raise ValueError("generation.mixture.enabled with entropy_decoding or classifier-free guidance: the mixture decodes "
                              "from both models' final layers and runs no third forward; turn one of them off")
         if self.entropy_decoding is not None and self.guidance_scale != 1:
             raise ValueError(f"entropy_decoding is {self.entropy_decoding!r} with guidance_scale="

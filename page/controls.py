@@ -17,7 +17,8 @@ ENTROPY_MODES = {"off": None, "trough": "trough", "random_after": "random_after"
 CONTROLS: dict[str, tuple] = {
     "do_sample": ("generation.do_sample", "Decoding", lambda v, cfg: gr.Checkbox(v, label="sampling (off = greedy)")),
     "temperature": ("generation.temperature", "Decoding",
-                    lambda v, cfg: gr.Slider(0, 2, v, step=0.05, label="temperature")),
+                    lambda v, cfg: gr.Slider(0.05, 2, v, step=0.05, label="temperature (sampling; greedy: "
+                                             "sampling off)")),
     "top_k": ("generation.top_k", "Decoding", lambda v, cfg: gr.Slider(0, 200, v, step=1, precision=0,
                                                                        label="top-k (0 = off)")),
     "top_p": ("generation.top_p", "Decoding", lambda v, cfg: gr.Slider(0, 1, v, step=0.01, label="top-p (1 = off)")),
@@ -59,7 +60,7 @@ CONTROLS: dict[str, tuple] = {
                             lambda v, cfg: gr.Checkbox(v, label="exact speculative sampling (a draft proposes, both "
                                                                 "verify)")),
     "mixture_draft": ("mixture.draft", "Mixture",
-                      lambda v, cfg: gr.Radio(list(DRAFTS), value=v, label="draft: gguf = llama.cpp on a quantized "
+                      lambda v, cfg: gr.Radio(_drafts(cfg), value=v, label="draft: gguf = llama.cpp on a quantized "
                                                                           "copy, theta / target = one of the two "
                                                                           "models, ngram = prompt lookup, head = a "
                                                                           "trained EAGLE head")),
@@ -102,7 +103,7 @@ CONTROLS: dict[str, tuple] = {
     "recall_sampling": ("recall.use_sampling", "Recall",
                         lambda v, cfg: gr.Checkbox(v, label="sample the memory (off = most similar)")),
     "recall_temperature": ("recall.temperature", "Recall",
-                           lambda v, cfg: gr.Slider(0, 2, v, step=0.05, label="memory temperature")),
+                           lambda v, cfg: gr.Slider(0.05, 2, v, step=0.05, label="memory temperature (sampling)")),
     "recall_top_k": ("recall.top_k", "Recall",
                      lambda v, cfg: gr.Slider(0, 50, v, step=1, precision=0, label="memory top-k (0 = all)")),
     "recall_top_p": ("recall.top_p", "Recall",
@@ -111,6 +112,12 @@ CONTROLS: dict[str, tuple] = {
                          lambda v, cfg: gr.Slider(-1, 1, v, step=0.01, label="memory min score: under it nothing "
                                                   "fits, the model answers from what it knows (-1 = off)")),
 }
+
+
+def _drafts(cfg: Config) -> list[str]:
+    """The drafts this server can run: `head` only with a trained head (`generation.mixture.head`)."""
+    head = cfg.generation.mixture.head is not None
+    return [d for d in DRAFTS if d != "head" or head]
 
 
 def settings_tab(cfg: Config, tab: str) -> dict[str, gr.Component]:

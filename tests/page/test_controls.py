@@ -23,6 +23,8 @@ def test_every_slider_end_is_a_value_the_server_accepts(name):
         values["mixture_alpha_auto"] = False  # the slider counts only when α is not automatic
     for end in (page[name].minimum, page[name].maximum):
         settings(cfg, {**values, name: end})  # raises ValueError naming the setting when the server refuses it
+        # and with sampling on, where a temperature of 0 was refused
+        settings(cfg, {**values, "do_sample": True, "recall_sampling": True, name: end})
 
 
 @pytest.mark.parametrize("name", sorted(n for n, c in PAGE.items() if isinstance(c, gr.Radio)))
@@ -66,3 +68,12 @@ def test_the_more_tab_reaches_the_rest_of_the_catalogue():
     assert (more.epsilon_cutoff, more.eta_cutoff) == (0.0003, 0.0009)
     with pytest.raises(ValueError, match="negative_prompt is 'no'.*guidance_scale"):
         settings(CFG, {**values, "negative_prompt": "no"})
+
+
+def test_the_head_draft_is_offered_only_with_a_trained_head():
+    """A `head` draft with no `generation.mixture.head` failed every answer; it is on the page when there is one."""
+    from page.controls import _drafts
+
+    assert "head" not in _drafts(CFG) and "gguf" in _drafts(CFG)
+    with_head = load_config(overrides=["generation.mixture.head=/some/head"], environ={})
+    assert "head" in _drafts(with_head)
