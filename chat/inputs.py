@@ -42,6 +42,13 @@ def check_message(text: str, images: list[str], limits: Limits) -> None:
         raise ValueError(f"message: expected at most {limits.max_message_chars} characters, got {len(text)}")
     if len(images) > 8:
         raise ValueError(f"message: expected at most 8 images, got {len(images)}")
+    for path in images:  # (as the API checks its images: readable, of a sane size, whatever the model reads)
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as e:
+            raise ValueError(f"{Path(path).name}: expected an image file, got one that cannot be read "
+                             f"({e.strerror})") from None
+        check_image(raw, Path(path).name)
 
 
 def check_new_tokens(max_new_tokens: int, limits: Limits) -> None:

@@ -81,6 +81,25 @@ def test_message_and_request_limits():
         check_new_tokens(2048, limits)
 
 
+def test_a_messages_images_are_checked_as_the_apis_are(tmp_path, small_image):
+    """The page took a text file named .png and a 20-megapixel image (a text-only model then dropped them, a vision
+    model's processor failed on them); the API refused both. Now a message's images are checked the same way."""
+    from PIL import Image
+
+    limits = Limits(max_message_chars=100, max_input_tokens=50, max_new_tokens_cap=16, max_memories_per_session=10)
+    check_message("What is this?", [str(small_image)], limits)
+    fake = tmp_path / "fake.png"
+    fake.write_text("not an image at all")
+    with pytest.raises(ValueError, match=r"fake.png: expected a PNG or JPEG image, got 19 bytes that are not a readable"):
+        check_message("What is this?", [str(fake)], limits)
+    huge = tmp_path / "huge.png"
+    Image.new("L", (5000, 4000)).save(huge)
+    with pytest.raises(ValueError, match=r"huge.png: expected at most 16777216 pixels, got 5000x4000"):
+        check_message("What is this?", [str(huge)], limits)
+    with pytest.raises(ValueError, match=r"gone.png: expected an image file, got one that cannot be read"):
+        check_message("What is this?", [str(tmp_path / "gone.png")], limits)
+
+
 def test_typed_control_tokens_stay_text(tiny_llama):
     lm = tiny_llama
     conv = Conversation(lm)
