@@ -13,7 +13,7 @@ import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
 import numpy as np
 import torch
@@ -183,9 +183,10 @@ def check_image(raw: bytes, where: str) -> bytes:
 
 
 def check_conversation(data: ConversationFile, *, vocab: int, context: int | None, memory_pad: int,
-                       hidden: int) -> dict[int, torch.Tensor]:
+                       hidden: int, decode: Callable[[list[int]], str]) -> dict[int, torch.Tensor]:
     """The checks that need the model: ids in its vocabulary and context, messages in order and inside
-    the ids, recalls and memory vectors exactly at `<|memory_pad|>` positions. Returns the vectors."""
+    the ids, each user message's text in what its ids decode to (`decode`: the model's tokenizer), recalls and
+    memory vectors exactly at `<|memory_pad|>` positions. Returns the vectors."""
     ids, n = data.ids, len(data.ids)
     if context is not None and n >= context:
         raise ValueError(f"ids: expected fewer than {context} tokens (the model's context), got {n}")
@@ -197,6 +198,12 @@ def check_conversation(data: ConversationFile, *, vocab: int, context: int | Non
     roles = [m.role for m in data.messages]
     if roles != ["user", "assistant"] * (len(roles) // 2) + ["user"] * (len(roles) % 2):
         raise ValueError(f"messages: expected roles alternating user, assistant, ..., got {roles[:10]}")
+    for i, m in enumerate(data.messages):  # (the model reads the ids, the page shows the text: the same message)
+        held = decode(ids[m.start:starts[i + 1] if i + 1 < len(starts) else n])
+        if m.role == "user" and " ".join(m.text.split()) not in " ".join(held.split()):
+            raise ValueError(f"messages.{i}.text: expected the text its ids hold, got {_short(m.text)} where the ids "
+                             f"hold {_short(held, tail=True)} (an edited file, or one saved with another tokenizer: "
+                             f"the file says {data.model!r})")
     pads = {i for i, t in enumerate(ids) if t == memory_pad}
     memory = {}
     for key, text in data.memory.items():
@@ -217,3 +224,9 @@ def check_conversation(data: ConversationFile, *, vocab: int, context: int | Non
         if not all(math.isfinite(r.score) for r in m.recalls):
             raise ValueError(f"messages.{i}.recalls: expected finite scores")
     return memory
+
+
+def _short(text: str, width: int = 60, tail: bool = False) -> str:
+    if len(text) <= width:
+        return repr(text)
+    return repr("..." + text[3 - width:]) if tail else repr(text[:width - 3] + "...")

@@ -347,7 +347,7 @@ class Conversation:
         tok = self.lm.tokenizer
         memory = check_conversation(data, vocab=len(tok), context=self.lm.spec.context,
                                     memory_pad=self.lm.tokens.memory_pad,
-                                    hidden=self.lm.hidden_size)
+                                    hidden=self.lm.hidden_size, decode=tok.decode)
         images = [[decode_image(b, f"messages.{i}.images.{k}") for k, b in enumerate(m.images)]
                   for i, m in enumerate(data.messages)]
         if any(images) and not self.lm.is_vision:

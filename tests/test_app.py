@@ -279,10 +279,10 @@ def test_two_sessions_share_the_model_and_one_stop_stops_only_its_own(server, tm
 
 
 def test_invalid_settings_show_the_engine_message(client):
-    out = client.predict(message=message("hi"), seed=None, do_sample=True, temperature=0.0, api_name="/chat")
-    assert "⚠ temperature is 0.0 with do_sample=True" in out[STATUS] and "Traceback" not in out[STATUS]
-    with pytest.raises(AppError, match="Value 0.0 is less than minimum value 0.01"):  # the slider's own range,
-        client.predict(message=message("hi"), seed=None, typical_p=0.0, api_name="/chat")  # inside the server's
+    out = client.predict(message=message("hi"), seed=None, negative_prompt="a rude reply", api_name="/chat")
+    assert "⚠ negative_prompt is 'a rude reply'" in out[STATUS] and "Traceback" not in out[STATUS]
+    with pytest.raises(AppError, match="Value 0.0 is less than minimum value 0.05"):  # the slider's own range,
+        client.predict(message=message("hi"), seed=None, do_sample=True, temperature=0.0, api_name="/chat")
     out = client.predict(message=message("hi"), seed=-1, api_name="/chat")
     assert "⚠ seed is -1" in out[STATUS]
 

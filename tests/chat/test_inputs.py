@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 
 import numpy as np
 import pytest
@@ -59,6 +60,11 @@ def test_a_saved_conversation_loads_back_exactly(tiny_llama, saved, tmp_path):
     (lambda d: d["messages"].reverse(), "messages"),
     (lambda d: d.update(format="recall-chat/conversation-1"), "format"),
     (lambda d: d.update(extra=1), "extra"),
+    # the page showed the edited question while the model answered the one its ids hold
+    (lambda d: d["messages"][0].update(text="What colour is the bakery door?"),
+     re.escape("messages.0.text: expected the text its ids hold, got 'What colour is the bakery door?' where")),
+    # ids of another tokenizer decode to other words here
+    (lambda d: d.update(ids=[(t + 7) % 40000 for t in d["ids"]]), "messages.0.text: expected the text its ids hold"),
 ])
 def test_hostile_files_are_refused_and_the_conversation_is_untouched(tiny_llama, saved, tmp_path, change, message):
     conv = load(tiny_llama, saved, tmp_path)
