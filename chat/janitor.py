@@ -51,7 +51,9 @@ class Janitor:
                 if now - s.last_used > ttl and not any(not r.done.is_set() for r in s.active)]
         for s in idle:
             log.info("session %d idle for %.0f s: freed", s.id, now - s.last_used)
+            lost = s.own_bank is not None or s.conv is not None and bool(s.conv.messages)
             self.service.end_session(s)
+            s.expired = now - s.last_used if lost else None  # (what it held is said at its next answer)
         if idle:
             gc.collect()
             _return_freed_memory()

@@ -256,6 +256,11 @@ class Service(SessionService):
                 conv = self.conversation(s)
                 _check_tokens(conv, settings)
                 s.last_change = None
+                if s.expired is not None:
+                    yield Notice(f"this page was idle for {_span(s.expired)} (app.session_ttl_s: "
+                                 f"{self.cfg.app.session_ttl_s} s), so its conversation and its bank were let go: "
+                                 "this message starts a new conversation")
+                    s.expired = None
                 yield from self._read_ahead(conv, text, images, settings, recall_first, interrupt)
                 try:
                     if changed := self.remember(s, self.people.decide(conv.lm, text)):
@@ -426,3 +431,7 @@ def _check_tokens(conv: Conversation, settings: GenerationSettings) -> None:
         check_token_ids(settings, conv.lm.spec.vocab_size)
     except ValueError as e:
         raise ServiceError(str(e)) from None
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} minutes"

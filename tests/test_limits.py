@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -204,14 +205,20 @@ def test_idle_sessions_are_freed(smollm2, tmp_path):
 
 
 def test_the_janitor_frees_a_session_after_its_time_to_live(smollm2, tmp_path):
-    with serve(smollm2, "app.session_ttl_s=1") as s:
-        Client(s.url, verbose=False, download_files=str(tmp_path)).predict("a memory", None,
-                                                                           api_name="/write_memories")
-        assert s.service.sessions
+    """An idle page's session is freed; its next message starts a new conversation and says so (it started again
+    without a word: the earlier turns and the bank choice gone)."""
+    with serve(smollm2, "app.session_ttl_s=1", "generation.max_new_tokens=4") as s:
+        client = Client(s.url, verbose=False, download_files=str(tmp_path))
+        first = client.predict(message=message("Hello."), api_name="/chat")
+        assert s.service.sessions and "idle" not in first[STATUS]  # (nothing was let go before it)
         deadline = time.monotonic() + 30
         while s.service.sessions and time.monotonic() < deadline:
             time.sleep(0.2)
         assert s.service.sessions == {}
+        again = client.predict(message=message("Hello again."), api_name="/chat")
+        assert re.search(r"this page was idle for \d s \(app.session_ttl_s: 1 s\), so its conversation", again[STATUS])
+        assert len(again[0]) == 2  # (the chat holds the new message and its answer alone)
+        assert "idle" not in client.predict(message=message("And?"), api_name="/chat")[STATUS]  # (said once)
 
 def test_sigterm_removes_every_session_folder(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"}
