@@ -60,6 +60,8 @@ def check_name(name: str) -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise UsersError(f"a user name is 1-64 letters, digits, '_', '.', '@' or '-' (starting with a letter or "
                          f"digit), got {name!r}")
+    if name == LOCAL:  # (the memories written while the server ran without logins are LOCAL's)
+        raise UsersError(f"{LOCAL!r} is the one user of a server without a users file: choose another name")
     return name
 
 
@@ -215,7 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"new API key for {args.name} (shown once): {rotate_key(args.file, args.name)}")
         elif args.command == "remove":
             remove(args.file, args.name)
-            print(f"removed {args.name}")
+            print(f"removed {args.name}: their open pages are logged out at their next action; their memories stay "
+                  f"in memory.user_dir/{args.name} until you delete that folder (a user added later with this name "
+                  "would read them)")
         else:
             for user in Users(args.file).list():
                 print(f"{user.name}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(user.created))}")

@@ -81,6 +81,8 @@ class Handlers:
         """With a users file, the session is its login's: every event that reads or writes a memory says whose,
         so a tab's answers are never another user's whatever Gradio does with its state."""
         if self.service.users is not None and request is not None and request.username:
+            if request.username not in self.service.users.names():  # (removed since the login: `recall-users`)
+                raise gr.Error(f"the user {request.username!r} is no longer on this server: log in again")
             s.user = request.username
 
     async def chat(self, message: dict | None, recall_first: bool, s: Session, request: gr.Request = None,

@@ -294,3 +294,10 @@ def test_a_person_is_remembered_across_a_restart_and_sees_only_their_own(page, d
         page.wait_for_function("document.querySelectorAll('#chatbot .bot').length > 0 && "
                                "document.querySelector('#status').innerText.includes('done')")
         assert "Lena" not in page.inner_text("#chatbot") and "haven't told me" in page.inner_text("#chatbot")
+
+        users.remove(path, "bob")  # bob's open page: its next message is refused, and nothing of it is written
+        page.locator("#message textarea").fill("My brother is called Tom.")
+        page.locator("#message textarea").press("Enter")
+        page.get_by_text("the user 'bob' is no longer on this server: log in again").first.wait_for()
+        assert not (tmp_path / "mem" / "bob").exists() or "Tom" not in "".join(
+            p.read_text(errors="ignore") for p in (tmp_path / "mem" / "bob").rglob("*") if p.is_file())

@@ -69,6 +69,7 @@ def test_two_users_have_their_own_keys(tmp_path):
 
 @pytest.mark.parametrize("name,password,expected", [
     ("", "password1", "user name"), ("../etc", "password1", "user name"), ("ada", "short", "at least 8"),
+    ("local", "password1", "the one user of a server without a users file"),  # (it read what was written then)
 ])
 def test_bad_names_and_passwords_are_refused_by_name(tmp_path, name, password, expected):
     with pytest.raises(UsersError, match=expected):
