@@ -246,7 +246,7 @@ class Banks:
             raise ServiceError("there is no bank to download")
         if fmt not in BANK_TYPES:
             raise ServiceError(f"format {fmt!r}: choose one of {', '.join(BANK_TYPES)}")
-        path = self.files / f"memory-bank-{s.id}-{len(db)}{fmt}"
+        path = s.files / f"memory-bank-{len(db)}{fmt}"  # (the session's folder: freed with it)
         db.save(path)
         return path
 

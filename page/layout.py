@@ -85,7 +85,8 @@ def _conversation_tab() -> dict[str, gr.Component]:
 def build_demo(service: ChatService) -> gr.Blocks:
     """The page over `service`: every control wired to its handler, and each handler to its API name."""
     cfg, h = service.cfg, Handlers(service)
-    with gr.Blocks(title="recall chat") as demo:
+    # (the files a person downloads, a bank or their memories, leave Gradio's cache within half an hour)
+    with gr.Blocks(title="recall chat", delete_cache=(900, 900)) as demo:
         # Plain functions, never bound methods: every page load deep-copies component props, and a
         # bound method would copy its object (the service and the model weights) with it.
         def new_session() -> Session:

@@ -306,7 +306,7 @@ def test_bank_upload_and_bad_uploads_leave_the_bank_untouched(client, tmp_path):
     assert not marker.exists()
 
 
-def test_write_memories_and_find_them_by_text(client):
+def test_write_memories_and_find_them_by_text(client, server):
     md, _, status, _, text_box, _ = client.predict(
         "Mira's boat is called the Heron.\nThe ferry leaves at seven.\nOda bakes saffron bread.", None,
         api_name="/write_memories")
@@ -319,6 +319,10 @@ def test_write_memories_and_find_them_by_text(client):
     assert "**2** memories" in md
     path, status = client.predict(".pt", api_name="/download_bank")
     assert len(MemoryVectorDB.load(path)) == 2
+    # written in the session's own folder (freed with it; it stayed in the server's until the server ended)
+    (session,) = [x for x in server.service.sessions.values() if x.own_bank is not None and len(x.own_bank) == 2]
+    assert [p.name for p in session.files.glob("memory-bank-*")] == ["memory-bank-2.pt"]
+    assert not list(server.service.files.glob("memory-bank-*"))
 
 
 def test_example_bank_and_recall_first_show_a_highlighted_memory(client):
