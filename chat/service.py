@@ -371,9 +371,13 @@ class Service(SessionService):
                 if result.missed_recall and result.missed_recall[0]:
                     yield Notice(NO_MEMORY)
                 tokens = lambda: [s.conv.lm.tokenizer.decode([t]) for t in result.new_tokens[0].tolist()]  # noqa: E731
-                if result.entropy is not None and result.entropy.normalised_entropies.shape[1]:
-                    s.last_plot = ("entropy", result.entropy.normalised_entropies[0].cpu().numpy(),
-                                   result.entropy.selected_layer_indices[0].tolist(), tokens(), result.entropy.mode)
+                trace = result.entropy
+                if trace is not None and trace.normalised_entropies.shape[1]:
+                    decode = s.conv.lm.tokenizer.decode
+                    layers = None if trace.per_layer_token_ids is None else [  # (entropy_record_tokens)
+                        [decode([t]) for t in step] for step in trace.per_layer_token_ids[0].tolist()]
+                    s.last_plot = ("entropy", trace.normalised_entropies[0].cpu().numpy(),
+                                   trace.selected_layer_indices[0].tolist(), tokens(), trace.mode, layers)
                 elif isinstance(result, MixtureResult) and result.alphas:
                     s.last_plot = ("mixture", list(result.alphas), tokens())
                     s.last_note = (f"q*: acceptance {result.acceptance_rate:.0%}, {result.tokens_per_round:.2f} "

@@ -204,11 +204,13 @@ def alpha_figure(alphas: Sequence[float], tokens: Sequence[str]):
 ENTROPY_UNIT = "normalised entropy, H / log2 V (0-1)"  # bits over the most V tokens can have: 0 one-hot, 1 uniform
 
 
-def entropy_figure(entropies, selected, tokens: Sequence[str], mode: str):
+def entropy_figure(entropies, selected, tokens: Sequence[str], mode: str,
+                   layer_tokens: Sequence[Sequence[str]] | None = None):
     """Entropy over layers x generated tokens as a heatmap, the chosen layer of each token marked.
 
     entropies: [steps, L] in seed 002's unit, H / log2 V (`ENTROPY_UNIT`); selected: [steps] chosen layer;
-    tokens: the text of each step's token.
+    tokens: the text of each step's token; layer_tokens: [steps][L] each layer's own most likely token
+    (`entropy_record_tokens`), written in its cell when the answer is short enough to read them.
     """
     from matplotlib.figure import Figure  # the object API draws without pyplot's global state or a display
 
@@ -220,8 +222,13 @@ def entropy_figure(entropies, selected, tokens: Sequence[str], mode: str):
     ax.scatter(range(steps), list(selected), marker="s", s=18, facecolors="none", edgecolors="#f59e0b",
                label="chosen layer")
     _token_ticks(ax, tokens)
+    if layer_tokens is not None and steps <= 40:
+        for step, row in enumerate(layer_tokens):
+            for layer, text in enumerate(row):
+                ax.text(step, layer, repr(text)[1:-1][:6], ha="center", va="center", fontsize=4, color="white")
     ax.set_ylabel("layer")
-    ax.set_title(f"entropy of each layer's next-token distribution ({mode}), last answer", fontsize=9)
+    ax.set_title(f"entropy of each layer's next-token distribution ({mode}), last answer"
+                 + (": each cell its layer's own next token" if layer_tokens is not None else ""), fontsize=9)
     ax.legend(loc="upper right", fontsize=7)
     fig.colorbar(image, ax=ax, label=ENTROPY_UNIT)
     return fig

@@ -44,6 +44,9 @@ CONTROLS: dict[str, tuple] = {
                                                        "(trough), or one drawn from there to the last (random_after)",
                                                  elem_id="entropy-mode"),
                          lambda choice, values: ENTROPY_MODES.get(choice, choice)),
+    "entropy_record_tokens": ("generation.entropy_record_tokens", "Decoding",
+                              lambda v, cfg: gr.Checkbox(v, label="layer decoding: write each layer's own next token "
+                                                                  "in the picture", elem_id="entropy-tokens")),
     "mixture": ("mixture.enabled", "Mixture",
                 lambda v, cfg: gr.Checkbox(v, label="sample from q* ∝ π_θ^α · π_t^(1-α): the model with its adapter "
                                                     "(θ) mixed with its base (t)", elem_id="mixture-on")),

@@ -140,7 +140,7 @@ def build_demo(service: ChatService) -> gr.Blocks:
                     c = _conversation_tab()
 
         if service.backend() == "llamacpp":  # (what llama.cpp cannot run: `decoding.backend.require`)
-            for name in ("entropy_decoding", "mixture", "guidance_scale", "negative_prompt"):
+            for name in ("entropy_decoding", "entropy_record_tokens", "mixture", "guidance_scale", "negative_prompt"):
                 controls[name].interactive = False
                 controls[name].info = "runs on transformers (model.backend: transformers); this server runs llama.cpp"
         auto_alpha = controls["mixture_alpha_auto"]

@@ -605,7 +605,7 @@ def test_the_pages_plot_draws_the_records_in_the_seeds_unit_and_says_so(llama):
     """The picture the page shows after an entropy answer (`chat.service` keeps it, `answer_figure` draws it): the
     trace's normalised entropies as they are, the colour bar labelled with their unit."""
     inputs = llama.tokenizer([CHAT.format("Tell me about the sea.")], return_tensors="pt")
-    result = generate(llama.model, inputs, entropy_settings(max_new_tokens=5))
+    result = generate(llama.model, inputs, entropy_settings(max_new_tokens=5, entropy_record_tokens=False))
     session = SimpleNamespace(conv=SimpleNamespace(lm=llama), last_plot=None, last_note="", last_speed=0.0)
     list(Service._noted(session, iter([DoneEvent(result)])))
     heat, colorbar = answer_figure(session.last_plot).axes
@@ -613,3 +613,19 @@ def test_the_pages_plot_draws_the_records_in_the_seeds_unit_and_says_so(llama):
     values = result.entropy.normalised_entropies[0]  # [steps, L]
     assert torch.equal(torch.as_tensor(heat.images[0].get_array()).float(), values.T)
     assert 0 < float(values.min()) and float(values.max()) <= 1
+    assert not heat.texts  # (nothing recorded: no token in the cells)
+
+
+def test_the_pages_plot_writes_each_layers_recorded_token_in_its_cell(llama):
+    """With `entropy_record_tokens` (seed 002's record of every layer's own argmax), the picture writes each layer's
+    token in its cell: the record reached only Python callers before."""
+    inputs = llama.tokenizer([CHAT.format("Tell me about the sea.")], return_tensors="pt")
+    result = generate(llama.model, inputs, entropy_settings(max_new_tokens=4, entropy_record_tokens=True))
+    session = SimpleNamespace(conv=SimpleNamespace(lm=llama), last_plot=None, last_note="", last_speed=0.0)
+    list(Service._noted(session, iter([DoneEvent(result)])))
+    heat, _ = answer_figure(session.last_plot).axes
+    ids = result.entropy.per_layer_token_ids[0]  # [steps, L]
+    assert len(heat.texts) == ids.numel() and "each cell its layer's own next token" in heat.get_title()
+    cell = {(t.get_position()): t.get_text() for t in heat.texts}
+    step, layer = 2, LAYERS - 1
+    assert cell[(step, layer)] == repr(llama.tokenizer.decode([int(ids[step, layer])]))[1:-1][:6]
