@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from chat.banks import Banks
 from chat.config import Config
 from chat.inputs import read_upload_text
-from chat.people import Decision, Imported, People, Remembered, about_the_user, public
+from chat.people import Decision, Imported, People, Remembered, about_the_user, public, to_remember
 from chat.session import Conversation, Session
 from chat.worker import Request, ServiceError, Worker, describe
 from decoding.settings import GenerationSettings, RecallSettings
@@ -267,14 +267,19 @@ def my_memory_history(svc: ModelSide, s: Session) -> list[dict[str, Any]]:
 
 @operation(queued=True)
 def remember(svc: ModelSide, s: Session, text: str, source: str = "api") -> Request:
-    """Queue writing a memory of the session's user, as a "remember that ..." in the chat writes it."""
+    """Queue writing a memory of the session's user, as a "remember that ..." in the chat writes it
+    (`chat.people.to_remember`: a question, a request, a "forget ..." or a single word is refused by name, as the chat
+    does not write them either)."""
     text = (text or "").strip()
     if not text:
         raise ServiceError("text: expected what to remember, got nothing")
     if len(text) > svc.cfg.app.max_message_chars:
         raise ServiceError(f"text: expected at most {svc.cfg.app.max_message_chars} characters, got {len(text)}")
-    return svc.worker.submit(Request("remember", lambda _: svc.remember(s, Decision(write=about_the_user(text)), source),
-                                     s.id))
+    try:
+        memory = to_remember(text)
+    except ValueError as e:
+        raise ServiceError(f"text: {e}") from None
+    return svc.worker.submit(Request("remember", lambda _: svc.remember(s, Decision(write=memory), source), s.id))
 
 
 @operation(queued=True)
@@ -310,12 +315,16 @@ def edit_memory(svc: ModelSide, s: Session, memory_id: str, text: str) -> Reques
         raise ServiceError("text: expected the memory's new text, got nothing")
     if len(text) > svc.cfg.app.max_message_chars:
         raise ServiceError(f"text: expected at most {svc.cfg.app.max_message_chars} characters, got {len(text)}")
+    try:
+        memory = to_remember(text)  # (as the Remember box takes it: an edit into a question is refused)
+    except ValueError as e:
+        raise ServiceError(f"text: {e}") from None
 
     def run(_) -> Remembered:
         old = mine.remove([memory_id])  # first: the new text may read as a duplicate of the one it replaces
         s.last_change = Remembered(forgotten=tuple(old))
         try:
-            done = svc.remember(s, Decision(write=about_the_user(text)), "edit")
+            done = svc.remember(s, Decision(write=memory), "edit")
         except BaseException:
             svc.undo_change(s)  # a failed write changes nothing: the old memory comes back as it was
             raise
@@ -361,7 +370,13 @@ def import_memories(svc: ModelSide, s: Session, path: str | Path) -> Request:
     if long := [i for i, t in enumerate(texts) if len(t.strip()) > cap]:
         raise ServiceError(f"{name}: memory {long[0] + 1} has {len(texts[long[0]].strip())} characters, over "
                            f"app.max_message_chars={cap}: split it into shorter memories; nothing was written")
-    texts = [about_the_user(t.strip()) for t in texts]
+    memories = []
+    for i, t in enumerate(texts):  # each as "remember" takes it: a question or a "forget ..." refuses the file
+        try:
+            memories.append(to_remember(t))
+        except ValueError as e:
+            raise ServiceError(f"{name}: memory {i + 1}: {e}") from None
+    texts = memories
 
     def run(_) -> Imported:
         return svc.people.write_many(svc.wait_model(), s.user, texts, source="import", conversation=f"session-{s.id}")

@@ -41,11 +41,16 @@ def normalise_text(text: str) -> str:
     return " ".join(re.findall(r"\w+", text.lower()))
 
 
+# words whose presence or absence does not change what a memory says ("The user has got two cats." is "The user has
+# two cats."), compared only between keys at `Similar.duplicate` or closer
+FILLER = frozenset({"a", "an", "the", "got", "really", "very", "just", "also", "actually"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Similar:
     """How close a new memory's key must be to an old one's (cosine) to be the same memory, or the same thing."""
 
-    duplicate: float = 0.97  # not added twice
+    duplicate: float = 0.97  # as close as this and the same words (but for `FILLER`): not added twice
     supersede: float = 0.80  # the newer replaces the older (when not a duplicate)
 
     def __post_init__(self):
@@ -54,12 +59,31 @@ class Similar:
                              f"duplicate={self.duplicate}")
 
 
+def _content(words: str) -> list[str]:
+    return [w for w in words.split() if w not in FILLER]
+
+
+def twin(closest: Sequence[dict], text: str, similar: Similar) -> dict | None:
+    """The kept memory (of a bank's `search`: {"score", "index", "text", "metadata"}) that a memory of `text` would
+    repeat, or None: one of the same words (case and punctuation aside), or one whose key is at `similar.duplicate`
+    or closer and whose words differ only in `FILLER`. A near-identical key with other words is not a repeat: the
+    key encoder puts "The user's bank PIN is 1111." and "... 2222." at 0.99, "... dog is called Rex." and "... Max."
+    at 0.98, so a changed number or name is a newer value (`judge`), never dropped as a duplicate."""
+    words = normalise_text(text)
+    for f in closest:
+        kept = normalise_text(f.get("text") or "")
+        if kept == words or (f["score"] >= similar.duplicate and (
+                _content(kept) == _content(words) if f.get("text") else True)):
+            return f
+    return None
+
+
 def judge(closest: Sequence[dict], text: str, similar: Similar) -> list[dict] | None:
     """What a new memory of `text` is to the kept ones closest to its key (a bank's `search`: {"score", "index",
-    "text", "metadata"}, at most `CLOSEST`): None when it is one of them again (a key as good as the same, or the
-    same words), else those it supersedes."""
-    words = normalise_text(text)
-    if any(f["score"] >= similar.duplicate or normalise_text(f.get("text") or "") == words for f in closest):
+    "text", "metadata"}, at most `CLOSEST`): None when it is one of them again (`twin`), else those it supersedes
+    (keys at `similar.supersede` or closer: the same thing, a newer value; near-identical keys with other words
+    too)."""
+    if twin(closest, text, similar) is not None:
         return None
     return [f for f in closest if f["score"] >= similar.supersede]
 
@@ -93,16 +117,34 @@ def as_restored(entry: dict) -> dict:
     return {k: v for k, v in entry.items() if k not in ("index", "text", "superseded_at", "superseded_by")}
 
 
+def _put_back(bank: MemoryVectorDB, history: list[dict], key: torch.Tensor, value: Any, entry: dict) -> list[dict]:
+    """Add `entry` (a superseded or forgotten memory) to `bank` as it was; the history without it."""
+    meta = as_restored(entry)
+    bank.add(key, [entry["text"]], [meta], None if value is None else [value])
+    return [h for h in history if h.get("id") != meta.get("id")]
+
+
 def newest_first(entries: Iterable[dict]) -> list[dict]:
     """Entries ({"index", "created_at", ...}) newest first (the later written first among those of one time)."""
     return sorted(entries, key=lambda e: (-e.get("created_at", 0.0), -e["index"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Undone:
+    """What an undo did (`Personal.undo`): the memories it `removed`, those it `restored`, and the kept memories that
+    say what a memory to restore said (`twin`: the same fact came back meanwhile, so it was not put back twice)."""
+
+    removed: tuple[dict, ...] = ()
+    restored: tuple[dict, ...] = ()
+    kept: tuple[dict, ...] = ()
 
 
 class Personal(Protocol):
     """One person's memories, whichever store keeps them. `entries` are {"index" (the id of the memory in `bank`),
     "id", "text", "created_at", "source", "conversation"}, newest first; `bank` is what the memory head searches
     (None while there is nothing to search); `add` gives (the new entry, or None for a duplicate of one kept; the
-    entries it superseded, now in `history`); `remove` raises `KeyError` naming an id that is not theirs."""
+    entries it superseded, now in `history`); `remove` raises `KeyError` naming an id that is not theirs; `undo` takes
+    back a change (what it wrote goes, what it superseded or forgot comes back)."""
 
     @property
     def bank(self) -> BankShape | None: ...
@@ -126,6 +168,32 @@ class Personal(Protocol):
         gives for each. Here one by one (a store without transactions); `PersonalMemory` writes them all at once."""
         return [self.add(key, value, text, similar=similar, make_bank=make_bank, **meta)
                 for key, value, text, meta in items]
+
+    def undo(self, remove: Sequence[str], restore: Sequence[tuple[torch.Tensor, Any, dict]], *,
+             similar: Similar = Similar(), make_bank: Callable[[], MemoryVectorDB] | None = None) -> Undone:
+        """Take back a change: delete the memories of ids `remove` (those still here) and put back each (key [1, D],
+        value, entry) of `restore` as it was (`restore`), unless a memory of its id is here already or one that says
+        the same (`twin`, not counting those removed) came back meanwhile. Here one change after another, the
+        restores first (a store without transactions: a failure part way leaves a memory twice, never none);
+        `PersonalMemory` makes it one write, all or nothing."""
+        live = {e.get("id") for e in self.entries()}
+        gone = [i for i in dict.fromkeys(remove) if i in live]
+        restored, kept = [], []
+        for key, value, entry in restore:
+            if entry.get("id") in live:
+                continue
+            bank = self.bank
+            found = [] if bank is None else [f for f in bank.search(key[0], CLOSEST)
+                                             if (f.get("metadata") or {}).get("id") not in gone]
+            if (same := twin(found, entry["text"], similar)) is not None:
+                kept.append(as_entry(same))
+                continue
+            back = self.restore(key, value, entry, make_bank=make_bank)
+            if back is not None:
+                restored.append(back)
+                live.add(back.get("id"))
+        gone = [i for i in gone if self.find(i) is not None]  # (one deleted meanwhile stays deleted)
+        return Undone(tuple(self.remove(gone)), tuple(restored), tuple(kept))
 
 
 class PersonalMemory(Personal):
@@ -206,9 +274,7 @@ class PersonalMemory(Personal):
         may supersede an earlier one of the same call), on one copy written to the file once: all of them or, on any
         failure, none (one copy and one file write, where `add` in a loop copied and wrote the whole bank each time)."""
         with self._writing() as now:
-            if now is None and make_bank is None:
-                raise ValueError(f"{self.path}: expected make_bank to make the first bank, got None")
-            bank = now.copy() if now is not None else make_bank()
+            bank = self._copy(now, make_bank)
             done, history = [], list(bank.info.get("history", []))
             for key, value, text, meta in items:
                 old = judge(bank.search(key[0], CLOSEST), text, similar)
@@ -231,16 +297,48 @@ class PersonalMemory(Personal):
                 make_bank: Callable[[], MemoryVectorDB] | None = None) -> dict | None:
         """Put a memory back as it was (its id, time and source): the undo of a forget or of a supersede. It leaves
         the history; None when a memory of that id is here already."""
-        meta = as_restored(entry)
         with self._writing() as now:
-            if now is not None and any((now.metadata(i) or {}).get("id") == meta.get("id") for i in range(len(now))):
+            if any(e.get("id") == entry.get("id") for e in self.entries()):
                 return None
-            bank = now.copy() if now is not None else make_bank()
-            bank.add(key, [entry["text"]], [meta], None if value is None else [value])
-            history = [h for h in bank.info.get("history", []) if h.get("id") != meta.get("id")]
+            bank = self._copy(now, make_bank)
+            history = _put_back(bank, list(bank.info.get("history", [])), key, value, entry)
             bank.info = dict(bank.info, history=history)
             self._publish(bank)
-            return dict(meta, text=entry["text"])
+            return dict(as_restored(entry), text=entry["text"])
+
+    def undo(self, remove: Sequence[str], restore: Sequence[tuple[torch.Tensor, Any, dict]], *,
+             similar: Similar = Similar(), make_bank: Callable[[], MemoryVectorDB] | None = None) -> Undone:
+        """`Personal.undo` on one copy written to the file once: every part of it, or (any failure) nothing. (Ids are
+        a memory's `id`, never its place: a bank's ids have holes once any memory was deleted.)"""
+        with self._writing() as now:
+            entries = self.entries()
+            by_id = {e.get("id"): e for e in entries}
+            gone = [by_id[i] for i in dict.fromkeys(remove) if i in by_id]
+            if now is None and not restore:
+                return Undone()
+            bank = self._copy(now, make_bank)
+            if gone:
+                bank.remove([e["index"] for e in gone])
+            live = set(by_id) - {e.get("id") for e in gone}
+            history, restored, kept = list(bank.info.get("history", [])), [], []
+            for key, value, entry in restore:
+                if entry.get("id") in live:
+                    continue
+                if (same := twin(bank.search(key[0], CLOSEST), entry["text"], similar)) is not None:
+                    kept.append(as_entry(same))
+                    continue
+                history = _put_back(bank, history, key, value, entry)
+                live.add(entry.get("id"))
+                restored.append(dict(as_restored(entry), text=entry["text"]))
+            if gone or restored:
+                bank.info = dict(bank.info, history=history)
+                self._publish(bank)
+            return Undone(tuple(gone), tuple(restored), tuple(kept))
+
+    def _copy(self, now: MemoryVectorDB | None, make_bank: Callable[[], MemoryVectorDB] | None) -> MemoryVectorDB:
+        if now is None and make_bank is None:
+            raise ValueError(f"{self.path}: expected make_bank to make the first bank, got None")
+        return now.copy() if now is not None else make_bank()
 
     def remove(self, memory_ids: Sequence[str]) -> list[dict]:
         """Delete memories by id (not kept in the history: the person asked them gone); the deleted entries.

@@ -7,6 +7,7 @@ not tell.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -18,27 +19,97 @@ SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "remember-decision
 
 
 # first person -> the user, word by word (the verb right after "I" takes the third person: I live -> the user lives)
-_WORDS = {"my": "the user's", "mine": "the user's", "myself": "the user", "me": "the user", "i'm": "the user is",
-          "i've": "the user has", "i'd": "the user would", "i'll": "the user will", "our": "the user's", "ours": "the user's",
-          "we're": "the user is", "we've": "the user has", "we'd": "the user would", "we'll": "the user will"}
-_KEEP_AFTER_I = {"was", "will", "would", "can", "could", "should", "shall", "might", "must", "may", "had", "did",
-                 "got", "went", "made", "saw", "took", "came", "bought", "left", "met", "found", "grew", "began", "knew"}
+_WORDS = {"my": "the user's", "mine": "the user's", "myself": "themselves", "ourselves": "themselves",
+          "me": "the user", "our": "the user's", "ours": "the user's"}
+# a contraction of "I" / "we": (alone, in a compound subject: "my wife and I've ...")
+_CONTRACTIONS = {"i'm": ("is", "are"), "i've": ("has", "have"), "i'd": ("would", "would"), "i'll": ("will", "will"),
+                 "we're": ("is", "are"), "we've": ("has", "have"), "we'd": ("would", "would"),
+                 "we'll": ("will", "will")}
+# after "I'd": had, not would ("I'd been to Paris")
+_HAD_BEFORE = {"been", "better", "had", "gone", "done", "seen", "already", "got", "gotten", "known", "taken", "given",
+               "met", "left", "lost", "forgotten", "made", "found", "bought", "told", "written", "eaten", "heard",
+               "kept", "sold", "thought", "taught", "brought", "built", "spent"}
+# a verb right after "I" that stays as it is: modals, and the past (-ed and these)
+_KEEP_AFTER_I = set("""
+was will would can could should shall might must may had did got went made saw took came bought left met found
+grew began knew ought taught thought brought caught fought sought built sent spent lent bent felt kept slept
+swept wept meant dealt learnt burnt dreamt lost shot sold told held fed led fled ate drank drove flew forgot
+gave wrote rode rose spoke stole swam sang rang ran sat stood understood won wore woke threw drew chose broke
+froze became fell forgave hung paid said heard struck stuck shook spun laid hid bit slid dug overcame withdrew
+born been done gone seen known taken given grown thrown shown written eaten fallen driven ridden spoken
+forgotten gotten begun sung swum drunk
+""".split())
+_PRESENT_EED = {"need", "feed", "breed", "bleed", "speed", "succeed", "proceed", "exceed", "heed", "seed", "weed"}
 _ADVERBS = {"never", "also", "still", "really", "just", "always", "usually", "often", "recently", "once", "sometimes",
-            "mostly", "only", "truly", "absolutely", "rarely", "seldom", "actually", "currently", "now"}
-_IRREGULAR = {"am": "is", "have": "has", "do": "does", "go": "goes", "was": "was", "were": "was", "are": "is"}
+            "mostly", "only", "truly", "absolutely", "rarely", "seldom", "actually", "currently", "now", "too", "even",
+            "already", "probably", "definitely", "certainly", "generally", "normally", "finally", "no", "longer",
+            "nearly", "almost", "hardly", "barely", "occasionally", "regularly", "both", "all"}
+_IRREGULAR = {"am": "is", "have": "has", "do": "does", "go": "goes", "was": "was", "were": "was", "are": "is",
+              "don't": "doesn't", "haven't": "hasn't", "aren't": "isn't", "weren't": "wasn't", "ain't": "isn't"}
+# what may open a clause (the subject follows), and what starts a short noun phrase joined to "I" by "and"
+_OPENERS = {"that", "because", "when", "while", "since", "but", "although", "though", "so", "if", "where", "as",
+            "and", "or"}
+_DETERMINERS = {"my", "our", "the", "his", "her", "their", "your", "both", "a", "an"}
+_PRONOUNS = {"he", "she", "you", "they"}
+_FIRST = {"i", "we", "me", *_CONTRACTIONS}
 
 
 def _third_person(verb: str) -> str:
     low = verb.lower()
     if low in _IRREGULAR:
         return _IRREGULAR[low]
-    if low in _KEEP_AFTER_I or low.endswith("ed") or not low.isalpha():
+    if low in _KEEP_AFTER_I or (low.endswith("ed") and low not in _PRESENT_EED) or not low.isalpha():
         return verb
     if re.search(r"(s|sh|ch|x|z|o)$", low):
         return verb + "es"
     if re.search(r"[^aeiou]y$", low):
         return verb[:-1] + "ies"
     return verb + "s"
+
+
+@dataclasses.dataclass
+class _Word:
+    space: str  # the white space before it
+    text: str  # as written
+    word: str  # its word ("" for none: a quote, a dash)
+    tail: str  # what follows the word in `text` (punctuation)
+
+    @property
+    def low(self) -> str:
+        return self.word.lower()
+
+
+def _words(text: str) -> list[_Word]:
+    parts = re.split(r"(\s+)", text)
+    out, space = [], ""
+    for part in parts:
+        if not part or part.isspace():
+            space += part
+            continue
+        core = re.match(r"^([\w']+)(.*)$", part)
+        out.append(_Word(space, part, core[1] if core else "", core[2] if core else ""))
+        space = ""
+    return out
+
+
+def _joined_subject(words: list[_Word], i: int) -> bool:
+    """Whether `words[i]` ("I", "we") is the end of a subject of several ("My wife and I live", "Lena and I are",
+    "Both my brother and I"): its verb stays plural. Not a clause of its own after "and" ("I have two cats and I love
+    them", "My sister cooks and I clean")."""
+    if i < 1 or words[i - 1].low != "and" or words[i - 1].tail:
+        return False
+    j, phrase = i - 2, []
+    while j >= 0 and not words[j].tail and words[j].low not in _OPENERS:
+        phrase.insert(0, words[j])
+        j -= 1
+    if not phrase or any(w.low in _FIRST for w in phrase):
+        return False
+    first = phrase[0]
+    if first.low in _PRONOUNS:
+        return len(phrase) == 1
+    if first.low in _DETERMINERS:  # a noun after it, or an adjective and a noun ("my sister cooks": a clause)
+        return len(phrase) == 2 or (len(phrase) == 3 and (first.low == "both" or not phrase[-1].low.endswith("s")))
+    return len(phrase) == 1 and first.word[:1].isupper()  # a name
 
 
 _FIRST_PERSON = re.compile(r"\b(?:i|me|my|mine|myself|i'm|i've|i'd|i'll|we|our|ours|us)\b", re.I)
@@ -51,29 +122,39 @@ def mentions_the_user(text: str) -> bool:
 
 def about_the_user(text: str) -> str:
     """A first-person statement as a memory about the user: "my sister is called Lena" -> "The user's sister is
-    called Lena."; "I live in Porto" -> "The user lives in Porto."; a text in the third person stays as it is."""
-    words = re.split(r"(\s+)", text.strip().replace("\u2019", "'"))
+    called Lena."; "I live in Porto" -> "The user lives in Porto."; "I don't have a car" -> "The user doesn't have a
+    car."; "My wife and I live in Rome" -> "The user's wife and the user live in Rome."; a text in the third person
+    stays as it is."""
+    words = _words(text.strip().replace("\u2019", "'"))
     out, after_i = [], False
-    for w in words:
-        if not w or w.isspace():
-            out.append(w)
-            continue
-        core = re.match(r"^([\w']+)(.*)$", w)
-        word, tail = (core[1], core[2]) if core else (w, "")
-        low = word.lower()
-        if after_i and low in _ADVERBS:
-            out.append(w)
+    for i, w in enumerate(words):
+        low, tail = w.low, w.tail
+        if after_i and low in ("myself", "ourselves"):  # "I myself built": the user built
+            out.append(tail)
             after_i = not tail
+        elif after_i and low in _ADVERBS:
+            out.append(w.space + w.text)
+            after_i = not tail
+        elif after_i and (low in ("and", "or", "nor") or not w.word):  # "I and my wife live": not a verb
+            out.append(w.space + w.text)
+            after_i = False
         elif after_i:
-            out.append(_third_person(word) + tail)
+            out.append(w.space + _third_person(w.word) + tail)
             after_i = False
         elif low in ("i", "we"):
-            out.append("the user" + tail)
-            after_i = not tail
-        elif low in _WORDS:
-            out.append(_WORDS[low] + tail)
+            out.append(w.space + "the user" + tail)
+            after_i = not tail and not _joined_subject(words, i)
+        elif low in _CONTRACTIONS:
+            verb = _CONTRACTIONS[low][_joined_subject(words, i)]
+            following = words[i + 1].low if i + 1 < len(words) else ""
+            if verb == "would" and (following in _HAD_BEFORE or (following.endswith("ed")
+                                                                  and following not in _PRESENT_EED)):
+                verb = "had"
+            out.append(w.space + f"the user {verb}" + tail)
+        elif low in _WORDS or w.word == "us" or (w.word == "Us" and i == 0):
+            out.append(w.space + _WORDS.get(low, "the user") + tail)
         else:
-            out.append(w)
+            out.append(w.space + w.text)
     sentence = "".join(out).strip()
     sentence = sentence[:1].upper() + sentence[1:]
     return sentence if sentence.endswith((".", "!", "?")) else sentence + "."
@@ -81,6 +162,40 @@ def about_the_user(text: str) -> str:
 
 def is_question(text: str) -> bool:
     return text.rstrip().endswith("?")
+
+
+_AUX = (r"(?:is|are|am|was|were|do|does|did|can|could|would|will|should|shall|may|might|has|have|had|'s|'re|'d|'ll|"
+        r"isn't|aren't|don't|doesn't|didn't|can't|won't|wouldn't|shouldn't)")
+_SUBJECT = r"(?:i|you|we|my|our|your|the|it|he|she|they|there|this|that|these|those)"
+# a question without its "?": a question word and then a verb ("What is my name", "Which town do I live in", "Where
+# do I live", "Who wrote it"), or an auxiliary and then its subject ("Do I have a cat"); not a statement that opens
+# with one ("When I was young I lived in Porto.", "What I love most is jazz.", "Will is my brother.")
+_ASKS = re.compile(rf"^\s*(?:(?:what|which|whose)(?:\s+(?!(?:i|you|we|he|she|they|it)\b)\w+)?\s+{_AUX}\b"
+                   rf"|(?:where|when|how)\s+{_AUX}\b"
+                   rf"|(?:what|which|how)\s+(?:many|much|kind|sort|old|long|far|often)\b"
+                   rf"|who\s+(?!i\b)\w+|why\b"
+                   rf"|(?:is|are|am|do|does|did|can|could|would|will|should|have|has|was|were)\s+{_SUBJECT}\b)",
+                   re.I)
+# a request to the assistant: an imperative of what people ask a chat to do, or asking it ("can you", "please ...")
+_REQUESTS = re.compile(
+    r"^\s*(?:(?:hey|hi|ok|okay|so|now|and|also|then)\s*,?\s+)?"
+    r"(?:please\b|pls\b|kindly\b"
+    r"|(?:can|could|would|will)\s+you\b|(?:i\s+(?:need|want|would\s+like)|i'd\s+like)\s+you\s+to\b"
+    r"|(?:find|get|bring|teach|remind|let|show)\s+(?:me|us)\b"
+    r"|(?:tell|give|help|explain|describe|write|draft|compose|list|suggest|recommend|summari[sz]e|translate"
+    r"|compare|calculate|create|generate|outline|define|rewrite|rephrase|proofread|brainstorm|imagine|pretend"
+    r"|convert|solve|what\s+about|how\s+about)\b)", re.I)
+
+
+def asks(text: str) -> bool:
+    """Whether a message asks rather than tells: it ends in "?", or opens as a question does ("What is my name")."""
+    return is_question(text) or _ASKS.match(text.replace("\u2019", "'")) is not None
+
+
+def is_request(text: str) -> bool:
+    """Whether a message asks the assistant to do something ("Tell me about Porto.", "Write a haiku about rain.",
+    "Can you help me with my CV", "Please explain ..."): a request, not something the person tells."""
+    return _REQUESTS.match(text.replace("\u2019", "'")) is not None
 
 
 class WriteDecision:
@@ -101,4 +216,6 @@ class WriteDecision:
         return float(torch.sigmoid(embedding.float().reshape(-1) @ self.weight + self.bias))
 
     def wants(self, text: str, embedding: torch.Tensor) -> bool:
-        return not is_question(text) and self.score(embedding) >= self.threshold
+        """Questions and requests to the assistant are never written, whatever the score: they ask, they do not tell
+        ("Tell me about Port Avel's harbour." scored over the threshold and was written)."""
+        return not asks(text) and not is_request(text) and self.score(embedding) >= self.threshold

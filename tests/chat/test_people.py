@@ -113,6 +113,38 @@ def test_remember_writes_what_follows_about_the_user(said, written):
     assert decide(said, "off").write is None
 
 
+@pytest.mark.parametrize("said,written", [
+    # (each was written broken: "The user don't have a car.", "... and the user lives in Rome.", "The user myselfs
+    # built ...", "The user haven't ...", "The user would been ...", "The user need ...", "The user taughts the user")
+    ("I don't have a car.", "The user doesn't have a car."),
+    ("We don't eat pork.", "The user doesn't eat pork."),
+    ("I haven't been to Paris.", "The user hasn't been to Paris."),
+    ("My wife and I live in Rome.", "The user's wife and the user live in Rome."),
+    ("My brother and I are twins.", "The user's brother and the user are twins."),
+    ("Lena and I are friends.", "Lena and the user are friends."),
+    ("My wife and I've been married for ten years.", "The user's wife and the user have been married for ten years."),
+    ("I and my wife live in Rome.", "The user and the user's wife live in Rome."),
+    ("I myself built my own house.", "The user built the user's own house."),
+    ("I myself am a doctor.", "The user is a doctor."),
+    ("I taught myself Spanish.", "The user taught themselves Spanish."),
+    ("I'd been to Paris twice.", "The user had been to Paris twice."),
+    ("I'd like tea.", "The user would like tea."),
+    ("I need a new car.", "The user needs a new car."),
+    ("I no longer live in Porto.", "The user no longer lives in Porto."),
+    ("Our kids visit us on Sundays.", "The user's kids visit the user on Sundays."),
+    # as before: a clause of its own after "and", I'm / I've / am / was, the US
+    ("I have two cats and I love them.", "The user has two cats and the user loves them."),
+    ("My sister cooks and I clean.", "The user's sister cooks and the user cleans."),
+    ("I'm not married.", "The user is not married."),
+    ("I've got two cats", "The user has got two cats."),
+    ("I am tired.", "The user is tired."),
+    ("I was born in Lyon.", "The user was born in Lyon."),
+    ("We moved to the US last year.", "The user moved to the US last year."),
+])
+def test_a_first_person_statement_is_rewritten_about_the_user_in_good_grammar(said, written):
+    assert about_the_user(said) == written
+
+
 @pytest.mark.parametrize("said", ["What is my sister's name?", "remember me?", "Do you remember Lena?",
                                   "I live in Porto.", "Hello!"])
 def test_questions_and_chit_chat_write_nothing(said):

@@ -157,12 +157,16 @@ def test_undo_takes_back_what_the_last_message_wrote_replaced_or_forgot(tiny_lla
         assert texts() == ["The user's dog is called Pocket."]
         assert "Remembered: The user's dog is called Pocket." in svc.state(s).change
         undone = result(svc.run(undo_memory_change, s))
-        assert [e["text"] for e in undone.forgotten] == ["The user's dog is called Pocket."]
+        assert [e["text"] for e in undone.removed] == ["The user's dog is called Pocket."]
+        assert [e["text"] for e in undone.restored] == ["The user's dog is called Rex."]
+        assert undone.describe() == ("Removed: The user's dog is called Pocket. · "
+                                     "Restored: The user's dog is called Rex.")
         assert svc.run(my_memories, s) == [rex] and svc.personal(s).history == []  # Rex as it was: id, time
         assert svc.state(s).change == ""  # undone once
         say("Forget my dog.")
         assert texts() == []
-        result(svc.run(undo_memory_change, s))
+        # (an undone forget said "Remembered: ...": say what came back)
+        assert result(svc.run(undo_memory_change, s)).describe() == "Restored: The user's dog is called Rex."
         assert svc.run(my_memories, s) == [rex]
         say("Hello there.")  # a message that changes nothing: nothing left to undo
         with pytest.raises(ValueError, match="no change"):
@@ -179,10 +183,73 @@ def test_an_edit_to_a_text_close_to_the_old_replaces_it_and_can_be_undone(tiny_l
     try:
         drain(svc.chat(s, "Remember that my sister is called Lena.", [], SHORT, RECALL).request)
         (lena,) = svc.run(my_memories, s)
-        result(svc.run(edit_memory, s, lena["id"], "My sister is called Lina."))
+        edited = result(svc.run(edit_memory, s, lena["id"], "My sister is called Lina."))
         assert [m["text"] for m in svc.run(my_memories, s)] == ["The user's sister is called Lina."]
+        # (it said "Remembered: ... · Forgot: The user's sister is called Lena.": nothing was forgotten, it was edited)
+        assert edited.describe() == "Edited: The user's sister is called Lena. -> The user's sister is called Lina."
         result(svc.run(undo_memory_change, s))
         assert svc.run(my_memories, s) == [lena]
+    finally:
+        svc.close()
+
+
+@pytest.mark.parametrize("store", ["faiss", "milvus"])
+def test_undo_after_a_delete_puts_back_what_an_edit_replaced(tiny_llama, tmp_path, store):
+    """(Once any memory had been deleted, undo failed with "memory id 0 is not in the bank" after it had removed what
+    the change wrote: the edited memory and its old text were both gone.)"""
+    svc = started(config(tmp_path, store), tiny_llama)
+    s = svc.new_session("ada")
+    texts = lambda: sorted(m["text"] for m in svc.run(my_memories, s))  # noqa: E731
+    try:
+        for told_ in ("My cat is called Whiskers.", "My sister is called Lena.", "My dog is called Rex."):
+            result(svc.run(remember, s, told_))
+        cat = next(m for m in svc.run(my_memories, s) if "Whiskers" in m["text"])
+        svc.run(forget_memories, s, [cat["id"]])  # a hole in the bank's ids
+        lena = next(m for m in svc.run(my_memories, s) if "Lena" in m["text"])
+        result(svc.run(edit_memory, s, lena["id"], "My sister is called Lina."))
+        assert texts() == ["The user's dog is called Rex.", "The user's sister is called Lina."]
+        undone = result(svc.run(undo_memory_change, s))
+        assert undone.describe() == ("Removed: The user's sister is called Lina. · "
+                                     "Restored: The user's sister is called Lena.")
+        assert texts() == ["The user's dog is called Rex.", "The user's sister is called Lena."]
+        assert next(m for m in svc.run(my_memories, s) if "Lena" in m["text"]) == lena  # as it was: id, time
+    finally:
+        svc.close()
+
+
+@pytest.mark.parametrize("store", ["faiss", "milvus"])
+def test_undoing_a_forget_does_not_put_back_a_fact_told_again_meanwhile(tiny_llama, tmp_path, store):
+    """(Undo restored the forgotten memory beside the same fact written again through another tab or the API.)"""
+    svc = started(config(tmp_path, store), tiny_llama)
+    s, other_tab = svc.new_session("ada"), svc.new_session("ada")
+    try:
+        drain(svc.chat(s, "Remember that my dog is called Rex.", [], SHORT, RECALL).request)
+        drain(svc.chat(s, "Forget my dog.", [], SHORT, RECALL).request)
+        result(svc.run(remember, other_tab, "My dog is called Rex."))
+        (again,) = svc.run(my_memories, s)
+        undone = result(svc.run(undo_memory_change, s))
+        assert svc.run(my_memories, s) == [again]
+        assert undone.describe() == "Not restored, already remembered: The user's dog is called Rex."
+    finally:
+        svc.close()
+
+
+def test_a_new_number_is_a_newer_value_and_a_repeat_names_the_memory_kept(tiny_llama, tmp_path):
+    """(Keys at `duplicate` or closer were a repeat whatever their words: "My bank PIN is 2222." after "... 1111."
+    said "Already remembered: The user's bank PIN is 2222." and kept 1111.)"""
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    svc.people.similar = Similar(duplicate=0.9, supersede=0.85)  # (tiny keys: any two facts are as good as the same)
+    s = svc.new_session("ada")
+    try:
+        result(svc.run(remember, s, "My bank PIN is 1111."))
+        newer = result(svc.run(remember, s, "My bank PIN is 2222."))
+        assert newer.describe() == ("Remembered: The user's bank PIN is 2222. · "
+                                    "(replaces: The user's bank PIN is 1111.)")
+        assert [m["text"] for m in svc.run(my_memories, s)] == ["The user's bank PIN is 2222."]
+        reworded = result(svc.run(remember, s, "I've really got my bank PIN 2222."))  # (other words: written)
+        assert reworded.written
+        same = result(svc.run(remember, s, "I have got my bank PIN 2222."))  # (the same words but for a filler)
+        assert not same.written and same.note == "Already remembered: The user has really got the user's bank PIN 2222."
     finally:
         svc.close()
 

@@ -1,0 +1,126 @@
+"""What a person's words do to their memory, beyond the chat's own turn: "forget X" forgets the memory X is about and
+none when nothing told is (the real key encoder and fit check), and the Remember box, `POST /v1/memories` and an
+import write what "remember that ..." in the chat writes, refusing what the chat would not write."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from chat.config import load_config
+from chat.operations import edit_memory, import_memories, my_memories, remember
+from chat.people import People, decide, to_remember
+from chat.service import Service
+from chat.worker import ServiceError
+from memory.personal import Similar
+from models.remember import about_the_user
+from test_app import serve
+from tests_helpers import result
+
+TOLD = ["My cat is called Whiskers.", "I work as a baker.", "My sister is called Lena."]
+CAT, BAKER, SISTER = (about_the_user(t) for t in TOLD)
+
+
+@pytest.fixture
+def told(smollm2, tmp_path):
+    """A person who told the three things, on the real model's memory encoder (the key encoder and its fit check)."""
+    people = People(load_config(overrides=[f"memory.user_dir={tmp_path}"], environ={}))
+    for text in TOLD:
+        assert people.write(smollm2, "ada", about_the_user(text)).written
+    return people
+
+
+def texts(people: People, lm) -> list[str]:
+    return sorted(e["text"] for e in people.of(lm, "ada").entries())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("said", ["Forget about my brother.", "Forget about my job as a pilot.",
+                                  "Forget about my hamster.", "Forget my address.", "Forget my wife.",
+                                  "Forget about my dog.", "Forget that I live in Porto.", "Forget it.",
+                                  "Forget about Mira."])
+def test_forgetting_something_never_told_forgets_nothing(smollm2, told, said):
+    """(Each of these forgot one of the three: the brother and the wife the sister, the pilot's job, the address and
+    the dog the baker, the hamster the cat: the closest memory was deleted at a key similarity of 0.5.)"""
+    what = decide(said, "explicit").forget
+    done = told.forget(smollm2, "ada", what)
+    assert done.forgotten == () and done.note == f"Nothing to forget: no memory of yours is about {what!r}"
+    assert texts(told, smollm2) == sorted([CAT, BAKER, SISTER])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("said,gone", [("Forget about my cat.", CAT), ("Forget where I work.", BAKER),
+                                       ("Forget my sister's name.", SISTER), ("Forget about Whiskers.", CAT),
+                                       ("Forget my job.", BAKER), ("Forget that I work as a baker.", BAKER),
+                                       ("Please forget what I told you about my sister.", SISTER)])
+def test_forgetting_something_told_forgets_that_memory(smollm2, told, said, gone):
+    done = told.forget(smollm2, "ada", decide(said, "explicit").forget)
+    assert [e["text"] for e in done.forgotten] == [gone]
+    assert texts(told, smollm2) == sorted({CAT, BAKER, SISTER} - {gone})
+
+
+@pytest.mark.parametrize("sent,kind", [("What is my name?", "a question"), ("what is my name", "a question"),
+                                       ("Where do I live", "a question"),
+                                       ("Forget about my car.", "a command to forget"),
+                                       ("Tell me about Port Avel's harbour.", "a request"), ("hello", "a single word"),
+                                       ("Remember that", "a single word")])
+def test_what_the_chat_would_not_write_is_refused_naming_what_was_expected(sent, kind):
+    with pytest.raises(ValueError, match=rf"^expected a statement to remember, such as .*, got {kind}: .*nothing was "
+                                         "written$"):
+        to_remember(sent)
+
+
+@pytest.mark.parametrize("sent,memory", [("Remember that I hate olives.", "The user hates olives."),
+                                         ("remember: my dog is called Rex", "The user's dog is called Rex."),
+                                         ("The wifi password is hunter2.", "The wifi password is hunter2."),
+                                         ("My name is Bob.", "The user's name is Bob."),
+                                         ("When I was young I lived in Porto.",
+                                          "When the user was young the user lived in Porto.")])
+def test_the_remember_box_writes_what_remember_that_writes_in_the_chat(sent, memory):
+    assert to_remember(sent) == memory
+    said = sent if sent.lower().startswith("remember") else f"Remember that {sent}"
+    assert decide(said, "explicit").write == memory  # the chat's own "remember that ..."
+
+
+def test_the_remember_box_and_an_import_refuse_a_question_or_a_command_and_write_nothing(tiny_llama, tmp_path):
+    """("What is my name?" was kept as "What is the user's name?" and superseded "The user's name is Bob."; "Forget
+    about my car." was kept as a memory; "Remember that I hate olives." as "Remember that the user hates olives.".)"""
+    svc = Service(load_config(overrides=["model.compile=false", f"memory.user_dir={tmp_path / 'users'}"],
+                              environ={}), tiny_llama)
+    svc.people.similar = Similar(duplicate=0.99, supersede=0.985)  # (tiny keys: any two sentences are close)
+    s = svc.new_session("ada")
+    try:
+        assert result(svc.run(remember, s, "My name is Bob.")).written[0]["text"] == "The user's name is Bob."
+        for sent, kind in [("What is my name?", "a question"), ("Forget about my car.", "a command to forget"),
+                           ("hello", "a single word")]:
+            with pytest.raises(ServiceError, match=f"^text: expected a statement to remember, .*got {kind}"):
+                svc.run(remember, s, sent)
+        assert result(svc.run(remember, s, "Remember that I hate olives.")).written[0]["text"] == \
+            "The user hates olives."
+        path = tmp_path / "mine.json"
+        path.write_text(json.dumps(["My boat is called Wave.", "Where do I live?"]))
+        with pytest.raises(ServiceError, match=r"^mine.json: memory 2: expected a statement to remember, .*got a "
+                                               r"question: 'Where do I live\?'.*nothing was written$"):
+            svc.run(import_memories, s, str(path))
+        path.write_text(json.dumps(["Remember that my boat is called Wave."]))
+        assert result(svc.run(import_memories, s, str(path))).kept == 1
+        bob = next(m for m in svc.run(my_memories, s) if "Bob" in m["text"])  # an edit into a question: refused
+        with pytest.raises(ServiceError, match=r"^text: expected a statement to remember, .*got a question"):
+            svc.run(edit_memory, s, bob["id"], "What is my name?")
+        assert sorted(m["text"] for m in svc.run(my_memories, s)) == [
+            "The user hates olives.", "The user's boat is called Wave.", "The user's name is Bob."]
+    finally:
+        svc.close()
+
+
+def test_the_api_answers_a_question_sent_as_a_memory_with_a_400(tiny_llama):
+    with serve(tiny_llama) as server:
+        url = server.url + "v1/memories"
+        asked = httpx.post(url, json={"text": "What is my name?"}, timeout=120)
+        assert asked.status_code == 400
+        assert "got a question: 'What is my name?'" in asked.json()["error"]["message"]
+        told = httpx.post(url, json={"text": "Remember that I hate olives."}, timeout=120)
+        assert told.status_code == 201 and told.json()["text"] == "The user hates olives."
+        assert [m["text"] for m in httpx.get(url, timeout=120).json()["data"]] == ["The user hates olives."]

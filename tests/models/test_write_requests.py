@@ -1,0 +1,71 @@
+"""The write decision never writes a request to the assistant or a question without its "?" (the shipped decision
+over the real key encoder's embeddings, as the chat decides), and still writes what people tell."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from chat.people import decide
+from models.remember import WriteDecision, about_the_user, asks, is_request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+@pytest.fixture(scope="module")
+def decision():
+    from models.text_keys import TextEncoder
+
+    shipped, keys = WriteDecision.load(), TextEncoder()
+    score = lambda text: shipped.score(torch.from_numpy(keys.encode([text])[0]))  # noqa: E731
+    return shipped, score, lambda text: shipped.wants(text, torch.from_numpy(keys.encode([text])[0]))
+
+
+@pytest.mark.parametrize("text", ["Tell me about Port Avel's harbour.", "Tell me about my options for a mortgage."])
+def test_a_request_that_scores_as_a_fact_is_not_written(decision, text):
+    """(Both were written: "Tell the user about Port Avel's harbour.")"""
+    shipped, score, wants = decision
+    assert score(text) >= shipped.threshold  # the score alone would write it
+    assert is_request(text) and decide(text, "auto", wants).write is None
+
+
+@pytest.mark.parametrize("text", ["Give me a recipe for pancakes.", "Help me write an email to my boss.",
+                                  "Show me how to train my dog.", "Explain how my boiler works.",
+                                  "Write a poem about my cat Whiskers.", "Can you plan my week in Lisbon.",
+                                  "Could you recommend a book about sailing.", "Please summarise the history of Porto.",
+                                  "I'd like you to plan my trip to Rome.", "What is my name", "Where do I live",
+                                  "Do I have a cat"])
+def test_requests_and_questions_are_never_written(decision, text):
+    _, _, wants = decision
+    assert asks(text) or is_request(text)
+    assert decide(text, "auto", wants).write is None
+
+
+@pytest.mark.parametrize("text", ["I live in Porto.", "My sister is called Lena.",
+                                  "We are moving to Lisbon next month.",
+                                  "When I was young I lived in Porto.", "Will is my brother.",
+                                  "Writing is my hobby.", "Show jumping is my sport.", "I work as a baker.",
+                                  "What I love most is jazz."])
+def test_what_people_tell_is_neither_a_question_nor_a_request(text):
+    assert not asks(text) and not is_request(text)
+
+
+def test_held_out_requests_are_not_written_and_held_out_facts_are(decision):
+    """bench/memory_commands.py's write sets: 120 held-out requests (33 were written before), the user bench's told
+    things and chit-chat, and training.remember's held-out facts."""
+    from bench.memory_commands import write_sets
+
+    _, _, wants = decision
+    sets = write_sets(1)
+    written = {name: [decide(t, "auto", wants).write is not None for t in texts] for name, texts in sets.items()}
+    rate = {name: sum(w) / len(w) for name, w in written.items()}
+    assert rate["held-out requests (false writes)"] == 0.0
+    assert rate["user bench: told things (write recall)"] == 1.0  # measured 52/52, before and after
+    assert rate["user bench: chit-chat (false writes)"] == 0.0
+    assert rate["training.remember eval: facts"] >= 0.97  # measured 0.975, before and after
+    assert rate["training.remember eval: others"] == 0.0
+    for text in ["I live in Porto.", "My sister is called Lena."]:
+        assert decide(text, "auto", wants).write == about_the_user(text)
