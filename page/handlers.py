@@ -218,11 +218,12 @@ class Handlers:
         return count, about_table(entries, query), self.status(s, note)
 
     async def _about_job(self, s: Session, query: str, make_request, done) -> tuple:
+        # the list is read off the event loop: with replicas it is a call to the session's replica
         try:
             result = await self.service.wait_for(make_request())
-            return self.about_view(s, query, done(result))
+            return await asyncio.to_thread(self.about_view, s, query, done(result))
         except ValueError as e:
-            return self.about_view(s, query, _warn(e))
+            return await asyncio.to_thread(self.about_view, s, query, _warn(e))
 
     def change_row(self, s: Session) -> tuple:
         """Under the conversation: what the last message wrote to (or forgot from) the user's memory, and Undo."""
@@ -276,7 +277,7 @@ class Handlers:
     async def import_memories(self, path: str | None, query: str, s: Session, request: gr.Request = None) -> tuple:
         self.bind(s, request)
         if not path:
-            return self.about_view(s, query)
+            return await asyncio.to_thread(self.about_view, s, query)
         return await self._about_job(s, query, lambda: self.service.run(ops.import_memories, s, path),
                                      lambda imported: imported.describe())
 

@@ -10,12 +10,14 @@ The cluster itself is started by `serve.cluster`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Concatenate
 
@@ -27,7 +29,7 @@ from chat.state import SessionState
 from chat.worker import END, Failed, Request, Runner, ServiceError, describe
 from decoding.events import TokenEvent
 from serve.cluster import APP, DEPLOYMENT, live_replicas, shared_store, start_replicas
-from serve.replica import Record, Result
+from serve.replica import Missing, Record, Result
 
 log = logging.getLogger("serve.front")
 
@@ -35,6 +37,14 @@ log = logging.getLogger("serve.front")
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 class RemoteWorker(Runner):
@@ -148,15 +158,27 @@ class RemoteService(SessionService):
             req = Request(operation.name, lambda interrupt: self._stream(s, operation, sent, interrupt), s.id)
             s.active = [r for r in s.active if not r.done.is_set()] + [self.worker.submit(req)]
             return req
-        events, failed = self._stream(s, operation, sent, threading.Event()), None
+        if _on_event_loop():  # a sync Ray Serve handle refuses to run on an event loop: the call runs on a thread
+            with ThreadPoolExecutor(1, thread_name_prefix="recall-chat-remote-call") as pool:
+                return pool.submit(self._call, s, operation, sent).result()
+        return self._call(s, operation, sent)
+
+    def _call(self, s: Session, operation: Operation, sent: dict) -> Any:
+        """A call that is not queued, to its value (`ServiceError` with its failure, `KeyError` naming what is not
+        there)."""
+        events, failed, missing = self._stream(s, operation, sent, threading.Event()), None, None
         while True:  # to the end of the stream, failed or not: its record comes last
             try:
                 event = next(events)
             except StopIteration as stop:
+                if missing is not None:
+                    raise KeyError(missing) from None
                 if failed is not None:
                     raise ServiceError(failed) from None
                 return stop.value
-            if isinstance(event, Failed):
+            if isinstance(event, Missing):
+                missing = event.message
+            elif isinstance(event, Failed):
                 failed = event.message
 
     def _stream(self, s: Session, op: Operation, args: dict, interrupt: threading.Event) -> Iterator[Any]:
@@ -170,8 +192,8 @@ class RemoteService(SessionService):
                 return None
             started, value = False, None
             try:
-                stream = self.handle.options(stream=True, session_id=key).call.remote(key, self.records[s.id], op.name,
-                                                                                      args)
+                record = dataclasses.replace(self.records[s.id], user=s.user)  # (the login or key says whose memory)
+                stream = self.handle.options(stream=True, session_id=key).call.remote(key, record, op.name, args)
                 for item in stream:
                     if isinstance(item, Record):
                         self._keep(s, item)

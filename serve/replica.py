@@ -24,6 +24,7 @@ from chat.config import Config
 from chat.operations import OPERATIONS, Operation
 from chat.session import Session
 from chat.state import SessionState
+from chat.users import LOCAL
 from chat.worker import Notice, Request, describe
 from decoding.events import DoneEvent
 
@@ -40,6 +41,7 @@ class Record:
     state: SessionState | None = None  # what the page shows; None before the first call
     replica: str = ""  # the replica that wrote it (Ray Serve's replica id)
     running: int = 0  # answers running on that replica when it wrote it
+    user: str = LOCAL  # whose memory the session reads and writes: the front door's (its login or `/v1` key)
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,26 @@ class Result:
     value: Any
 
 
+@dataclass(frozen=True)
+class Missing:
+    """A call that is not queued named what is not there (its `KeyError`: "no such memory of yours"), raised again at
+    the front door as it is in one process (the API's 404)."""
+
+    message: str
+
+
 def _slim(event: Any) -> Any:
     """What travels of an event: a finished answer's result without its KV cache and vectors."""
     if isinstance(event, DoneEvent):
         result = dataclasses.replace(event.result, cache=None, memory_vectors=[], logits=None, attention_mask=None)
         return DoneEvent(result)
     return event
+
+
+def _as_user(s: Session, user: str) -> None:
+    """The session is `user`'s from now on; a change to another user's memory is not theirs to undo."""
+    if s.user != user:
+        s.user, s.last_change = user, None
 
 
 class ChatReplica:
@@ -88,13 +104,16 @@ class ChatReplica:
 
     def _session(self, key: str, record: Record) -> tuple[Session, list[Notice]]:
         """The live session for `key`, or one rebuilt from the record when this replica holds none, or an older
-        version than the front door's (the session was served elsewhere meanwhile)."""
+        version than the front door's (the session was served elsewhere meanwhile). Either way it is the record's
+        user's: every memory of theirs it reads or writes here is theirs, as in one process."""
         with self._lock(key):
             held = self.sessions.get(key)
             if held is not None and held[1] >= record.version and held[0].id in self.service.sessions:
+                _as_user(held[0], record.user)
                 return held[0], []
             svc = self.service
-            s = held[0] if held is not None else svc.new_session()
+            s = held[0] if held is not None else svc.new_session(record.user)
+            _as_user(s, record.user)
             svc.touch(s)
             notices = []
             with s.lock:
@@ -130,7 +149,7 @@ class ChatReplica:
         with s.lock:
             text = conv.to_json() if conv is not None and conv.messages else None
         return Record(version, text, s.bank_use, self.service.state(s, details=True), self.id,
-                      len(self.service.worker.running))
+                      len(self.service.worker.running), user=s.user)
 
     # ----------------------------------------------------------------- calls
 
@@ -159,7 +178,9 @@ class ChatReplica:
                     yield Result(operation.pack_result(out.result))
             else:
                 yield Result(operation.pack_result(out))
-        except (ValueError, KeyError, FileNotFoundError, OSError) as e:
+        except KeyError as e:
+            yield Failed(describe(e)) if operation.queued else Missing(describe(e))
+        except (ValueError, FileNotFoundError, OSError) as e:
             yield Failed(describe(e))
         except BaseException:  # the caller went away (its stream was cancelled): the answer stops within a step
             if isinstance(out, Request) and not out.done.is_set():
