@@ -34,6 +34,7 @@ log = logging.getLogger("decoding.memory")
 
 Embedding = Callable[[torch.Tensor], torch.Tensor]  # value vectors [N, H] -> input embeddings [N, H]
 Query = Callable[[torch.Tensor], torch.Tensor]  # the <recall> hidden state [H] -> the query [D] of the bank's keys
+MemoryProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (memory ids [1, k], scores [1, k]) -> scores
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,9 @@ class Recall:
     (`</recall>`). A `<recall>` whose search finds no memory at `settings.min_score` (a bank keyed by states, whose
     query is the `<recall>` state itself: nothing can be checked before) then reads nothing: `close` alone is
     forced after it, an empty memory, and the model answers from what it knows (`recall_step`). None: the best
-    memory is read then (the step needs one).
+    memory is read then (the step needs one). `processors`: seed 000's optional logits processor over the memory
+    logits, before the warpers: `(candidate memory ids [1, k], scores [1, k]) -> scores`, transformers'
+    `LogitsProcessor` shape with the memories as the vocabulary (e.g. a penalty on memories read before).
     """
 
     recall_id: int
@@ -65,6 +68,7 @@ class Recall:
     tokens: Embedding | None = None
     without_memory: str = "token"
     close: int | None = None
+    processors: MemoryProcessor | None = None
 
     def __post_init__(self) -> None:
         if self.without_memory not in ("token", "answer"):
@@ -188,16 +192,17 @@ class MemorySelector:
     """
 
     def __init__(self, memory_db, recall: RecallSettings, generator: torch.Generator | None = None,
-                 query: Query | None = None):
+                 query: Query | None = None, processors: MemoryProcessor | None = None):
         self.db = memory_db
         self.recall = recall
+        self.processors = processors  # (`Recall.processors`: before the warpers, over the raw similarities)
         self.warper = make_memory_warper(recall)
         self.generator = generator  # a seeded request's own random state (CPU: the scores are on the CPU)
         self.query = query  # the <recall> state -> the query (None: the state itself)
 
     @classmethod
     def of(cls, recall: Recall, generator: torch.Generator | None = None) -> "MemorySelector":
-        return cls(recall.bank, recall.settings, generator, recall.query)
+        return cls(recall.bank, recall.settings, generator, recall.query, recall.processors)
 
     def scores(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores [k], memory ids [k]) on the CPU, best first, from the bank's search (a query on an accelerator
@@ -217,7 +222,8 @@ class MemorySelector:
             return None
         fits[0] = True  # (the best always fits when any does: the scores come best first)
         scores, ids = scores[fits], ids[fits]
-        warped = self.warper(None, scores[None].clone()) if self.warper else scores[None]  # [1, k]
+        logits = scores[None].clone() if self.processors is None else self.processors(ids[None], scores[None].clone())
+        warped = self.warper(None, logits) if self.warper else logits  # [1, k]
         pick = int(sample(warped, self.recall.use_sampling, self.generator)[0])
         memory = self.db.memory(int(ids[pick]), float(scores[pick]))
         if self.recall.debug:

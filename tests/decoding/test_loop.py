@@ -4,6 +4,7 @@ call), seed 001's debug log, and multi-turn KV-cache reuse."""
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 
@@ -281,6 +282,29 @@ def test_memory_head_greedy_picks_highest_cosine():
         choice = selector.choose(torch.from_numpy(q))
         assert choice.index == int(np.argmax(cos))
         assert choice.score == pytest.approx(float(cos.max()), abs=1e-5)
+
+
+def test_a_memory_processor_acts_on_the_memory_logits_before_the_warpers():
+    """Seed 000's optional logits processor over the memory logits (`Recall.processors`): it sees the candidates'
+    memory ids as a token processor sees token ids; one that bans memories already read makes the head read the
+    next best memory each time, where without it the same query reads the same memory again."""
+    rng = np.random.default_rng(0)
+    vectors = rng.normal(size=(50, 32)).astype(np.float32)
+    db = MemoryVectorDB(32)
+    db.add(vectors)
+    read: list[int] = []
+
+    def once(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # [1, k] memory ids, [1, k] scores
+        return scores.masked_fill(torch.isin(ids, torch.tensor(read, dtype=ids.dtype)), -math.inf)
+
+    q = torch.from_numpy(rng.normal(size=32).astype(np.float32))
+    plain = MemorySelector(db, RecallSettings(use_sampling=False, top_k=5))
+    banning = MemorySelector.of(Recall(1, 2, db, RecallSettings(use_sampling=False, top_k=5), processors=once))
+    order = [int(i) for i in db.topk(q, 5)[1]]
+    for n in range(3):
+        chosen = banning.choose(q)
+        assert chosen.index == order[n] and plain.choose(q).index == order[0]
+        read.append(chosen.index)
 
 
 def reference_distribution(scores: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
