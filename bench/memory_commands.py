@@ -13,7 +13,7 @@ is read against the person's memories with the shipped key encoder and fit check
 does: the key similarity of "forget X"'s words about the user to each memory, and the fit check's probability
 over the message query of X and each key.
 
-Writes: `chat.people.decide` in `auto` on held-out facts and chit-chat (the messages `bench/user_memory.py` sends
+Writes: `chat.decision.decide` in `auto` on held-out facts and chit-chat (the messages `bench/user_memory.py` sends
 for `--users 8`, and `training.remember`'s `eval` split) and on held-out requests to the assistant (`REQUESTS`),
 with the shipped write decision: before (a message ending in "?" never written) and now
 (`models.remember.WriteDecision.wants`: questions and requests never written).
@@ -146,7 +146,7 @@ def read_forgets(cases, keys, check) -> list[dict]:
     """Each case's memories as `People.forget` reads them: key similarities and fit check probabilities."""
     import torch
 
-    from chat.people import decide
+    from chat.decision import decide
     from models.remember import about_the_user, mentions_the_user
 
     def embed(texts):
@@ -171,7 +171,7 @@ def read_forgets(cases, keys, check) -> list[dict]:
 
 def forget_rules(threshold: float) -> dict:
     """Each rule: a row -> the index of the memory it forgets, or None."""
-    from chat.people import FORGET_ALONE, FORGET_FLOOR, to_forget
+    from chat.decision import FORGET_ALONE, FORGET_FLOOR, to_forget
 
     def top(row):
         return max(range(len(row["scores"])), key=row["scores"].__getitem__)
@@ -230,7 +230,7 @@ def write_sets(seed: int) -> dict[str, list[str]]:
 def write_table(keys, seed: int) -> dict:
     import torch
 
-    from chat.people import decide
+    from chat.decision import decide
     from models.remember import WriteDecision, is_question
 
     decision = WriteDecision.load()

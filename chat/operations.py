@@ -25,7 +25,8 @@ from typing import Any, Protocol
 from chat.banks import Banks
 from chat.config import Config
 from chat.inputs import read_upload_text
-from chat.people import Decision, Imported, People, Remembered, about_the_user, public, to_remember
+from chat.decision import Decision, to_remember
+from chat.people import Imported, People, Remembered, public
 from chat.session import Conversation, Session
 from chat.worker import Request, ServiceError, Worker, describe
 from decoding.settings import GenerationSettings, RecallSettings
@@ -268,7 +269,7 @@ def my_memory_history(svc: ModelSide, s: Session) -> list[dict[str, Any]]:
 @operation(queued=True)
 def remember(svc: ModelSide, s: Session, text: str, source: str = "api") -> Request:
     """Queue writing a memory of the session's user, as a "remember that ..." in the chat writes it
-    (`chat.people.to_remember`: a question, a request, a "forget ..." or a single word is refused by name, as the chat
+    (`chat.decision.to_remember`: a question, a request, a "forget ..." or a single word is refused by name, as the chat
     does not write them either)."""
     text = (text or "").strip()
     if not text:

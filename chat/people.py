@@ -5,7 +5,7 @@
 or with `memory.store: milvus` a `MilvusPersonal` in the collection `<memory.milvus_collection>_people` (one for
 every user, the user its partition key, each search filtered by user in Milvus; checked against the encoder as the
 shared collection is). It writes and forgets on the model worker (encoding needs the model). What a message asks
-of the memory is `decide(text)`:
+of the memory is `chat.decision.decide(text)`:
 
 - "Remember (that) ..." writes what follows, in the third person ("my dog is Pocket" -> "The user's dog is
   Pocket."), the form the memory is read in as being about the person the model talks to;
@@ -43,143 +43,11 @@ from memory.milvus import MilvusBank
 from memory.personal import CLOSEST, Personal, PersonalMemory, Similar, twin
 from memory.personal_milvus import MilvusPersonal, open_people
 from models import LoadedModel
-from models.remember import WriteDecision, about_the_user, asks, is_request
+from chat.decision import FORGET_CANDIDATES, Decision, decide, forget_reading, to_forget
+from models.remember import WriteDecision, about_the_user
 
-REMEMBER = re.compile(r"^\s*(?:please\s*,?\s+)?(?:remember|note|keep in mind)(?:\s+that)?\s*[,:]?\s+(?P<what>.+?)\s*$",
-                      re.I | re.S)
-FORGET = re.compile(r"^\s*(?:please\s*,?\s+)?forget(?:\s+(?:that|about|what i said about|what i told you about))?"
-                    r"\s*[,:]?\s+(?P<what>.+?)\s*$", re.I | re.S)
-# "Forget X" forgets the memory X is about, and none when no memory is (`to_forget`); measured on held-out requests
-# by bench/memory_commands.py (docs/benchmarks.md, "Forget"): the top-1 at 0.5 it replaces forgot a memory for about a
-# third of the requests about something never told ("Forget about my brother." forgot the sister)
-FORGET_FLOOR = 0.3  # the least key similarity of a memory to X for the fit check to be asked whether it is about X
-FORGET_ALONE = 0.7  # with no fit check for this model's keys: the least key similarity alone
-FORGET_CANDIDATES = 1024  # the memories "forget X" is read against, closest first
 CARRIED = ".carried.json"  # in a user's folder: {memory file: the earlier model's file it was filled from}
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class Decision:
-    """What a message asks of its author's memory."""
-
-    write: str | None = None  # the memory to write (already about the user)
-    forget: str | None = None  # what to forget
-
-
-def refusal(what: str) -> str | None:
-    """Why `what` (a message, or what follows its "remember (that)") is not a memory to write: a question, a request
-    to the assistant, a command to forget, a single word; None when it is one."""
-    if FORGET.match(what):
-        return "a command to forget"
-    if asks(what):
-        return "a question"
-    if is_request(what):
-        return "a request"
-    if len(what.split()) < 2:
-        return "a single word"
-    return None
-
-
-def to_remember(text: str) -> str:
-    """The memory the Remember box, `POST /v1/memories` and each item of an import write: `text` as "remember ..."
-    in the chat writes it (a leading "remember (that)" goes; the rest in the third person). `ValueError` naming what
-    was expected and what came for what the chat would not write either: a question ("What is my name?" was kept
-    as a memory and superseded "The user's name is Bob."), a request ("Tell me about Porto."), a "forget ..." (kept as
-    a memory; nothing forgotten), a single word."""
-    text = text.strip()
-    m = None if FORGET.match(text) else REMEMBER.match(text)
-    what = m["what"] if m else text
-    why = refusal(what)
-    if why is not None:
-        shown = what if len(what) <= 60 else what[:57] + "..."
-        hint = {"a command to forget": " (say it in the chat, or delete the memory from the list)",
-                "a question": " (ask it in the chat)", "a request": " (ask it in the chat)"}.get(why, "")
-        raise ValueError(f"expected a statement to remember, such as \"My dog is called Pocket.\", got {why}: "
-                         f"{shown!r}{hint}; nothing was written")
-    return about_the_user(what)
-
-
-def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> Decision:
-    """The write decision of `memory.remember`: "forget ..." and "remember ..." always (unless `off`); with `auto`,
-    any other message `wants` (the write decision model) says is worth keeping."""
-    if mode == "off" or not text:
-        return Decision()
-    if m := FORGET.match(text):
-        return Decision(forget=m["what"].rstrip(".!"))
-    if (m := REMEMBER.match(text)) and refusal(m["what"]) is None:
-        return Decision(write=about_the_user(m["what"]))
-    if mode == "auto" and wants is not None and wants(text):
-        return Decision(write=about_the_user(text))
-    return Decision()
-
-
-# words of "forget X" that say nothing of what X is
-_NOT_CONTENT = frozenset("""a an the my mine me i i'm i've i'd i'll we we're our ours us myself you your yours he she it
-they them his her its their about that this these those what which where who whom whose how when why is am are was
-were be been being do does did done to of in at on for with from by and or but as so than then there here all any some
-everything anything something user said say told tell mentioned know knew just also really please again ever now
-anymore more thing things stuff bit one has have had having got get gets""".split())
-# words that name what a memory is about without being in it: "Forget my job." is about "The user works as a baker."
-# when the fit check says so; any other word of X must be in the memory ("Forget about my job as a pilot." is not)
-_KIND_WORDS = frozenset("""name names called named call job jobs work works worked working profession occupation career
-living live lives lived home house flat town city place address favourite favorite colour color colours allergy
-allergies allergic sport sports play plays playing pet pets birthday age hobby hobbies like likes love loves
-family""".split())
-
-
-def _content(text: str) -> list[str]:
-    words = re.findall(r"[a-z0-9]+(?:'[a-z]+)?", text.lower().replace("\u2019", "'"))
-    return [w for w in (re.sub(r"'s?$", "", w) for w in words) if w and w not in _NOT_CONTENT]
-
-
-def _stem(word: str) -> str:
-    for end in ("ing", "ed", "es", "s"):
-        if word.endswith(end) and len(word) - len(end) >= 3:
-            return word[:-len(end)]
-    return word
-
-
-def _same_word(a: str, b: str) -> bool:
-    """One word in two forms: "work" / "works", "cat" / "cats", "allergy" / "allergic" (not "teal" / "team",
-    "grandmother" / "grandfather")."""
-    if a == b or _stem(a) == _stem(b):
-        return True
-    common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return common >= max(5, min(len(a), len(b)) - 2)
-
-
-def forget_reading(what: str, memory: str) -> tuple[bool, bool]:
-    """How "forget `what`" reads against a memory's text: (whether every word of `what` is in it or names a kind of
-    thing, `_KIND_WORDS`: nothing of `what` speaks of something else; whether a word of `what` besides those is in
-    it: `what` names it)."""
-    words, theirs = _content(what), _content(memory)
-    found = [any(_same_word(w, t) for t in theirs) for w in words]
-    consistent = all(f or w in _KIND_WORDS for w, f in zip(words, found))
-    return consistent, any(f and w not in _KIND_WORDS for w, f in zip(words, found))
-
-
-def to_forget(what: str, texts: Sequence[str], scores: Sequence[float], fits: Sequence[float] | None,
-              admits: float = 0.5) -> int | None:
-    """Which of a person's memories (their `texts`, the key similarity of each to "forget `what`", `scores`, and the
-    fit check's probability that each answers a question about `what`, `fits`, None without one) "forget `what`"
-    means, or None: only a memory no word of `what` speaks against (`forget_reading`: not the sister for "my
-    brother", not the baker for "my job as a pilot", not the cat for "my hamster") that `what` names (a word of it
-    in the memory: "Forget about Whiskers.") or that the fit check admits at a key similarity of `FORGET_FLOOR` or
-    more ("Forget where I work." for "The user works as a baker."; the similarity alone at `FORGET_ALONE` without a
-    fit check); the best of them by similarity times fit."""
-    if not _content(what):  # "forget it", "forget everything": nothing says which
-        return None
-    best, chosen = None, -1.0
-    for i, (text, score) in enumerate(zip(texts, scores)):
-        consistent, named = forget_reading(what, text)
-        fit = 1.0 if fits is None else float(fits[i])
-        if not consistent or not (named or (score >= FORGET_FLOOR and fit >= admits if fits is not None
-                                            else score >= FORGET_ALONE)):
-            continue
-        if score * fit > chosen:
-            best, chosen = i, score * fit
-    return best
-
 
 def message_query(lm: LoadedModel, text: str) -> torch.Tensor:
     """The write decision's input, the message's own embedding, made with the memory head's query of the message

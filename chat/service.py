@@ -20,7 +20,8 @@ from chat.config import Config, load_options
 from chat.inputs import check_token_ids
 from chat.janitor import Janitor
 from chat.operations import operation_of
-from chat.people import Decision, People, Remembered
+from chat.decision import Decision
+from chat.people import People, Remembered
 from chat.session import Conversation, Session, text_only_message
 from chat.state import SessionState, bank_state, message_states
 from chat.textsearch import TextSearch

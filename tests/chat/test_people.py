@@ -9,7 +9,8 @@ import openai
 import pytest
 
 from chat import users
-from chat.people import about_the_user, decide
+from chat.decision import decide
+from models.remember import about_the_user
 from test_app import serve
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,8 @@ import pytest
 
 from chat.config import load_config
 from chat.operations import edit_memory, import_memories, my_memories, remember
-from chat.people import People, decide, to_remember
+from chat.decision import decide, to_remember
+from chat.people import People
 from chat.service import Service
 from chat.worker import ServiceError
 from memory.personal import Similar

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chat.people import decide
+from chat.decision import decide
 from models.remember import WriteDecision, about_the_user, asks, is_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
