@@ -95,8 +95,10 @@ def build_demo(service: ChatService) -> gr.Blocks:
         def end_session(s: Session | None) -> None:
             service.end_session(s)
 
-        # one Session per browser tab or API client; freed when the page closes or after the idle time to live
-        session = gr.State(new_session, time_to_live=cfg.app.session_ttl_s, delete_callback=end_session)
+        # one Session per browser tab or API client, freed when the page closes; what it holds is freed after the idle
+        # time to live by the janitor (`chat.janitor`), which keeps the object, so its next message can say so
+        # (Gradio's own time_to_live replaced it with a new, empty one without a word)
+        session = gr.State(new_session, delete_callback=end_session)
         gr.Markdown("## recall chat\nA language model that recalls stored hidden-state memories when it emits "
                     "`<recall>`. New here? **Build example bank**, then ask about Port Avel.")
         status = gr.Markdown(elem_id="status", label="status")

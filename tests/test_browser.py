@@ -301,3 +301,23 @@ def test_a_person_is_remembered_across_a_restart_and_sees_only_their_own(page, d
         page.get_by_text("the user 'bob' is no longer on this server: log in again").first.wait_for()
         assert not (tmp_path / "mem" / "bob").exists() or "Tom" not in "".join(
             p.read_text(errors="ignore") for p in (tmp_path / "mem" / "bob").rglob("*") if p.is_file())
+
+
+def test_an_idle_page_says_its_conversation_was_let_go(page, smollm2):
+    """The janitor frees what an idle page's session holds; in a browser the next message said nothing (Gradio's own
+    state time to live had replaced the session with an empty one) and was answered without the earlier turns."""
+    with serve(smollm2, "app.session_ttl_s=2", "generation.max_new_tokens=4") as server:
+        page.goto(server.url)
+        page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
+        for text, bots in (("My name is Oda.", 1), ("What is my name?", 2)):
+            if bots == 2:  # (idle past the time to live: the janitor frees the session)
+                deadline = time.monotonic() + 30
+                while server.service.sessions and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert not server.service.sessions
+            page.locator("#message textarea").fill(text)
+            page.locator("#message textarea").press("Enter")
+            page.wait_for_function(f"document.querySelectorAll('#chatbot .bot').length >= {min(bots, 1)} && "
+                                   "document.querySelector('#status').innerText.includes('done')")
+        page.wait_for_function("document.querySelector('#status').innerText.includes('this page was idle for')")
+        assert "its conversation and its bank were let go" in page.inner_text("#status")
