@@ -9,7 +9,7 @@ import binascii
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from chat.config import Config, ConfigError, setting_value
 from chat.inputs import check_image, describe
@@ -36,8 +36,9 @@ class APIError(Exception):
     def of(cls, failed: Failed) -> APIError:
         """An answer's failure: refused (400, the request asked for what cannot be done), the server shutting
         down (503) or the answer failing (500)."""
-        if failed.cause == "refused":
-            return cls(400, failed.api or failed.message, param="messages")
+        if failed.cause == "refused":  # (the messages, or a setting the model cannot run: its message names it)
+            message = failed.api or failed.message
+            return cls(400, message, param="messages" if message.startswith("messages") else None)
         if failed.cause == "shutdown":
             return cls.shutting_down(failed.message)
         return cls(500, failed.message, "server_error")
@@ -76,19 +77,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-Text = Annotated[str, Field(min_length=1)]
-
-
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1, max_length=500)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)  # (0: only the most likely token, as OpenAI and the page take it)
     max_tokens: int | None = Field(None, ge=1, strict=True)  # (strict: `true` is not 1)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
-    stop: Text | list[Text] | None = None
+    stop: str | list[str] | None = None
     stream_options: StreamOptions | None = None  # include_usage: a last chunk with the usage
     seed: int | None = Field(None, ge=0, le=MAX_SEED, strict=True)
     stream: bool = False
@@ -114,6 +112,13 @@ class ChatRequest(BaseModel):
     functions: list | None = None
     function_call: Any = None
     response_format: dict | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if any(not s for s in ([stop] if isinstance(stop, str) else stop or [])):
+            raise ValueError(f"expected non-empty strings (an empty one ends every answer at once), got {stop!r}")
+        return stop
 
 
 # OpenAI's fields this server does not do: the values that leave them off (the first is said), what to use instead.

@@ -79,7 +79,8 @@ class TurnView:
         if self.error:
             state = f"⚠ {self.error}"
         elif self.done:
-            state = {"interrupted": f"stopped after {self.tokens} tokens", "length": "done (max new tokens)",
+            state = {"interrupted": f"stopped after {self.tokens} tokens",
+                     "length": "done (max new tokens, or the time limit)",
                      None: "stopped before it started"}.get(self.reason, "done")
         elif self.ahead:
             state = f"waiting: {self.ahead} ahead"

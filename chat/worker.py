@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from types import GeneratorType
 from typing import Any
 
+from decoding.backend import Unsupported
 from decoding.batch import Batch, Parked
 from decoding.events import FinishEvent, TokenEvent
 
@@ -315,8 +316,8 @@ class Worker(Runner):
     def _fail(self, req: Request, e: Exception) -> None:
         if not isinstance(e, (ValueError, KeyError, FileNotFoundError)):
             log.exception("request %d (%s) failed", req.id, req.kind)
-        refused = isinstance(e, ServiceError)  # (the requester's to change: the OpenAI API's 400)
-        self._put(req, Failed(describe(e), "refused", e.api) if refused else Failed(describe(e)))
+        refused = isinstance(e, (ServiceError, Unsupported))  # (the requester's to change: the OpenAI API's 400)
+        self._put(req, Failed(describe(e), "refused", getattr(e, "api", None)) if refused else Failed(describe(e)))
         self._finish(req)
 
     def _finish(self, req: Request) -> None:

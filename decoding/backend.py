@@ -70,10 +70,15 @@ NEEDS = {
 }
 
 
+class Unsupported(ValueError):
+    """A request asks for what this model or backend does not run: the requester's to change (a refusal, not a
+    failure of the work)."""
+
+
 def require(spec: ModelSpec, capability: str) -> None:
     """Refuse, naming what was asked and the setting to change, when the backend cannot run it."""
     if not spec.can(capability):
-        raise ValueError(f"the {spec.backend} backend does not run {NEEDS[capability]}: set model.backend: "
+        raise Unsupported(f"the {spec.backend} backend does not run {NEEDS[capability]}: set model.backend: "
                          "transformers")
 
 

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaModel
 
+from decoding.backend import Unsupported
 from models import LoadedModel
 
 CONFIG = "draft_head.json"
@@ -91,7 +92,7 @@ def draft_head_for(lm: LoadedModel, path: str | None) -> DraftHead:
     """The mixture's draft head in folder `path`, loaded once for `lm`, on its device and dtype; refused
     unless it is as wide as the model."""
     if path is None:
-        raise ValueError("generation.mixture.draft is 'head' but generation.mixture.head names no folder: "
+        raise Unsupported("generation.mixture.draft is 'head' but generation.mixture.head names no folder: "
                          "train one with python -m training.draft, or use draft theta, target or ngram")
 
     def load() -> DraftHead:

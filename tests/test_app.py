@@ -133,7 +133,7 @@ def test_answers_stream_in_several_updates(client):
     growing = [t for t in texts if t and t != "…"]
     assert len(set(growing)) >= 3, texts  # several partial answers, not one final blob
     assert all(len(a) <= len(b) for a, b in zip(growing, growing[1:]))
-    assert "done (max new tokens)" in outputs[-1][STATUS] and "tokens/s" in outputs[-1][STATUS]
+    assert "done (max new tokens, or the time limit)" in outputs[-1][STATUS] and "tokens/s" in outputs[-1][STATUS]
     assert outputs[-1][0][0] == {"role": "user", "metadata": None, "options": None,
                                  "content": [{"text": "Tell me about lighthouses.", "type": "text"}]}
 

@@ -150,8 +150,11 @@ def test_a_recall_event_travels_in_the_chunks(api):
     (dict(extra_body={"settings": {"generation.max_new_tokens": 9}}), openai.BadRequestError,
      "settings: 'generation.max_new_tokens' is set by a field of the request too"),
     (dict(extra_body={"settings": {"recall.temperature": -1}}), openai.BadRequestError, "temperature"),
-    (dict(stop=""), openai.BadRequestError, "stop"),  # (an empty stop string matched at once: an empty answer)
-    (dict(stop=["ok", ""]), openai.BadRequestError, "stop"),
+    (dict(extra_body={"settings": {"mixture.enabled": True, "mixture.draft": "head"}}), openai.BadRequestError,
+     "generation.mixture.draft is 'head' but generation.mixture.head names no folder"),  # (a 500 before)
+    (dict(stop=""), openai.BadRequestError,  # (an empty stop string matched at once: an empty answer)
+     "stop: Value error, expected non-empty strings (an empty one ends every answer at once), got ''"),
+    (dict(stop=["ok", ""]), openai.BadRequestError, "stop: Value error, expected non-empty strings"),
     # checked before it starts: no Python internals in the message
     (dict(seed=2 ** 70), openai.BadRequestError, "seed: Input should be less than or equal to 18446744073709551615"),
     (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {
@@ -298,9 +301,27 @@ def test_the_seeds_settings_reach_an_answer_through_the_api(api, smollm2):
     kw = dict(model=model_id(api), messages=[{"role": "user", "content": "Write a word."}], max_tokens=8)
     drawn = {api.chat.completions.create(**kw, top_p=0.99, seed=s).choices[0].message.content for s in range(4)}
     assert len(drawn) > 1  # (top_p alone samples: four seeds, more than one answer)
+    assert api.chat.completions.create(**kw, top_p=0).choices[0].message.content  # (0 as the page's slider: refused)
     for extra in ({"top_k": 5}, {"min_p": 0.05}, {"typical_p": 0.9}):
         out = api.chat.completions.create(**kw, extra_body=extra, seed=1)
         assert out.choices[0].message.content
     recall = greedy(api, "Who keeps the lighthouse of Port Avel?", max_tokens=24,
                     extra_body={"recall_first": True, "settings": {"recall.min_score": 0.99}})
     assert recall.model_extra["recalls"] == []  # (no memory is that close: the recall settings reached the head)
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"generation.entropy_decoding": "trough"}, "the llamacpp backend does not run entropy_decoding"),
+    ({"generation.guidance_scale": 1.5}, "the llamacpp backend does not run guidance_scale"),
+    ({"mixture.enabled": True}, "the llamacpp backend does not run generation.mixture"),
+])
+def test_what_the_backend_cannot_run_is_a_400_naming_it(default_api, settings, words):
+    """A setting this server's model cannot run is the request's to change: 400 (it was a 500 "server_error", and a
+    stream's error came after a 200), the same words streamed."""
+    kw = dict(model="recall-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+              extra_body={"settings": settings})
+    with pytest.raises(openai.BadRequestError) as info:
+        default_api.chat.completions.create(**kw)
+    assert words in info.value.message and info.value.body["param"] is None
+    with pytest.raises(openai.APIError, match=words):
+        list(default_api.chat.completions.create(**kw, stream=True))
