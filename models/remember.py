@@ -157,7 +157,7 @@ def about_the_user(text: str) -> str:
             out.append(w.space + w.text)
     sentence = "".join(out).strip()
     sentence = sentence[:1].upper() + sentence[1:]
-    return sentence if sentence.endswith((".", "!", "?")) else sentence + "."
+    return sentence if sentence.endswith((".", "!", "?", "。", "！", "？")) else sentence + "."
 
 
 def is_question(text: str) -> bool:

@@ -63,6 +63,7 @@ def test_a_saved_conversation_loads_back_exactly(tiny_llama, saved, tmp_path):
     # the page showed the edited question while the model answered the one its ids hold
     (lambda d: d["messages"][0].update(text="What colour is the bakery door?"),
      re.escape("messages.0.text: expected the text its ids hold, got 'What colour is the bakery door?' where")),
+    (lambda d: d.update(system_prompt="You are a pirate."), "system_prompt: expected the system prompt its ids hold"),
     # ids of another tokenizer decode to other words here
     (lambda d: d.update(ids=[(t + 7) % 40000 for t in d["ids"]]), "messages.0.text: expected the text its ids hold"),
 ])
