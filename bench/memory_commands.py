@@ -2,7 +2,7 @@
 forgets, and that it forgets none when nothing told is about X) and the write decision (facts written; questions,
 requests and chit-chat not).
 
-    .venv/bin/python bench/memory_commands.py [--people 60] [--seed 1] [--json out.json]
+    .venv/bin/python bench/memory_commands.py [--people 60] [--pairs 200] [--seed 1] [--json out.json]
 
 Forget: held-out people (`training.personal`, the `eval` split: names and towns no training saw) tell 4 things of
 different kinds; then, for each thing, a request to forget it ("Forget where I work.", "Forget about Whiskers.")
@@ -11,7 +11,16 @@ about my brother." beside a sister), and one about a kind they never told ("Forg
 templates: `dev`, the one the rule was chosen on, and `eval`, written before any rule was measured on it. Each rule
 is read against the person's memories with the shipped key encoder and fit check, as `chat.people.People.forget`
 does: the key similarity of "forget X"'s words about the user to each memory, and the fit check's probability
-over the message query of X and each key.
+over the message query of X and each key. Apart (`ATTRIBUTE_FORGETS`, its own table): a relative or pet told by name,
+and a request about an attribute of it never told ("Forget my sister's birthday.") or told in a memory more ("Forget
+where my sister lives." beside "The user's sister lives in Oslo."), or for its name beside that memory.
+
+Supersede: pairs of memories told one after the other (held-out names, towns and values: the `eval` split), each
+judged as `memory.personal.judge` judges a new memory against a kept one (the shipped key encoder's cosine, the
+texts): a newer value of the same fact (told in the same words, or reworded as `training.personal.update` tells it),
+another fact about the same person or pet ("My sister is called Lena." then "My sister lives in Oslo."), the same
+fact about another one, another fact of the user's own, and facts of one frame that may both be true (two
+allergies, two friends): how many of each the older one is superseded for, by each rule.
 
 Writes: `chat.decision.decide` in `auto` on held-out facts and chit-chat (the messages `bench/user_memory.py` sends
 for `--users 8`, and `training.remember`'s `eval` split) and on held-out requests to the assistant (`REQUESTS`),
@@ -92,6 +101,29 @@ FORGETS = {
                         "Forget about my landlord."]},
     },
 }
+# requests about an attribute of a relative or pet whose name was told: "other", about an attribute never told of it
+# (`forget_cases` adds one a person, drawn apart from the rest: the sets above draw as before); "told", a memory of
+# one attribute more ({town} {job} {month} {n}) and a request for it, or one for the name beside it
+ATTRIBUTE_FORGETS = {
+    "dev": {"other": {"relative": ["Forget my {r}'s birthday.", "Forget my {r}'s address.", "Forget my {r}'s job.",
+                                   "Forget my {r}'s age.", "Forget where my {r} lives.", "Forget my {r}'s hobby."],
+                      "pet": ["Forget my {r}'s age.", "Forget my {r}'s birthday.", "Forget where my {r} lives."]},
+            "told": {"relative": [("My {r} lives in {town}.", ["Forget where my {r} lives.", "Forget my {r}'s address."]),
+                                  ("My {r} works as a {job}.", ["Forget my {r}'s job."]),
+                                  ("My {r}'s birthday is in {month}.", ["Forget my {r}'s birthday."])],
+                     "pet": [("My {r} is {n} years old.", ["Forget my {r}'s age."])]}},
+    "eval": {"other": {"relative": ["Forget the birthday of my {r}.", "Forget my {r}'s home town.",
+                                    "Forget what my {r} does for a living.", "Forget the age of my {r}.",
+                                    "Forget my {r}'s allergy.", "Forget my {r}'s favourite colour."],
+                       "pet": ["Forget the age of my {r}.", "Forget my {r}'s favourite sport.",
+                               "Forget the birthday of my {r}."]},
+             "told": {"relative": [("My {r} has been living in {town} since May.", ["Forget where my {r} lives.",
+                                                                                     "Forget my {r}'s home town."]),
+                                   ("My {r} is a {job}.", ["Forget what my {r} does for a living.",
+                                                           "Forget my {r}'s profession."]),
+                                   ("My {r} was born in {month}.", ["Forget the birthday of my {r}."])],
+                      "pet": [("My {r} is {n} years old.", ["Forget the age of my {r}."])]}},
+}
 # requests to the assistant, held out (no training data of the write decision holds these): {given} {town} {town2}
 # {pet} {rel} {species} {job} {food} {hobby} {day}
 REQUESTS = [
@@ -139,6 +171,34 @@ def forget_cases(split: str, people: int, seed: int) -> list[tuple[list[str], st
                 out.append((memories, other, None))
         untold = [k for k in forms["untold"] if k and k not in kinds] + ["", ""]
         out.append((memories, rng.choice(forms["untold"][rng.choice(untold)]), None))
+    return out
+
+
+def attribute_cases(split: str, people: int, seed: int) -> list[tuple[list[str], str, int | None]]:
+    """(memories, a forget request, the memory it means or None) about an attribute of a relative or pet told by
+    name (`ATTRIBUTE_FORGETS`): one never told (None), one told in a memory more, or the name beside that one."""
+    from models.remember import about_the_user
+    from training.facts import JOBS, MONTHS
+    from training.personal import PeopleNames, person
+
+    rng = random.Random(f"forget-attribute:{split}:{seed}")
+    names = PeopleNames("eval", rng, real=0.5)
+    forms = ATTRIBUTE_FORGETS[split]
+    out = []
+    for _ in range(people):
+        things = [t for t in person("eval", rng, names, 4) if t.kind.split(":")[0] in forms["other"]]
+        if not things:
+            continue
+        t = rng.choice(things)
+        kind, _, r = t.kind.partition(":")
+        memories = [x.memory for x in things]
+        out.append((memories, rng.choice(forms["other"][kind]).format(r=r), None))
+        told_, asks = rng.choice(forms["told"][kind])
+        more = about_the_user(told_.format(r=r, town=names.town(), job=rng.choice(JOBS), month=rng.choice(MONTHS),
+                                           n=rng.randint(2, 15)))
+        out.append((memories + [more], rng.choice(asks).format(r=r), len(memories)))
+        name = rng.choice(["Forget my {r}'s name.", "Forget the name of my {r}."]).format(r=r)
+        out.append((memories + [more], name, things.index(t)))
     return out
 
 
@@ -205,6 +265,144 @@ def forget_table(rows: list[dict], threshold: float) -> dict:
     return out
 
 
+# facts about a person or pet of the user's ({e}), by attribute; {v} its value
+ENTITY_FACTS = {"name": ["My {e} is called {v}.", "My {e}'s name is {v}."], "home": ["My {e} lives in {v}."],
+                "age": ["My {e} is {v} years old."], "job": ["My {e} works as a {v}.", "My {e} is a {v}."],
+                "birthday": ["My {e}'s birthday is in {v}."], "likes": ["My {e} loves {v}."]}
+PEOPLE = ["mother", "father", "boss", "friend", "wife", "neighbour"]  # with `training.facts.RELATIVES`
+# facts of the user's own with a number for a value
+NUMBER_FACTS = ["My bank PIN is {n4}.", "My locker number is {n2}.", "My phone number is 555-{n4}.",
+                "I live at {n2} {street} Street.", "My shoe size is {n2}.", "I am {n2} years old.",
+                "My flat is number {n2}.", "My car's number plate is KX{n2} {n4}."]
+# facts of one frame whose two values may both be true
+BOTH_TRUE = ["I'm allergic to {food}.", "My friend is called {name}.", "I have a {species} called {pet}.",
+             "I enjoy {hobby}.", "I love {food}.", "My {rel} is called {name}."]
+
+
+def supersede_cases(pairs: int, seed: int) -> list[tuple[str, str, str]]:
+    """(category, the memory kept, the memory told after it): `pairs` of each category."""
+    from models.remember import about_the_user
+    from training.facts import JOBS, MONTHS, RELATIVES, SPECIES
+    from training.personal import FOODS, HOBBIES, KINDS, UPDATABLE, PeopleNames, person, told, update
+
+    rng = random.Random(f"supersede:{seed}")
+    names = PeopleNames("eval", rng, real=0.5)
+    values = {"name": names.given, "home": names.town, "age": lambda: str(rng.randint(2, 90)),
+              "job": lambda: rng.choice(JOBS), "birthday": lambda: rng.choice(MONTHS), "likes": lambda: rng.choice(FOODS)}
+
+    def entity() -> tuple[str, list[str]]:
+        if rng.random() < 0.3:
+            return rng.choice(SPECIES), [a for a in ENTITY_FACTS if a != "job"]
+        return rng.choice(RELATIVES + PEOPLE), list(ENTITY_FACTS)
+
+    def fill(template: str, **kw) -> str:
+        return about_the_user(template.format(**kw))
+
+    def two(make):
+        a = make()
+        b = make()
+        while b == a:
+            b = make()
+        return a, b
+
+    out = []
+    for _ in range(pairs):  # the same fact, a newer value, in the same words
+        pick = rng.random()
+        if pick < 0.4:
+            e, attrs = entity()
+            t = rng.choice(ENTITY_FACTS[attr := rng.choice(attrs)])
+            old, new = two(values[attr])
+            out.append(("update, same words", fill(t, e=e, v=old), fill(t, e=e, v=new)))
+        elif pick < 0.7:
+            t = rng.choice(NUMBER_FACTS)
+            street = names.town()
+            old, new = two(lambda: (str(rng.randint(1, 99)), str(rng.randint(1000, 9999))))
+            out.append(("update, same words", fill(t, n2=old[0], n4=old[1], street=street),
+                        fill(t, n2=new[0], n4=new[1], street=street)))
+        else:
+            first = told(rng.choice(KINDS), "eval", rng, names)
+            kind, _, r = first.kind.partition(":")
+            again = first
+            while again.value == first.value:  # the same template, another value
+                again = told(kind, "eval", rng, names, r=r or None,
+                             tell_templates={"eval": [t for t in _tells(kind) if _fits(t, first, r)]})
+            out.append(("update, same words", first.memory, again.memory))
+    for _ in range(pairs):  # the same fact, a newer value, told as a change
+        old = told(rng.choice(UPDATABLE), "eval", rng, names)
+        out.append(("update, other words", old.memory, update(old, "eval", rng, names).memory))
+    for _ in range(pairs):  # another fact about the same person or pet
+        e, attrs = entity()
+        a, b = rng.sample(attrs, 2)
+        out.append(("another fact, same person or pet", fill(rng.choice(ENTITY_FACTS[a]), e=e, v=values[a]()),
+                    fill(rng.choice(ENTITY_FACTS[b]), e=e, v=values[b]())))
+    for _ in range(pairs):  # the same kind of fact about another person or pet
+        e, attrs = entity()
+        other = rng.choice([x for x in (SPECIES if e in SPECIES else RELATIVES + PEOPLE) if x != e])
+        t = rng.choice(ENTITY_FACTS[attr := rng.choice(attrs)])
+        same = rng.random() < 0.5  # the same value ("My sister lives in Oslo." / "My brother lives in Oslo.") or not
+        v = values[attr]()
+        out.append(("same fact, another person or pet", fill(t, e=e, v=v),
+                    fill(t, e=other, v=v if same else values[attr]())))
+    for _ in range(pairs):  # another fact of the user's own
+        a, b = person("eval", rng, names, 2)
+        out.append(("another fact of the user's", a.memory, b.memory))
+    for _ in range(pairs):  # one frame, two values that may both be true
+        t = rng.choice(BOTH_TRUE)
+        kw = lambda: dict(food=rng.choice(FOODS), name=names.given(), species=sp, pet=names.pet(),  # noqa: E731
+                          hobby=rng.choice(HOBBIES), rel=rel)
+        sp, rel = rng.choice(SPECIES), rng.choice(RELATIVES)
+        a, b = two(lambda: fill(t, **kw()))
+        out.append(("one frame, both may be true", a, b))
+    return out
+
+
+def _tells(kind: str) -> list[str]:
+    from training.personal import _KINDS
+    return _KINDS[kind][1]["eval"]
+
+
+def _fits(template: str, first, r: str) -> bool:
+    """Whether `first` was told with `template` (its value and relative or species put back)."""
+    from training.personal import _sentence
+    return _sentence(template.format(v=first.value, r=r)) == first.tell
+
+
+def supersede_rules() -> dict:
+    """Each rule: (the kept memory, the new one, their keys' cosine) -> whether the new one supersedes it."""
+    from memory.personal import Similar, judge, newer_value, twin
+
+    now = Similar()
+
+    def rule(similar: Similar):
+        return lambda old, new, cos: bool(judge([{"score": cos, "text": old}], new, similar))
+
+    return {
+        f"key >= {now.supersede:.2f} (before)": lambda old, new, cos: (
+            cos >= now.supersede and twin([{"score": cos, "text": old}], new, now) is None),
+        f"key >= {now.supersede:.2f}, the same but for its value (now: `judge`)": rule(now),
+        "key >= 0.45, the same but for its value": rule(Similar(supersede=0.45)),
+        "the same but for its value, any key": lambda old, new, cos: newer_value(old, new),
+        "never (the newer read first: `Newest`)": lambda old, new, cos: False,
+    }
+
+
+def supersede_table(keys, pairs: int, seed: int) -> dict:
+    cases = supersede_cases(pairs, seed)
+    texts = sorted({t for _, a, b in cases for t in (a, b)})
+    vectors = dict(zip(texts, keys.encode(texts)))
+    cosines = [float(vectors[a] @ vectors[b]) for _, a, b in cases]
+    categories = list(dict.fromkeys(c for c, _, _ in cases))
+    out = {}
+    for name, rule in supersede_rules().items():
+        decided = [rule(a, b, cos) for (_, a, b), cos in zip(cases, cosines)]
+        out[name] = {c: sum(d for d, (k, _, _) in zip(decided, cases) if k == c) / sum(k == c for k, _, _ in cases)
+                     for c in categories}
+        out[name]["superseded, examples"] = {
+            c: [f"{a} -> {b} ({cos:.2f})" for d, (k, a, b), cos in zip(decided, cases, cosines) if d and k == c][:6]
+            for c in categories}
+    return out
+
+
 def write_sets(seed: int) -> dict[str, list[str]]:
     """Held-out facts and messages not to write."""
     from bench._users import make_users
@@ -248,6 +446,7 @@ def write_table(keys, seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--people", type=int, default=60)
+    parser.add_argument("--pairs", type=int, default=200, help="supersede: pairs of memories of each category")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="write every request, the rules' misses and the write sets' examples here")
     args = parser.parse_args()
@@ -261,7 +460,10 @@ def main() -> None:
     for split in ("dev", "eval"):
         rows = read_forgets(forget_cases(split, args.people, args.seed), keys, check)
         report["forget"][split] = forget_table(rows, check.threshold)
+        rows = read_forgets(attribute_cases(split, args.people, args.seed), keys, check)
+        report["forget"][f"{split}, a relative's or pet's attribute"] = forget_table(rows, check.threshold)
     report["write"] = write_table(keys, args.seed)
+    report["supersede"] = supersede_table(keys, args.pairs, args.seed)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     for split, table in report["forget"].items():
         first = next(iter(table.values()))
@@ -274,6 +476,11 @@ def main() -> None:
     print("\nwrites (`decide`, auto)\n\n| messages | n | written before | written now |\n|---|---|---|---|")
     for name, m in report["write"].items():
         print(f"| {name} | {m['n']} | {m['written before']:.3f} | {m['written now']:.3f} |")
+    categories = [c for c in next(iter(report["supersede"].values())) if not c.endswith("examples")]
+    print(f"\nsupersede (`judge`; {args.pairs} pairs each: the older memory superseded)\n\n| rule | "
+          + " | ".join(categories) + " |\n" + "|---" * (len(categories) + 1) + "|")
+    for name, m in report["supersede"].items():
+        print(f"| {name} | " + " | ".join(f"{m[c]:.3f}" for c in categories) + " |")
     print(f"\n{report['seconds']} s")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

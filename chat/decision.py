@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from models.remember import about_the_user, asks, is_request
 
-REMEMBER = re.compile(r"^\s*(?:please\s*,?\s+)?(?:remember|note|keep in mind)(?:\s+that)?\s*[,:]?\s+(?P<what>.+?)\s*$",
+REMEMBER = re.compile(r"^\s*(?:please\s*,?\s+)?(?:remember|note|keep in mind)(?:\s+that)?(?:\s*[,:]\s*|\s+)(?P<what>.+?)\s*$",
                       re.I | re.S)
 FORGET = re.compile(r"^\s*(?:please\s*,?\s+)?forget(?:\s+(?:that|about|what i said about|what i told you about))?"
                     r"\s*[,:]?\s+(?P<what>.+?)\s*$", re.I | re.S)
@@ -39,7 +39,7 @@ def refusal(what: str) -> str | None:
         return "a question"
     if is_request(what):
         return "a request"
-    if len(what.split()) < 2:
+    if len(what.split()) < 2 and re.fullmatch(r"[A-Za-z'.!-]+", what):  # (a script without spaces is not one word)
         return "a single word"
     return None
 
@@ -112,14 +112,63 @@ def _same_word(a: str, b: str) -> bool:
     return common >= max(5, min(len(a), len(b)) - 2)
 
 
+# what a kind word says of a person or thing the memory names ("my sister's birthday"), and the words of a memory
+# that say it besides the group's own but those after "-" ("The user's sister is called Lena." says her name, not her
+# birthday; "a living" is a job, "lives" is not)
+_ATTRIBUTES = [
+    ("name names called named call".split(), []),
+    ("job jobs work works worked working profession occupation career living".split(),
+     ["earns", "employed", "-living"]),
+    ("living live lives lived home house flat town city place address".split(), ["moved", "street", "road"]),
+    ("favourite favorite colour color colours".split(), []),
+    ("allergy allergies allergic".split(), []),
+    ("sport sports play plays playing".split(), ["team"]),
+    ("pet pets".split(), []),
+    ("birthday".split(), ["born", "birth"]),
+    ("age".split(), ["old", "aged", "years"]),
+    ("hobby hobbies like likes love loves".split(), ["enjoys", "favourite"]),
+    ("family".split(), []),
+]
+_PLACE = frozenset("in at to from near since on until of by".split())  # a capitalised word after these: a place, a month
+
+
+def _names(memory: str) -> bool:
+    """Whether a memory says a name: a capitalised word but "The" that follows neither a capitalised word nor `_PLACE`
+    ("Lena is the user's sister.", "... called Lena."; not "... lives in Buenos Aires since May.")."""
+    words = re.findall(r"[\w']+", memory)
+    return any(w[:1].isupper() and w != "The" and (i == 0 or not (words[i - 1][:1].isupper() or
+                                                                 words[i - 1].lower() in _PLACE))
+               for i, w in enumerate(words))
+
+
+# a name, a job ("... is a nurse."), a place ("... lives in Oslo.") said without a word of the group
+_SAYS = {"name": _names, "profession": re.compile(r"\b(?:is|as) an? [a-z]+").search,
+         "address": re.compile(r"\b(?:in|at) [A-Z]").search}
+_OF = re.compile(r"\b(\w+) of (my|our|his|her|their) (\w+)", re.I)  # "the name of my sister": "my sister's name"
+
+
+def _says(word: str, memory: str, theirs: Sequence[str]) -> bool:
+    """Whether a memory (its text, its content words `theirs`) says what the kind word `word` asks of a thing."""
+    for group, more in _ATTRIBUTES:
+        said = [w for w in group + more if w[0] != "-" and f"-{w}" not in more]
+        if word in group and (any(_same_word(w, t) for w in said for t in theirs)
+                              or any(k in group and says(memory) for k, says in _SAYS.items())):
+            return True
+    return False
+
+
 def forget_reading(what: str, memory: str) -> tuple[bool, bool]:
     """How "forget `what`" reads against a memory's text: (whether every word of `what` is in it or names a kind of
     thing, `_KIND_WORDS`: nothing of `what` speaks of something else; whether a word of `what` besides those is in
-    it: `what` names it)."""
-    words, theirs = _content(what), _content(memory)
+    it: `what` names it). A kind word after a word the memory names asks for that of it, so the memory must say it
+    (`_ATTRIBUTES`): "my sister's name" is in "The user's sister is called Lena.", "my sister's birthday" and "where
+    my sister lives" are not (they forgot it)."""
+    words, theirs = _content(_OF.sub(r"\2 \3's \1", what)), _content(memory)
     found = [any(_same_word(w, t) for t in theirs) for w in words]
-    consistent = all(f or w in _KIND_WORDS for w, f in zip(words, found))
-    return consistent, any(f and w not in _KIND_WORDS for w, f in zip(words, found))
+    named = [f and w not in _KIND_WORDS for w, f in zip(words, found)]
+    consistent = all(f or (w in _KIND_WORDS and not (any(named[:i]) and not _says(w, memory, theirs)))
+                     for i, (w, f) in enumerate(zip(words, found)))
+    return consistent, any(named)
 
 
 def to_forget(what: str, texts: Sequence[str], scores: Sequence[float], fits: Sequence[float] | None,

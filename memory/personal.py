@@ -15,6 +15,7 @@ person's last memory deletes the file, history included.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fcntl
 import os
 import re
@@ -78,14 +79,46 @@ def twin(closest: Sequence[dict], text: str, similar: Similar) -> dict | None:
     return None
 
 
+def _value_kind(word: str) -> str:
+    return "number" if any(c.isdigit() for c in word) else "name" if word[:1].isupper() else "word"
+
+
+def newer_value(old: str | None, new: str) -> bool:
+    """Whether `new` says what `old` says but for its value: the words that differ (fillers aside, `FILLER`) are, in
+    each place they differ, numbers or names on both sides ("... PIN is 1111." / "... 2222.", "... is called Lena." /
+    "... Lina.", "... at 12 Elm Street." / "... 48 Oak Road."), or one other word swapped for one as the last word
+    ("... colour is blue." / "... green.", "... works as a baker." / "... a nurse."); never a thing of the user's
+    ("The user's sister ..." / "... brother ...": another thing), nor a word put in or left out. So "The user's sister
+    lives in Oslo." is not a newer value of "The user's sister is called Lena." (keys 0.89 apart: it superseded it),
+    nor "The user works in Porto." of "The user lives in Porto." (0.94)."""
+    if not old:
+        return False
+    a = [w for w in re.findall(r"\w+", old) if w.lower() not in FILLER]
+    b = [w for w in re.findall(r"\w+", new) if w.lower() not in FILLER]
+    la, lb = [w.lower() for w in a], [w.lower() for w in b]
+    changed = [op for op in difflib.SequenceMatcher(None, la, lb, autojunk=False).get_opcodes() if op[0] != "equal"]
+    for tag, i1, i2, j1, j2 in changed:
+        if tag != "replace" or (i1 > 0 and la[i1 - 1] == "s"):  # (a word put in or left out; "the user's X")
+            return False
+        was, now = {_value_kind(w) for w in a[i1:i2]}, {_value_kind(w) for w in b[j1:j2]}
+        if "word" not in was and was == now:  # numbers, names, or both in the same way (an address)
+            continue
+        if not (len(changed) == 1 and i2 - i1 == j2 - j1 == 1 and i2 == len(la) and j2 == len(lb)
+                and was == now == {"word"}):
+            return False
+    return True
+
+
 def judge(closest: Sequence[dict], text: str, similar: Similar) -> list[dict] | None:
     """What a new memory of `text` is to the kept ones closest to its key (a bank's `search`: {"score", "index",
-    "text", "metadata"}, at most `CLOSEST`): None when it is one of them again (`twin`), else those it supersedes
-    (keys at `similar.supersede` or closer: the same thing, a newer value; near-identical keys with other words
-    too)."""
+    "text", "metadata"}, at most `CLOSEST`): None when it is one of them again (`twin`), else those it supersedes:
+    keys at `similar.supersede` or closer that say the same thing with another value (`newer_value`). The key alone
+    superseded another fact about the same person or pet ("The user's sister lives in Oslo." the sister's name, keys
+    0.89 apart); the newer value wins at read time anyway (`Newest`), so a memory is kept whenever in doubt (measured
+    by bench/memory_commands.py: docs/benchmarks.md, "The write decision")."""
     if twin(closest, text, similar) is not None:
         return None
-    return [f for f in closest if f["score"] >= similar.supersede]
+    return [f for f in closest if f["score"] >= similar.supersede and newer_value(f.get("text"), text)]
 
 
 def as_entry(found: dict) -> dict:

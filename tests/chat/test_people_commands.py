@@ -11,7 +11,7 @@ import pytest
 
 from chat.config import load_config
 from chat.operations import edit_memory, import_memories, my_memories, remember
-from chat.decision import decide, to_remember
+from chat.decision import decide, forget_reading, to_forget, to_remember
 from chat.people import People
 from chat.service import Service
 from chat.worker import ServiceError
@@ -41,10 +41,13 @@ def texts(people: People, lm) -> list[str]:
 @pytest.mark.parametrize("said", ["Forget about my brother.", "Forget about my job as a pilot.",
                                   "Forget about my hamster.", "Forget my address.", "Forget my wife.",
                                   "Forget about my dog.", "Forget that I live in Porto.", "Forget it.",
-                                  "Forget about Mira."])
+                                  "Forget about Mira.", "Forget my sister's address.", "Forget my sister's job.",
+                                  "Forget my cat's age.", "Forget my sister's birthday.", "Forget where my sister lives.",
+                                  "Forget the birthday of my sister."])
 def test_forgetting_something_never_told_forgets_nothing(smollm2, told, said):
     """(Each of these forgot one of the three: the brother and the wife the sister, the pilot's job, the address and
-    the dog the baker, the hamster the cat: the closest memory was deleted at a key similarity of 0.5.)"""
+    the dog the baker, the hamster the cat: the closest memory was deleted at a key similarity of 0.5; "my sister's
+    address", "... job", "... birthday", "my cat's age" the sister and the cat: the word "sister" named the memory.)"""
     what = decide(said, "explicit").forget
     done = told.forget(smollm2, "ada", what)
     assert done.forgotten == () and done.note == f"Nothing to forget: no memory of yours is about {what!r}"
@@ -60,6 +63,27 @@ def test_forgetting_something_told_forgets_that_memory(smollm2, told, said, gone
     done = told.forget(smollm2, "ada", decide(said, "explicit").forget)
     assert [e["text"] for e in done.forgotten] == [gone]
     assert texts(told, smollm2) == sorted({CAT, BAKER, SISTER} - {gone})
+
+
+@pytest.mark.parametrize("what,memory,means", [
+    ("my mother's birthday", "The user's mother is called Ann.", False),
+    ("my boss's birthday", "The user's boss is called Greg.", False),
+    ("where my sister lives", "The user's sister is called Lena.", False),
+    ("my sister's name", "The user's sister lives in Oslo.", False),
+    ("my sister's job", "The user's sister lives in Oslo.", False),
+    ("my dog's name", "The user's dog is 5 years old.", False),
+    ("my sister's name", "The user's sister is called Lena.", True),
+    ("the name of my sister", "Lena is the user's sister.", True),
+    ("my sister's address", "The user's sister lives in Oslo.", True),
+    ("my sister's job", "The user's sister is a nurse.", True),
+    ("my dog's age", "The user's dog is 5 years old.", True),
+    ("my mother's birthday", "The user's mother's birthday is in May.", True),
+    ("my mother's birthday", "The user's mother was born in May.", True)])
+def test_an_attribute_of_a_person_or_pet_is_forgotten_only_from_a_memory_that_says_it(what, memory, means):
+    """("Forget my mother's birthday." forgot "The user's mother is called Ann.": a kind word ("birthday", "address",
+    "job", "age") could be missing from the memory once "mother" was in it.)"""
+    assert forget_reading(what, memory) == (means, True)
+    assert (to_forget(what, [memory], [0.9], [1.0]) == 0) is means
 
 
 @pytest.mark.parametrize("sent,kind", [("What is my name?", "a question"), ("what is my name", "a question"),
@@ -78,7 +102,9 @@ def test_what_the_chat_would_not_write_is_refused_naming_what_was_expected(sent,
                                          ("The wifi password is hunter2.", "The wifi password is hunter2."),
                                          ("My name is Bob.", "The user's name is Bob."),
                                          ("When I was young I lived in Porto.",
-                                          "When the user was young the user lived in Porto.")])
+                                          "When the user was young the user lived in Porto."),
+                                         ("Remember:I like jazz.", "The user likes jazz."),  # (stored whole)
+                                         ("私は猫が好きです。", "私は猫が好きです。")])  # (refused as "a single word")
 def test_the_remember_box_writes_what_remember_that_writes_in_the_chat(sent, memory):
     assert to_remember(sent) == memory
     said = sent if sent.lower().startswith("remember") else f"Remember that {sent}"

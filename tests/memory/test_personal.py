@@ -15,7 +15,7 @@ import torch
 
 from memory import MemoryVectorDB
 from memory.milvus import MilvusBank, StoreLayout
-from memory.personal import Joined, Newest, PersonalMemory, Similar, Undone, twin
+from memory.personal import Joined, Newest, PersonalMemory, Similar, Undone, newer_value, twin
 from memory.personal_milvus import MilvusPersonal, open_people
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,6 +147,49 @@ def test_with_the_trained_key_encoder_a_new_number_or_name_is_a_newer_value(tmp_
     assert sorted(e["text"] for e in mine.entries()) == [
         "The user's bank PIN is 2222.", "The user's dog is called Max.", "The user's locker number is 57.",
         "The user's phone number is 555-0199."]
+    # another fact about the same person or pet, in either order, is kept (keys 0.89-0.95 apart: it superseded)
+    for first, then in [("The user's sister is called Lena.", "The user's sister lives in Oslo."),
+                        ("The user's dog is 5 years old.", "The user's dog is called Rex."),
+                        ("The user's boss lives in Paris.", "The user's boss is called Greg."),
+                        ("The user's mother is called Ann.", "The user's mother is a nurse.")]:
+        mine.clear()
+        assert add(first)[0] is not None
+        kept, gone = add(then)
+        assert kept is not None and gone == [], (first, then)
+    newer, gone = add("The user's mother is called Anna.")
+    assert [g["text"] for g in gone] == ["The user's mother is called Ann."]
+
+
+def test_another_fact_about_the_same_person_or_pet_is_kept_beside_the_first(stores):
+    """(Any key at `supersede` or closer was a newer value: "The user's sister lives in Oslo." superseded "The user's
+    sister is called Lena." (keys 0.89 apart with the trained key encoder), which was gone from the list and recall.)"""
+    mine = stores("ada")
+    lena, _ = mine.add(key(1, 0, 0), None, "The user's sister is called Lena.", make_bank=empty)
+    oslo, gone = mine.add(key(1, 0.3, 0), None, "The user's sister lives in Oslo.", make_bank=empty)  # cosine 0.96
+    assert oslo is not None and gone == []
+    brother, gone = mine.add(key(1, 0.2, 0), None, "The user's brother lives in Oslo.", make_bank=empty)
+    assert brother is not None and gone == []  # (another thing of the user's: "sister" / "brother")
+    lina, gone = mine.add(key(1, 0.1, 0), None, "The user's sister is called Lina.", make_bank=empty)
+    assert [g["id"] for g in gone] == [lena["id"]]  # the same fact, a newer value
+    assert sorted(e["text"] for e in mine.entries()) == [
+        "The user's brother lives in Oslo.", "The user's sister is called Lina.", "The user's sister lives in Oslo."]
+
+
+@pytest.mark.parametrize("old,new,same", [
+    ("The user's bank PIN is 1111.", "The user's bank PIN is 2222.", True),
+    ("The user's locker number is 12.", "The user's locker number is 57.", True),
+    ("The user lives in Porto.", "The user lives in Brackholm.", True),
+    ("The user lives at 12 Elm Street.", "The user lives at 48 Oak Road.", True),
+    ("Lena is the user's sister.", "Lina is the user's sister.", True),
+    ("The user works as a baker.", "The user works as a nurse.", True),
+    ("The user's dog is called Rex.", "The user's dog is 5 years old.", False),
+    ("The user's mother is Ann.", "The user's mother is a nurse.", False),
+    ("The user lives in Porto.", "The user works in Porto.", False),
+    ("The user's sister is called Lena.", "The user's brother is called Lena.", False),
+    ("The user is 30.", "The user is Bob.", False),
+    ("The user's dog is called Rex.", "The user's dog is called Rex Junior.", False)])
+def test_a_newer_value_says_the_same_but_for_its_value(old, new, same):
+    assert newer_value(old, new) is same and newer_value(new, old) is same
 
 
 def test_undo_after_a_delete_takes_back_a_supersede_by_id(stores):
