@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from models.remember import about_the_user, asks, is_request
 
-REMEMBER = re.compile(r"^\s*(?:please\s*,?\s+)?(?:remember|note|keep in mind)(?:\s+that)?(?:\s*[,:]\s*|\s+)(?P<what>.+?)\s*$",
-                      re.I | re.S)
+REMEMBER = re.compile(r"^\s*(?:please\s*,?\s+)?(?:remember|note|keep in mind)(?:\s+that)?(?:\s*[,:]\s*|\s+)"
+                      r"(?P<what>.+?)\s*$", re.I | re.S)
 FORGET = re.compile(r"^\s*(?:please\s*,?\s+)?forget(?:\s+(?:that|about|what i said about|what i told you about))?"
                     r"\s*[,:]?\s+(?P<what>.+?)\s*$", re.I | re.S)
 # "Forget X" forgets the memory X is about, and none when no memory is (`to_forget`); measured on held-out requests
@@ -129,7 +129,7 @@ _ATTRIBUTES = [
     ("hobby hobbies like likes love loves".split(), ["enjoys", "favourite"]),
     ("family".split(), []),
 ]
-_PLACE = frozenset("in at to from near since on until of by".split())  # a capitalised word after these: a place, a month
+_PLACE = frozenset("in at to from near since on until of by".split())  # (a capitalised word after these: a place)
 
 
 def _names(memory: str) -> bool:

@@ -207,8 +207,9 @@ def check_conversation(data: ConversationFile, *, vocab: int, context: int | Non
     if data.system_prompt and data.messages:  # (read with the first message)
         held = decode(ids[:starts[1] if len(starts) > 1 else n])
         if " ".join(data.system_prompt.split()) not in " ".join(held.split()):
-            raise ValueError(f"system_prompt: expected the system prompt its ids hold, got {_short(data.system_prompt)} "
-                             f"(an edited file: a conversation's system prompt is read once, in its first message)")
+            raise ValueError(f"system_prompt: expected the system prompt its ids hold, got "
+                             f"{_short(data.system_prompt)} (an edited file: a conversation's system prompt is read "
+                             "once, in its first message)")
     pads = {i for i, t in enumerate(ids) if t == memory_pad}
     memory = {}
     for key, text in data.memory.items():

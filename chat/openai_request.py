@@ -123,7 +123,8 @@ class ChatRequest(BaseModel):
 
 # OpenAI's fields this server does not do: the values that leave them off (the first is said), what to use instead.
 UNSUPPORTED = {"presence_penalty": ((0,), "use repetition_penalty"),
-               "frequency_penalty": ((0,), "use repetition_penalty"), "logprobs": ((False,), None), "top_logprobs": ((None, 0), None),
+               "frequency_penalty": ((0,), "use repetition_penalty"), "logprobs": ((False,), None),
+               "top_logprobs": ((None, 0), None),
                "tools": ((None, []), "the answer's tool calls are not parsed"), "tool_choice": ((None, "none"), None),
                "functions": ((None, []), None), "function_call": ((None, "none"), None),
                "response_format": ((None, {"type": "text"}), None)}
