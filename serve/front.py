@@ -10,14 +10,12 @@ The cluster itself is started by `serve.cluster`.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Concatenate
 
@@ -37,14 +35,6 @@ log = logging.getLogger("serve.front")
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
-
-
-def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 class RemoteWorker(Runner):
@@ -158,14 +148,6 @@ class RemoteService(SessionService):
             req = Request(operation.name, lambda interrupt: self._stream(s, operation, sent, interrupt), s.id)
             s.active = [r for r in s.active if not r.done.is_set()] + [self.worker.submit(req)]
             return req
-        if _on_event_loop():  # a sync Ray Serve handle refuses to run on an event loop: the call runs on a thread
-            with ThreadPoolExecutor(1, thread_name_prefix="recall-chat-remote-call") as pool:
-                return pool.submit(self._call, s, operation, sent).result()
-        return self._call(s, operation, sent)
-
-    def _call(self, s: Session, operation: Operation, sent: dict) -> Any:
-        """A call that is not queued, to its value (`ServiceError` with its failure, `KeyError` naming what is not
-        there)."""
         events, failed, missing = self._stream(s, operation, sent, threading.Event()), None, None
         while True:  # to the end of the stream, failed or not: its record comes last
             try:
