@@ -37,6 +37,7 @@ class Model(Protocol):
     """The model as the page and `/v1` know it."""
 
     name: str
+    is_vision: bool  # whether it reads images (the page offers its image example only then)
 
 
 @dataclass

@@ -426,7 +426,8 @@ class Service(SessionService):
             except BankError as e:
                 size = f"unreachable: {e}"
         return {"replicas": [{"replica": "in-process", "alive": True, "running": len(self.worker.running),
-                              "model": self._lm.name if self._lm else None}],
+                              "model": self._lm.name if self._lm else None,
+                              "vision": self._lm.is_vision if self._lm else None}],
                 "bank": {"store": self.cfg.memory.store, "size": size}}
 
 

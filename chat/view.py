@@ -134,9 +134,9 @@ def memory_kind(bank: BankState) -> str:
     """How a bank's memories are read and found, in words."""
     if not bank.keyed:
         return f"one {bank.dim}-d hidden-state vector each, found by the <recall> state"
-    what = "token ids (read as the model's own embeddings)" if bank.token_values else \
-        f"values of dimension {bank.value_dim}"
-    return f"**{bank.values}** {what}, found by the {bank.dim}-d text embedding of your message ({bank.keys})"
+    what = "its token ids, read as the model's own embeddings" if bank.token_values else \
+        f"vectors of dimension {bank.value_dim}"
+    return f"values **{bank.values}** ({what}), found by the {bank.dim}-d text embedding of your message ({bank.keys})"
 
 
 def bank_sample(bank: BankState | None) -> pd.DataFrame:

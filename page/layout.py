@@ -116,9 +116,10 @@ def build_demo(service: ChatService) -> gr.Blocks:
                     recall_first = gr.Checkbox(cfg.app.recall_first, label="recall first: start every answer with "
                                                "<recall>", elem_id="recall-first")
                     example_btn = gr.Button("Build example bank", variant="primary", elem_id="build-example")
+                vision = service.lm is None or service.lm.is_vision  # (an image example only for a model that reads it)
                 gr.Examples([{"text": "Who keeps the lighthouse of Port Avel?", "files": []},
-                             {"text": "When does the ferry to Lune Island leave?", "files": []},
-                             {"text": "What does this picture show?", "files": [str(EXAMPLE_IMAGES[0])]}],
+                             {"text": "When does the ferry to Lune Island leave?", "files": []}]
+                            + [{"text": "What does this picture show?", "files": [str(EXAMPLE_IMAGES[0])]}] * vision,
                             inputs=[box], label="Try")
                 answer = gr.HighlightedText(label="Last answer: memory markers show where memories were injected",
                                             combine_adjacent=False, show_legend=False, elem_id="answer")

@@ -35,6 +35,7 @@ log = logging.getLogger("serve.front")
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
+    is_vision: bool
 
 
 class RemoteWorker(Runner):
@@ -92,7 +93,7 @@ class RemoteService(SessionService):
         self.seen: dict[str, Record] = {}  # each replica's latest record
         self.handle = start_replicas(self.cfg, loader)
         first = self.handle.health.remote().result()["replicas"][0]
-        self.lm = ModelInfo(first["model"])
+        self.lm = ModelInfo(first["model"], first["vision"])
         self.worker = RemoteWorker(self._stop_remote)
 
     def close(self) -> None:

@@ -146,6 +146,7 @@ def test_health_names_the_in_process_model_and_the_bank_store(server):
         health = json.loads(response.read())
     (replica,) = health["replicas"]
     assert replica["replica"] == "in-process" and replica["alive"] is True and replica["model"]
+    assert replica["vision"] is False
     assert health["bank"]["store"] == "faiss"
 
 
@@ -370,6 +371,23 @@ def test_a_vision_model_sees_the_attached_image(vl_server, tmp_path, small_image
     assert vl_server.service.worker.history[-1].steps >= 1
     md, *_ = c.predict("", [handle_file(str(small_image))], api_name="/write_memories")
     assert "**1** memories" in md and "64-d" in md
+
+
+def _examples(url: str) -> list[str]:
+    """The texts of the page's "Try" examples, as the browser receives them."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url + "config", timeout=60) as response:
+        config = json.loads(response.read())
+    (examples,) = [c for c in config["components"] if c.get("type") == "dataset"]
+    return [sample[0]["text"] for sample in examples["props"]["samples"]]
+
+
+def test_the_image_example_is_offered_only_by_a_model_that_reads_images(server, vl_server):
+    assert "What does this picture show?" not in _examples(server.url)
+    assert "What does this picture show?" in _examples(vl_server.url)
+    assert "Who keeps the lighthouse of Port Avel?" in _examples(server.url)
 
 
 def test_a_page_load_copies_no_model_parameters(server, monkeypatch):
