@@ -109,9 +109,10 @@ def says_not_told(answer: str) -> bool:
 
 
 def is_junk(answer: str) -> bool:
-    """Empty, a recall token in the text, or mostly punctuation (":::")."""
+    """Empty, a recall token in the text, a role's name opening it (the model began a new turn: "user\nYou ..."),
+    or mostly punctuation (":::")."""
     text = (answer or "").strip()
-    if not text or any(j in text for j in JUNK):
+    if not text or any(j in text for j in JUNK) or re.match(r"(user|assistant|system)\s*(\n|$)", text):
         return True
     visible = [c for c in text if not c.isspace()]
     return sum(c.isalnum() for c in visible) < 0.5 * len(visible)

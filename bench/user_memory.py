@@ -6,7 +6,9 @@
 Users of the held-out `eval` split (`bench/_users.py`: things told, updates, chit-chat, questions) talk to the
 app through its own conversation path (`make_service`, `chat`, `follow`), greedy, `--max-new-tokens` a turn:
 conversation 0 tells two distractors, conversation 1 tells 3-4 things with chit-chat around each and asks about
-one (single-session), conversation 2 changes one thing; then the service restarts on the same `memory.user_dir`
+one (single-session), then, still in conversation 1, every later told, never-told and general question (in one
+conversation: the model reads `app.history_turns` earlier turns), conversation 2 changes one thing; then the service
+restarts on the same `memory.user_dir`
 and every later question is asked in a new conversation: the told things (cross-session), the changed thing
 (knowledge update: the new value, not the old), things never told (abstention: the answer says it was not told
 and holds none of the user's values), general questions (right; junk), a thing another user told (leak).
@@ -40,7 +42,10 @@ SYSTEMS = ("recall", "rag", "history", "base")
 TITLES = {"recall": "recall chat", "rag": "RAG anchor (MiniLM top-3)", "history": "full-history anchor",
           "base": "base model, no memory"}
 ROWS = ("write recall", "false writes", "update supersedes the old", "single-session", "cross-session",
-        "knowledge update", "abstention", "general right", "general junk", "leaks")
+        "knowledge update", "abstention", "general right", "general junk", "leaks",
+        "in one conversation: told things", "in one conversation: abstention", "in one conversation: general right",
+        "in one conversation: junk")
+IN_CONVERSATION = ("cross", "abstain", "general")  # the later questions also asked at the end of conversation 1
 RAG_TOP = 3
 TEMPLATE_ROOM = 64  # tokens of the chat template and system prompt around the user message
 
@@ -154,8 +159,8 @@ def _record(system: str, user: User, reply: Reply, **what) -> dict:
     return {"system": system, "user": user.name, **what, **dataclasses.asdict(reply)}
 
 
-def _asked(system: str, user: User, ask: Ask, reply: Reply, prompt: str | None = None) -> dict:
-    return _record(system, user, reply, category=ask.category, question=ask.question, prompt=prompt,
+def _asked(system: str, user: User, ask: Ask, reply: Reply, prompt: str | None = None, where: str = "") -> dict:
+    return _record(system, user, reply, category=where + ask.category, question=ask.question, prompt=prompt,
                    expect=ask.expect, avoid=list(ask.avoid), ok=judge(ask, reply.answer), junk=is_junk(reply.answer))
 
 
@@ -173,6 +178,8 @@ def run_recall(users: list[User], overrides: list[str], user_dir: str) -> list[d
                                        role=message.role, message=message.text))
                 if number == 1:
                     out.append(_asked("recall", user, user.single, app.turn(s, user.single.question)))
+                    out += [_asked("recall", user, ask, app.turn(s, ask.question), where="conv-")
+                            for ask in user.later if ask.category in IN_CONVERSATION]
                 app.svc.end_session(s)
             _progress("recall", user, out)
         app.restart()
@@ -248,7 +255,11 @@ def summarize(records: list[dict], system: str) -> dict[str, dict]:
             "single-session": _share(asked("single")), "cross-session": _share(asked("cross")),
             "knowledge update": _share(asked("update")), "abstention": _share(asked("abstain")),
             "general right": _share(asked("general")), "general junk": _share(asked("general", "junk")),
-            "leaks": _share([not ok for ok in asked("leak")])}
+            "leaks": _share([not ok for ok in asked("leak")]),
+            "in one conversation: told things": _share(asked("conv-cross")),
+            "in one conversation: abstention": _share(asked("conv-abstain")),
+            "in one conversation: general right": _share(asked("conv-general")),
+            "in one conversation: junk": _share([r["junk"] for r in mine if r.get("category", "").startswith("conv-")])}
 
 
 def cost(records: list[dict]) -> dict:

@@ -130,6 +130,9 @@ class AppConfig:
     max_input_tokens: int = 4096  # the whole conversation the model reads for one answer
     max_new_tokens_cap: int = 1024  # the most one request may ask for
     context_overflow: str = "refuse"  # refuse | drop_oldest: what happens when a conversation outgrows the limits
+    # the earlier turns the model reads with a new message (older ones are shown and saved, not read): N, 0 = all,
+    # auto = 3 on the embedded model (it answers worse deep in a conversation), all with a model you name
+    history_turns: int | str = "auto"
     prefill_chunk_tokens: int = 256  # a long prompt is read in chunks: a stop, and other sessions, wait one chunk
     batching: bool = True  # answers of different sessions decode as rows of one forward; false: they take turns
     max_running: int = 8  # answers decoding at once (rows of the batch); more wait in the queue, their place shown
@@ -149,6 +152,9 @@ class AppConfig:
         _check(isinstance(self.batching, bool), "batching", self.batching, "true or false")
         _check(self.context_overflow in ("refuse", "drop_oldest"), "context_overflow", self.context_overflow,
                "refuse, drop_oldest")
+        _check(self.history_turns == "auto" or isinstance(self.history_turns, int)
+               and not isinstance(self.history_turns, bool) and self.history_turns >= 0, "history_turns",
+               self.history_turns, "auto, or a whole number of turns (0: all)")
         _check(self.api_key is None or (isinstance(self.api_key, str) and len(self.api_key) >= 8), "api_key",
                "<hidden>", "null, or a string of at least 8 characters")
 

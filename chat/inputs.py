@@ -103,6 +103,17 @@ class MessageRecord(BaseModel):
     start: int = Field(ge=0)
 
 
+class EarlierRecord(BaseModel):
+    """A turn's message the model no longer read (the conversation outgrew its window): shown, not read."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["user", "assistant"]
+    text: Text
+    images: list[str] = Field(default_factory=list, max_length=8)  # base64 PNG/JPEG bytes
+    finish_reason: Literal["stop", "length", "interrupted", "tool_call"] | None = None
+
+
 class ConversationFile(BaseModel):
     """A saved conversation: exact token ids, injected memory vectors, images inline (never paths)."""
 
@@ -114,6 +125,7 @@ class ConversationFile(BaseModel):
     messages: list[MessageRecord] = Field(max_length=MAX_FILE_MESSAGES)
     ids: list[int]
     memory: dict[str, str] = Field(default_factory=dict)  # position -> base64 float32 little-endian vector
+    earlier: list[EarlierRecord] = Field(default_factory=list, max_length=MAX_FILE_MESSAGES)  # before `messages`
 
     @field_validator("ids")
     @classmethod

@@ -39,6 +39,9 @@ from models.spec import COMPILE
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EXAMPLE_IMAGES = (ASSETS / "example_lighthouse.png", ASSETS / "example_cat.png")
+# `app.history_turns: auto` on the embedded SmolLM2-135M: deeper in one conversation it answers worse (measured by
+# bench/user_memory.py's "in one conversation" rows, docs/benchmarks.md)
+EMBEDDED_HISTORY_TURNS = 3
 
 
 NO_MEMORY = ("the model looked for a memory, but none fits (no bank, none close enough to the question: "
@@ -225,6 +228,17 @@ class Service(SessionService):
         finally:
             futures.wait([embedded])  # (an error there comes again from the write decision or the recall)
 
+    @property
+    def history_turns(self) -> int:
+        """The earlier turns the model reads with a new message (`app.history_turns`; 0: all)."""
+        turns = self.cfg.app.history_turns
+        return (EMBEDDED_HISTORY_TURNS if self.cfg.model.path is None else 0) if turns == "auto" else turns
+
+    def _window(self, conv: Conversation) -> None:
+        """Move the turns past `history_turns` out of what the model reads (the page still shows them)."""
+        while self.history_turns and len(conv.messages) > 2 * self.history_turns:
+            conv.drop_oldest_turn()
+
     def _fit(self, conv: Conversation, text: str, images: Sequence[str], settings: GenerationSettings,
              recall_first: bool) -> int:
         """Make the conversation fit the limits with this message (drop the oldest turns when configured);
@@ -262,6 +276,7 @@ class Service(SessionService):
                                  f"{self.cfg.app.session_ttl_s} s), so its conversation and its bank were let go: "
                                  "this message starts a new conversation")
                     s.expired = None
+                self._window(conv)
                 yield from self._read_ahead(conv, text, images, settings, recall_first, interrupt)
                 try:
                     if changed := self.remember(s, self.people.decide(conv.lm, text)):
@@ -282,7 +297,7 @@ class Service(SessionService):
                     recall_first = False
                     yield Notice("recall first needs a memory bank and recall enabled; answering without")
                 if not interrupt.is_set() and (dropped := self._fit(conv, text, images, settings, recall_first)):
-                    yield Notice(f"the conversation outgrew its limit: its {dropped} oldest turn(s) were dropped")
+                    yield Notice(f"the conversation outgrew its limit: its {dropped} oldest turn(s) are no longer read (still shown)")
                 yield from self._noted(s, conv.stream(text, images, settings, recall, bank, interrupt, recall_first))
 
         req = Request("chat", run, s.id, text[:80])

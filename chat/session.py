@@ -84,6 +84,9 @@ class Conversation:
         self.pixels: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pixel_values, grid [1, 3]) per image
         self.cache = None  # KV cache over self.ids[:-1]
         self.ahead: list[int] | None = None  # the ids the cache covers after `read_ahead`, until `_settle`
+        # turns the model no longer reads (`drop_oldest_turn`), oldest first: shown and saved, not in `ids`; an
+        # answer with its pieces (`pieces`) as they were when it left
+        self.earlier: list[tuple[Message, tuple[str | RecallEvent, ...]]] = []
 
     # ----------------------------------------------------------------- building prompts
 
@@ -201,15 +204,33 @@ class Conversation:
         elif keep < cache_length(self.cache):
             cut_cache(self.cache, keep)
 
+    def pieces(self, i: int) -> tuple[str | RecallEvent, ...]:
+        """Stored assistant message `i` in pieces: its text, with each recall at its position."""
+        msg = self.messages[i]
+        end = self.messages[i + 1].start if i + 1 < len(self.messages) else len(self.ids)
+        decode = lambda a, b: self.lm.tokenizer.decode(self.ids[a:b], skip_special_tokens=True)  # noqa: E731
+        pieces: list[str | RecallEvent] = []
+        cursor = msg.start
+        for recall in sorted(msg.recalls, key=lambda r: r.position):  # (a recall read in the prompt comes first)
+            if (text := decode(cursor, recall.position)):
+                pieces.append(text)
+            pieces.append(recall)
+            cursor = max(cursor, recall.position + recall.length)
+        if (text := decode(cursor, end)):
+            pieces.append(text)
+        return tuple(pieces)
+
     def drop_oldest_turn(self) -> None:
-        """Forget the oldest user message and its answer; the rest keeps its exact tokens and memories."""
+        """Move the oldest user message and its answer out of what the model reads (to `earlier`, still shown and
+        saved); the rest keeps its exact tokens and memories."""
         if len(self.messages) < 2:
             raise ValueError("there is no earlier turn to drop")
         kept = self.messages[2:]
         old_ids, old_memory = self.ids, self.memory
         system = self.system_prompt
+        earlier = [*self.earlier, (self.messages[0], ()), (self.messages[1], self.pieces(1))]
         self.clear()
-        self.system_prompt = system
+        self.system_prompt, self.earlier = system, earlier
         for i, m in enumerate(kept):
             if m.role == "user":
                 answer = kept[i + 1] if i + 1 < len(kept) else None
@@ -331,9 +352,12 @@ class Conversation:
     def to_json(self) -> str:
         """The conversation as a self-contained file: exact ids, memory vectors, images inline."""
         messages = [{**asdict(m), "images": [encode_image(p) for p in m.images]} for m in self.messages]
+        earlier = [{"role": m.role, "text": m.text, "images": [encode_image(p) for p in m.images],
+                    "finish_reason": m.finish_reason} for m, _ in self.earlier]
         return json.dumps({"format": FORMAT, "model": self.lm.name, "system_prompt": self.system_prompt,
                            "messages": messages, "ids": self.ids,
-                           "memory": {str(p): encode_vector(v) for p, v in sorted(self.memory.items())}})
+                           "memory": {str(p): encode_vector(v) for p, v in sorted(self.memory.items())},
+                           **({"earlier": earlier} if earlier else {})})
 
     def load_json(self, text: str, image_dir: Path) -> None:
         """Replace this conversation by a saved one, after every check has passed (else nothing changes).
@@ -363,9 +387,19 @@ class Conversation:
                 pixels.append((enc["pixel_values"], enc["image_grid_thw"]))
             messages.append(Message(m.role, m.text, paths, [RecallEvent(**r.model_dump()) for r in m.recalls],
                                     m.finish_reason, m.start))
+        earlier = []  # (shown only: their images are checked and written, never read by the model)
+        for i, m in enumerate(data.earlier):
+            paths = []
+            for k, b in enumerate(m.images):
+                path = Path(image_dir) / f"image-{uuid.uuid4().hex}.png"
+                path.write_bytes(decode_image(b, f"earlier.{i}.images.{k}"))
+                paths.append(str(path))
+            earlier.append((Message(m.role, m.text, paths, [], m.finish_reason),
+                            (m.text,) if m.role == "assistant" and m.text else ()))
         self.clear()
         self.system_prompt = data.system_prompt
         self.messages, self.ids, self.memory, self.pixels = messages, list(data.ids), memory, pixels
+        self.earlier = earlier
 
 
 @dataclass(eq=False)

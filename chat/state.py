@@ -67,30 +67,13 @@ class SessionState:
     change: str = ""  # the last message's change to the user's memory, in words (undoable), or ""
 
 
-def answer_pieces(conv: Conversation, i: int) -> tuple[Piece, ...]:
-    """Stored assistant message `i` in pieces: its text, with each recall at its position."""
-    msg = conv.messages[i]
-    end = conv.messages[i + 1].start if i + 1 < len(conv.messages) else len(conv.ids)
-    decode = lambda a, b: conv.lm.tokenizer.decode(conv.ids[a:b], skip_special_tokens=True)  # noqa: E731
-    pieces: list[Piece] = []
-    cursor = msg.start
-    for recall in sorted(msg.recalls, key=lambda r: r.position):  # (a recall read in the prompt comes first)
-        if (text := decode(cursor, recall.position)):
-            pieces.append(text)
-        pieces.append(recall)
-        cursor = max(cursor, recall.position + recall.length)
-    if (text := decode(cursor, end)):
-        pieces.append(text)
-    return tuple(pieces)
-
-
 def message_states(conv: Conversation | None) -> tuple[MessageState, ...]:
-    """The conversation's messages as data."""
+    """The conversation's messages as data: the turns the model no longer reads (`Conversation.earlier`) first."""
     if conv is None:
         return ()
-    return tuple(MessageState(m.role, m.text, tuple(m.images)) if m.role == "user" else
-                 MessageState(m.role, m.text, (), answer_pieces(conv, i), m.finish_reason)
-                 for i, m in enumerate(conv.messages))
+    live = [(m, () if m.role == "user" else conv.pieces(i)) for i, m in enumerate(conv.messages)]
+    return tuple(MessageState(m.role, m.text, tuple(m.images), pieces, m.finish_reason)
+                 for m, pieces in [*conv.earlier, *live])
 
 
 def bank_state(db: Any, use: str, label: str, details: bool = False, count: int = 8) -> BankState:

@@ -24,9 +24,10 @@ def test_saying_it_was_not_told():
 
 
 def test_junk():
-    for answer in ("", "   ", "<recall>:<recall>:", ":::", "<|memory_pad|> Lena", "?! ..."):
+    for answer in ("", "   ", "<recall>:<recall>:", ":::", "<|memory_pad|> Lena", "?! ...", "user\nYou play tennis.",
+                   "assistant\n"):
         assert is_junk(answer), answer
-    for answer in ("Paris.", "William Shakespeare wrote it.", "4"):
+    for answer in ("Paris.", "William Shakespeare wrote it.", "4", "The user's sister is Lena."):
         assert not is_junk(answer), answer
 
 

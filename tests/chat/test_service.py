@@ -315,6 +315,26 @@ def test_regenerate_replaces_the_last_answer(service):
     assert turn.shown == service.state(s).messages[:1]
 
 
+def test_the_model_reads_the_last_history_turns_and_the_page_shows_every_turn(tiny_llama, text_search, tmp_path):
+    svc = Service(config("app.history_turns=1"), tiny_llama, text_search=text_search)
+    try:
+        s = svc.new_session()
+        for text in ("First", "Second", "Third"):
+            drain(svc.chat(s, text, [], GREEDY, NO_RECALL).request)
+        assert [m.text for m in s.conv.messages if m.role == "user"] == ["Second", "Third"]  # read: one earlier turn
+        shown = svc.state(s).messages
+        assert [m.text for m in shown if m.role == "user"] == ["First", "Second", "Third"]
+        assert [m.role for m in shown] == ["user", "assistant"] * 3
+    finally:
+        svc.close()
+    for overrides, turns in (((), 3), ((f"model.path={tmp_path}",), 0)):  # auto: 3 on the embedded model, else all
+        svc = Service(config(*overrides), tiny_llama, text_search=text_search)
+        assert svc.history_turns == turns
+        svc.close()
+    with pytest.raises(ValueError, match="history_turns is -1; allowed: auto, or a whole number of turns"):
+        config("app.history_turns=-1")
+
+
 def test_clear_and_save_load_conversation(service, tmp_path):
     s = service.new_session()
     with pytest.raises(ServiceError, match="no conversation"):

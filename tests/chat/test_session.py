@@ -133,6 +133,33 @@ def test_regenerate_and_save_load(tiny_llama, bank, tmp_path):
         other.load_json('{"format": "something else"}', tmp_path)
 
 
+def test_a_turn_out_of_the_models_reading_is_still_shown_and_saved_but_never_read(tiny_llama, bank, tmp_path):
+    from chat.state import message_states
+
+    conv = Conversation(tiny_llama)
+    run(conv, "Hello", settings=GREEDY, memory_db=bank, recall_first=True)
+    run(conv, "Again", settings=GREEDY, memory_db=bank)
+    shown = message_states(conv)
+    first_ids = tiny_llama.tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    conv.drop_oldest_turn()
+    assert [m.text for m in conv.messages] == ["Again", shown[3].text]  # what the model reads
+    assert message_states(conv) == shown  # what the page shows: every turn, the first answer's memory marker too
+    assert shown[1].recalls and not any(conv.ids[i:i + len(first_ids)] == first_ids for i in range(len(conv.ids)))
+    # the next answer is the answer to the window alone: the same as a conversation that never had the first turn
+    alone = Conversation(tiny_llama)
+    alone.ids, alone.messages, alone.memory = list(conv.ids), list(conv.messages), dict(conv.memory)
+    run(conv, "Continue", settings=GREEDY, memory_db=bank)
+    run(alone, "Continue", settings=GREEDY, memory_db=bank)
+    assert conv.ids == alone.ids
+    # a saved file keeps the earlier turn, shown again when loaded, and still not read
+    other = Conversation(tiny_llama)
+    other.load_json(conv.to_json(), tmp_path)
+    assert [m.text for m in message_states(other)] == [m.text for m in message_states(conv)]
+    assert other.ids == conv.ids and [m.text for m in other.messages] == [m.text for m in conv.messages]
+    other.clear()
+    assert message_states(other) == ()
+
+
 def test_images_for_a_text_only_model_are_refused_clearly(tiny_llama, small_image):
     conv = Conversation(tiny_llama)
     with pytest.raises(TextOnlyModelError, match="reads text only.*1 attached image"):
