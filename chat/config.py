@@ -130,8 +130,9 @@ class AppConfig:
     max_input_tokens: int = 4096  # the whole conversation the model reads for one answer
     max_new_tokens_cap: int = 1024  # the most one request may ask for
     context_overflow: str = "refuse"  # refuse | drop_oldest: what happens when a conversation outgrows the limits
-    # the earlier turns the model reads with a new message (older ones are shown and saved, not read): N, 0 = all,
-    # auto = 3 on the embedded model (it answers worse deep in a conversation), all with a model you name
+    # the most earlier turns the model reads with a new message (past them the oldest go, down to half; they are
+    # shown and saved, not read): N, 0 = all, auto = 3 on the embedded model (it answers worse deep in a
+    # conversation), all with a model you name
     history_turns: int | str = "auto"
     prefill_chunk_tokens: int = 256  # a long prompt is read in chunks: a stop, and other sessions, wait one chunk
     batching: bool = True  # answers of different sessions decode as rows of one forward; false: they take turns

@@ -235,9 +235,11 @@ class Service(SessionService):
         return (EMBEDDED_HISTORY_TURNS if self.cfg.model.path is None else 0) if turns == "auto" else turns
 
     def _window(self, conv: Conversation) -> None:
-        """Move the turns past `history_turns` out of what the model reads (the page still shows them)."""
-        while self.history_turns and len(conv.messages) > 2 * self.history_turns:
-            conv.drop_oldest_turn()
+        """Past `history_turns` earlier turns, move the oldest out of what the model reads (the page still shows them)
+        down to half of them: the turns kept are read again (their positions move), so once every few turns."""
+        if self.history_turns and len(conv.messages) > 2 * self.history_turns:
+            while len(conv.messages) > 2 * (self.history_turns // 2):
+                conv.drop_oldest_turn()
 
     def _fit(self, conv: Conversation, text: str, images: Sequence[str], settings: GenerationSettings,
              recall_first: bool) -> int:

@@ -316,15 +316,19 @@ def test_regenerate_replaces_the_last_answer(service):
 
 
 def test_the_model_reads_the_last_history_turns_and_the_page_shows_every_turn(tiny_llama, text_search, tmp_path):
-    svc = Service(config("app.history_turns=1"), tiny_llama, text_search=text_search)
+    svc = Service(config("app.history_turns=3"), tiny_llama, text_search=text_search)
+    texts = ["First", "Second", "Third", "Fourth", "Fifth", "Sixth"]
     try:
         s = svc.new_session()
-        for text in ("First", "Second", "Third"):
+        read = []
+        for text in texts:
             drain(svc.chat(s, text, [], GREEDY, NO_RECALL).request)
-        assert [m.text for m in s.conv.messages if m.role == "user"] == ["Second", "Third"]  # read: one earlier turn
+            read.append([m.text for m in s.conv.messages if m.role == "user"])
+        # at most 3 earlier turns read; past them, the oldest go down to 1 (the kept turns are read again)
+        assert read[3] == texts[:4] and read[4] == ["Fourth", "Fifth"] and read[5] == ["Fourth", "Fifth", "Sixth"]
         shown = svc.state(s).messages
-        assert [m.text for m in shown if m.role == "user"] == ["First", "Second", "Third"]
-        assert [m.role for m in shown] == ["user", "assistant"] * 3
+        assert [m.text for m in shown if m.role == "user"] == texts
+        assert [m.role for m in shown] == ["user", "assistant"] * 6
     finally:
         svc.close()
     for overrides, turns in (((), 3), ((f"model.path={tmp_path}",), 0)):  # auto: 3 on the embedded model, else all
