@@ -14,6 +14,7 @@ for _key, _value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("G
 import argparse  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
@@ -89,6 +90,23 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
         parser.error(str(e))
 
 
+def check_listen(host: str, port: int) -> None:
+    """The address is one this machine can listen on, now: else `RuntimeError` naming the option, before the
+    model loads (Gradio says this only after, naming its own launch arguments)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise RuntimeError(f"--host {host!r} (app.host): expected an address of this machine, got a name that does "
+                           f"not resolve ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise RuntimeError(f"cannot listen on {host}:{port} ({e.strerror}): another program holds the port, or "
+                               "the address is not this machine's; choose another --port (app.port) or --host "
+                               "(app.host)") from None
+
+
 def make_service(cfg: Config) -> ChatService:
     """The chat service, its model and shared bank loaded: in this process, or (serve.replicas > 1) in Ray
     Serve replicas. Raises naming what failed (a start never leaves a half-working app)."""
@@ -116,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # events are sent, stops the worker and removes every session's files
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
+        check_listen(cfg.app.host, cfg.app.port)
         service = make_service(cfg)
     except (ValueError, RuntimeError) as e:  # the model, the bank, the store or the replicas named what failed
         sys.exit(f"recall-chat: {e}")

@@ -25,7 +25,7 @@ from models.encoder import ValueKind
 from models.hidden import HiddenStateSpec
 from models.llamacpp import GGUF_TYPES
 from models.quantize import QUANTIZE
-from models.spec import LAYERS, MIXTURE
+from models.spec import GUIDANCE, LAYERS, MIXTURE, STATES
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "config_qwen3vl.yaml"
 ENV_PREFIX = "RECALL_CHAT__"
@@ -142,7 +142,8 @@ class AppConfig:
     users_file: str | None = None  # people (recall-users): the page asks for a login, /v1 for a user's key
 
     def __post_init__(self):
-        _check(isinstance(self.port, int) and 0 <= self.port < 65536, "port", self.port, "0..65535")
+        _check(isinstance(self.port, int) and not isinstance(self.port, bool) and 0 < self.port < 65536, "port",
+               self.port, "1..65535")
         _check(isinstance(self.ui_updates_per_second, (int, float)) and self.ui_updates_per_second > 0,
                "ui_updates_per_second", self.ui_updates_per_second, "a positive number")
         for key in ("max_message_chars", "max_input_tokens", "max_new_tokens_cap", "prefill_chunk_tokens",
@@ -304,7 +305,10 @@ def load_options(cfg: Config) -> LoadOptions:
     """How the configured model loads (`models.load_model`): the `model` keys, the memory encoder's `memory` keys,
     and the capabilities the configured decoders need (so `auto` picks a backend that runs them)."""
     m, mem, gen = cfg.model, cfg.memory, cfg.generation
-    needs = frozenset(c for c, on in ((LAYERS, gen.entropy_decoding is not None), (MIXTURE, gen.mixture.enabled)) if on)
+    needs = frozenset(c for c, on in ((LAYERS, gen.entropy_decoding is not None), (MIXTURE, gen.mixture.enabled),
+                                      (GUIDANCE, gen.guidance_scale != 1)) if on)
+    if ValueKind.parse("tokens" if mem.values == "auto" else mem.values).kind in ("state", "hidden"):
+        needs |= {STATES}  # (hidden states of the model's layers: transformers)
     return LoadOptions(backend=m.backend, adapter=m.adapter, device=m.device, dtype=m.dtype, quantize=m.quantize,
                        values=mem.values, keys=None if mem.key_encoder == "none" else mem.key_encoder,
                        hidden_state=mem.hidden_state, gguf_type=m.gguf_type, gguf_context=m.gguf_context, needs=needs)

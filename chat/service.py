@@ -104,6 +104,10 @@ class Service(SessionService):
         """The model, loaded on first use (on the worker thread only)."""
         if self._lm is None:
             lm = self._loader()
+            try:  # (configured token ids the model does not have: every answer would be refused)
+                check_token_ids(self.cfg.generation, lm.spec.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"generation.{e}") from None
             self.banks.load_shared(lm)
             self._lm = lm
             self._compile(lm)

@@ -46,7 +46,7 @@ from models.embedded import EMBEDDED_NAME, RECALL_ADAPTER, embedded_gguf, resolv
 from models.encoder import ValueKind
 from models.gguf_export import recall_gguf
 from models.loading import LoadedModel, LoadOptions, add_recall_tokens, memory_encoder
-from models.spec import ModelSpec
+from models.spec import SETTING, ModelSpec
 
 log = logging.getLogger("models.llamacpp")
 
@@ -323,6 +323,10 @@ def load_gguf_model(path: str | Path | None, options: LoadOptions = LoadOptions(
                          f"cpu, or {TRANSFORMERS} for the GPU")
     if gguf_type not in GGUF_TYPES:
         raise ValueError(f"model.gguf_type is {gguf_type!r}; expected one of {', '.join(GGUF_TYPES)}")
+    if decoders := options.needs & SETTING.keys():  # (a configured decoder llama.cpp cannot run: every answer refused)
+        keys = ", ".join(SETTING[c] for c in sorted(decoders))
+        raise ValueError(f"{keys} is switched on in the configuration, and the llama.cpp backend does not run it: "
+                         f"switch it off, or {TRANSFORMERS}")
     kind = ValueKind.parse("tokens" if values == "auto" else values)
     if kind.kind in ("state", "hidden"):
         raise ValueError(f"memory.values {values} writes hidden states of the model's layers, which the llama.cpp "

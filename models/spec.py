@@ -23,6 +23,9 @@ MIXTURE = "mixture"  # the two-model mixture (both models, PEFT's adapter switch
 COMPILE = "compile"  # the compiled decode step on a static cache
 STATES = "states"  # hidden states of a memory's own text at any layer (`state` / `hidden:L` memory values)
 TRANSFORMERS = frozenset({ROWS, LAYERS, GUIDANCE, MIXTURE, COMPILE, STATES})
+# The configuration key that switches a capability on, for the model's whole life (`LoadOptions.needs`).
+SETTING = {LAYERS: "generation.entropy_decoding", GUIDANCE: "generation.guidance_scale",
+           MIXTURE: "generation.mixture.enabled"}
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,25 @@ def test_a_start_up_bank_that_cannot_be_loaded_stops_the_start(tmp_path):
            "safetensors file" in out, out
 
 
+def test_a_port_in_use_or_a_host_that_does_not_resolve_stops_the_start_in_one_line():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run([sys.executable, "app.py", "--port", str(port)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"recall-chat: cannot listen on 127.0.0.1:{port} (Address already in use): another program holds the " \
+           "port" in done.stderr and "choose another --port (app.port)" in done.stderr, done.stderr
+    done = subprocess.run([sys.executable, "app.py", "--host", "999.1.1.1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1 and "recall-chat: --host '999.1.1.1' (app.host): expected an address of this " \
+           "machine, got a name that does not resolve" in done.stderr, done.stderr
+    done = subprocess.run([sys.executable, "app.py", "--port", "0"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and "port is 0; allowed: 1..65535" in done.stderr, done.stderr
+
+
 def test_every_command_the_readme_names_is_installed_and_runs():
     """`.venv/bin/NAME` in the README is a command the setup installs (`recall-users` was named and missing)."""
     import re

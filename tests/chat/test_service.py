@@ -696,7 +696,33 @@ def test_backend_auto_stays_on_transformers_for_what_only_it_runs():
     assert backend("generation.entropy_decoding=trough") == "transformers"
     assert backend("generation.mixture.enabled=true") == "transformers"
     assert backend("model.quantize=int8") == "transformers"
-    assert backend("model.backend=llamacpp", "generation.mixture.enabled=true") == "llamacpp"  # refused at the answer
+    assert backend("generation.guidance_scale=2") == "transformers"
+    assert backend("memory.values=state") == "transformers"
+    assert backend("memory.values=hidden:4") == "transformers"
+    assert backend("model.backend=llamacpp", "generation.mixture.enabled=true") == "llamacpp"  # refused at the load
+
+
+@pytest.mark.parametrize("setting", ["generation.entropy_decoding=trough", "generation.guidance_scale=2",
+                                     "generation.mixture.enabled=true"])
+def test_a_decoder_llama_cpp_cannot_run_stops_the_start_naming_its_key(setting):
+    from chat.config import load_options
+    from models.llamacpp import load_gguf_model
+
+    key = setting.split("=")[0]
+    with pytest.raises(ValueError, match=rf"{key} is switched on in the configuration, and the llama.cpp backend "
+                                         "does not run it: switch it off, or set model.backend: transformers"):
+        load_gguf_model(None, load_options(config("model.backend=llamacpp", setting)))
+
+
+def test_configured_token_ids_the_model_lacks_stop_the_start(tiny_llama, text_search):
+    svc = Service(config("generation.bad_words_ids=[[99999999]]"), loader=lambda: tiny_llama, text_search=text_search)
+    try:
+        with pytest.raises(ServiceError, match=r"generation.bad_words_ids: expected token ids below \d+ \(the "
+                                               r"model's vocabulary\), got 99999999"):
+            svc.start()
+        assert svc.lm is None  # nothing half-loaded
+    finally:
+        svc.close()
 
 def test_a_messages_embedding_is_made_on_another_thread_while_its_prompt_is_read(tiny_llama, text_search, tmp_path,
                                                                                monkeypatch):
