@@ -99,6 +99,7 @@ def check_listen(host: str, port: int) -> None:
         raise RuntimeError(f"--host {host!r} (app.host): expected an address of this machine, got a name that does "
                            f"not resolve ({e.strerror})") from None
     with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the server binds: TIME_WAIT holds nothing)
         try:
             probe.bind(address)
         except OSError as e:
