@@ -151,7 +151,7 @@ class People:
                 try:
                     self._open[user] = self._open_one(lm, user)
                 except (BankError, ValueError) as e:
-                    raise ServiceError(f"the memories of {user!r} cannot be read: {e}") from None
+                    raise BankError(f"the memories of {user!r} cannot be read: {e}") from None
             return self._open[user]
 
     def _open_one(self, lm: LoadedModel, user: str) -> Personal:

@@ -318,18 +318,18 @@ class Service(SessionService):
         bank = self.banks.of(s)
         if not mentions_the_user(text):
             return bank
-        try:
-            mine = self.people.of(self._model(), s.user)
+        try:  # (the file is read again when it changed: a damaged one is said, and the answer goes on)
+            mine = self.people.of(self._model(), s.user).bank
+            if mine is None or not len(mine):
+                return bank
         except (ServiceError, BankError) as e:
             yield Notice(f"{e}; answering without your memories")
             return bank
-        if not len(mine):
-            return bank
         try:
-            return Joined([("yours", Newest(mine.bank)), (self.banks.label(s), bank)])
+            return Joined([("yours", Newest(mine)), (self.banks.label(s), bank)])
         except ValueError as e:  # the session's bank is of another layout (an upload of bare vectors): no answer came
             yield Notice(f"{e}: this message reads your own memories alone")
-            return Newest(mine.bank)
+            return Newest(mine)
 
     def personal(self, s: Session) -> Personal:
         """The session's user's own memory."""

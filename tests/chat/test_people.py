@@ -100,6 +100,11 @@ def test_without_a_users_file_there_is_one_local_user_and_the_shared_key_still_w
         told = ask(client(url, "shared-secret"), "Remember that I live in Porto.")
         assert [m["text"] for m in told.model_extra["remembered"]] == ["The user lives in Porto."]
         assert len(list((tmp_path / "local").glob("*.safetensors"))) == 1  # the local user's, for this model
+        (path,) = (tmp_path / "local").glob("*.safetensors")
+        path.write_bytes(path.read_bytes()[:300])  # damaged on the server: its error, not the request's
+        listed = memories(url, "shared-secret")
+        assert listed.status_code == 500 and listed.json()["error"]["type"] == "server_error"
+        assert "expected a readable safetensors file" in listed.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("said,written", [

@@ -141,6 +141,29 @@ def test_without_milvus_each_users_memory_is_a_file(tiny_llama, tmp_path):
         svc.close()
 
 
+def test_a_damaged_memory_file_is_said_and_the_answer_goes_on_and_the_file_is_kept(tiny_llama, tmp_path):
+    from chat.worker import Failed, Notice
+
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    try:
+        s = svc.new_session("ada")
+        drain(svc.chat(s, "Remember that my dog is called Pocket.", [], SHORT, RECALL).request)
+        path = svc.personal(s).path
+        damaged = path.read_bytes()[:300]
+        path.write_bytes(damaged)  # (changed under the running server: it reads the file again)
+        for text in ("What is my dog's name?", "Remember that my cat is called Tom."):
+            events = drain(svc.chat(svc.new_session("ada"), text, [], SHORT, RECALL).request)
+            assert not [e for e in events if isinstance(e, Failed)], text
+            notices = [e.text for e in events if isinstance(e, Notice)]
+            assert any("expected a readable safetensors file" in n and "answering without your memories" in n
+                       for n in notices), notices
+        assert path.read_bytes() == damaged  # nothing written over it
+        with pytest.raises(ValueError, match="expected a readable safetensors file"):
+            svc.run(my_memories, svc.new_session("ada"))
+    finally:
+        svc.close()
+
+
 @pytest.mark.parametrize("store", ["faiss", "milvus"])
 def test_undo_takes_back_what_the_last_message_wrote_replaced_or_forgot(tiny_llama, tmp_path, store):
     svc = started(config(tmp_path, store), tiny_llama)
