@@ -240,7 +240,8 @@ def load_config(
     """Read the YAML file (default: `config_qwen3vl.yaml` at the repo root), apply env and overrides."""
     file = Path(path) if path is not None else DEFAULT_PATH
     if path is not None and not file.is_file():
-        raise ConfigError(f"configuration file {str(file)!r} does not exist")
+        raise ConfigError(f"configuration file {str(file)!r}: expected a YAML file, got "
+                          + ("a folder" if file.is_dir() else "nothing there"))
     tree: dict = {}
     if file.is_file():
         try:

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from chat.api import ChatService
 from chat.config import request_settings
-from chat.openai_request import ALIAS, APIError, ChatRequest, MemoryRequest, overrides, parse, parts
+from chat.openai_request import ALIAS, APIError, ChatRequest, MemoryRequest, overrides, parse, parts, settings_error
 from chat.people import Remembered, public
 from chat.session import Session
 from chat import operations as ops
@@ -113,7 +113,10 @@ class OpenAIRoutes:
         gen = overrides(body, svc.cfg)
         s = svc.new_session(user)
         try:
-            settings, recall = request_settings(svc.cfg, gen)
+            try:
+                settings, recall = request_settings(svc.cfg, gen)
+            except ValueError as e:
+                raise settings_error(e, body) from None
             *history, last = body.messages
             if last.role != "user":
                 raise APIError(400, f"messages: expected the last message to be from the user, got {last.role!r}",

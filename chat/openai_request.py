@@ -209,6 +209,16 @@ def overrides(body: ChatRequest, cfg: Config) -> dict[str, Any]:
     return {**implied, **gen, **body.settings}
 
 
+def settings_error(error: ValueError, body: ChatRequest) -> APIError:
+    """A value the settings refused (its message opens with the field's name: "top_p is 0.0: ..."), as a 400 that
+    names the key of `settings` that set it, when one did."""
+    field = str(error).split(" ", 1)[0]
+    keys = [key for key in body.settings if key.rsplit(".", 1)[-1] == field]
+    if len(keys) == 1:
+        return APIError(400, f"settings[{keys[0]!r}]: {error}", param="settings")
+    return APIError(400, str(error))
+
+
 def _token_id(key: str) -> int:
     if not key.isdigit():
         raise APIError(400, f"logit_bias: expected token ids as keys (strings of digits), got {key!r}",

@@ -262,6 +262,8 @@ class GenerationSettings:
         if self.do_sample and self.temperature <= 0:
             raise ValueError(f"temperature is {self.temperature} with do_sample=True: temperature must be > 0 "
                              "when sampling; for greedy decoding set do_sample=False")
+        if self.min_new_tokens > self.max_new_tokens:  # (the answer could only end at max_new_tokens, empty of its end)
+            raise _bad("min_new_tokens", self.min_new_tokens, f"must be at most max_new_tokens ({self.max_new_tokens})")
         if self.negative_prompt is not None and self.guidance_scale == 1:
             raise _bad("negative_prompt", self.negative_prompt, "is only used by classifier-free guidance, which "
                        "guidance_scale=1.0 turns off; set guidance_scale != 1 or negative_prompt=None")

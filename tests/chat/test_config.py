@@ -65,8 +65,10 @@ def test_env_and_command_line_override_in_that_order(tmp_path):
 
 
 def test_missing_or_broken_file(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="nope.yaml': expected a YAML file, got nothing there"):
         load_config(tmp_path / "nope.yaml", environ={})
+    with pytest.raises(ConfigError, match=rf"'{tmp_path}': expected a YAML file, got a folder"):
+        load_config(tmp_path, environ={})
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "generation: [unclosed\n"), environ={})
     # (these ended the start with AttributeError / UnicodeDecodeError tracebacks)

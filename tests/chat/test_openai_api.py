@@ -149,7 +149,11 @@ def test_a_recall_event_travels_in_the_chunks(api):
      "settings: unknown setting 'generation.no_such'"),
     (dict(extra_body={"settings": {"generation.max_new_tokens": 9}}), openai.BadRequestError,
      "settings: 'generation.max_new_tokens' is set by a field of the request too"),
-    (dict(extra_body={"settings": {"recall.temperature": -1}}), openai.BadRequestError, "temperature"),
+    (dict(extra_body={"settings": {"recall.temperature": -1}}), openai.BadRequestError,
+     "settings['recall.temperature']: temperature is -1"),
+    (dict(extra_body={"settings": {"recall.top_p": 0}}), openai.BadRequestError, "settings['recall.top_p']: top_p is 0"),
+    (dict(max_tokens=10, extra_body={"settings": {"generation.min_new_tokens": 50}}), openai.BadRequestError,
+     "settings['generation.min_new_tokens']: min_new_tokens is 50: must be at most max_new_tokens (10)"),
     (dict(extra_body={"settings": {"mixture.enabled": True, "mixture.draft": "head"}}), openai.BadRequestError,
      "generation.mixture.draft is 'head' but generation.mixture.head names no folder"),  # (a 500 before)
     (dict(stop=""), openai.BadRequestError,  # (an empty stop string matched at once: an empty answer)

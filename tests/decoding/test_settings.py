@@ -245,6 +245,9 @@ def test_cross_field_errors_say_what_to_do():
     with pytest.raises(ValueError, match=r"^negative_prompt is 'meh'.*guidance_scale"):
         GenerationSettings(negative_prompt="meh")
     GenerationSettings(temperature=0.0)  # fine for greedy decoding
+    with pytest.raises(ValueError, match=r"^min_new_tokens is 50: must be at most max_new_tokens \(10\)"):
+        GenerationSettings(min_new_tokens=50, max_new_tokens=10)  # (its answer was empty, ended by max_new_tokens)
+    GenerationSettings(min_new_tokens=10, max_new_tokens=10)
 
 
 def test_lists_become_tuples_numbers_floats_and_settings_stay_hashable():
