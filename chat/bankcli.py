@@ -17,19 +17,36 @@ Errors print one line to stderr and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from chat.config import MemoryConfig
 from memory import BankError, MemoryVectorDB
 
 
+_JSON_TYPES = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+
+
+def _read_text(path: Path) -> str:
+    """A UTF-8 file's text (without the byte order mark some editors write); a ValueError naming the line of the
+    first byte that is not UTF-8."""
+    data = path.read_bytes()
+    data = data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = len((data[:e.start].decode("utf-8") + "x").splitlines())  # (lines counted as read_memories does)
+        raise ValueError(f"{path.name} line {line}: expected UTF-8 text, got byte 0x{data[e.start]:02x}; "
+                         "save the file as UTF-8") from None
+
+
 def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None, list[int]]:
     """Texts (and metadata) from a .txt (one memory per non-empty line) or .jsonl ({"text", "metadata"?}), and the
     line of the file each came from."""
-    lines = path.read_text(encoding="utf-8-sig").splitlines()
+    lines = _read_text(path).splitlines()
     numbers = [number for number, line in enumerate(lines, 1) if line.strip()]
     if path.suffix.lower() == ".txt":
         texts, metadata = [lines[n - 1].strip() for n in numbers], None
@@ -44,8 +61,12 @@ def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None, list
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise ValueError(f"{path.name} line {number}: expected an object with a string 'text', "
                                  f"got {line[:80]!r}")
+            meta = obj.get("metadata")
+            if meta is not None and not isinstance(meta, dict):
+                raise ValueError(f"{path.name} line {number}: expected 'metadata' as a JSON object (or left out), "
+                                 f"got {_JSON_TYPES.get(type(meta), type(meta).__name__)}")
             texts.append(obj["text"])
-            metadata.append(obj.get("metadata"))
+            metadata.append(meta)
         metadata = metadata if any(m is not None for m in metadata) else None
     else:
         raise ValueError(f"{path.name}: expected a .txt or .jsonl file of memories, "
@@ -71,10 +92,19 @@ def _load_model(args: argparse.Namespace, values: str = "auto", layer: int = -1,
     )
 
 
+def _check_folder(out: str) -> None:
+    """Refuse an output file whose folder is not there, before any work (the file is written last)."""
+    folder = Path(out).parent
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: expected an existing folder for the output, got "
+                         f"{'a file' if folder.exists() else 'none'}")
+
+
 def cmd_build(args: argparse.Namespace) -> None:
     from models import build_bank
 
     source = Path(args.input)
+    _check_folder(args.out)
     texts, metadata, numbers = read_memories(source)
     loaded = _load_model(args, args.values, args.layer, args.pooling)
     db = build_bank(loaded.model, loaded.tokenizer, texts, loaded.encoder, metadata=metadata,
@@ -138,10 +168,25 @@ def cmd_load(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from memory.milvus import MilvusBank
 
+    _check_folder(args.out)
     store = MilvusBank.open(args.uri, args.collection)
     db = store.to_bank()
     db.save(args.out)
     print(f"saved {len(db)} memories of {args.collection!r} at {args.uri} to {args.out}: {describe(db)}")
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `minimum` (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -160,13 +205,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--value-dtype", choices=("float16", "float32"), default="float16")
     b.add_argument("--layer", type=int, default=-1, help="hidden-state index (-1 = final layer) of state values")
     b.add_argument("--pooling", choices=("last", "mean"), default="last")
-    b.add_argument("--batch-size", type=int, default=8)
-    b.add_argument("--max-slots", type=int, default=MemoryConfig.max_slots,
+    b.add_argument("--batch-size", type=_at_least(1), default=8)
+    b.add_argument("--max-slots", type=_at_least(1), default=MemoryConfig.max_slots,
                    help="the most value slots a memory may have: the app's memory.max_slots (default %(default)s)")
     b.set_defaults(run=cmd_build)
     s = sub.add_parser("show", help="print the size, dimension and a few entries of a bank")
     s.add_argument("bank")
-    s.add_argument("--n", type=int, default=5, help="entries to show")
+    s.add_argument("--n", type=_at_least(0), default=5, help="entries to show (0 or more)")
     s.set_defaults(run=cmd_show)
     q = sub.add_parser("search", help="encode a query text and print the closest memories")
     q.add_argument("bank")
@@ -174,7 +219,8 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--model", help="local model folder (default: the embedded SmolLM2)")
     q.add_argument("--adapter", default="auto", help="as for build: the bank's encoder must be this model's")
     q.add_argument("--key-encoder", default="auto", help="as for build")
-    q.add_argument("--k", type=int, default=5)
+    q.add_argument("--k", type=_at_least(1), default=5, help="memories to print, best first: 1 or more "
+                   "(0 is refused; a bank of fewer prints them all)")
     q.set_defaults(run=cmd_search)
     ld = sub.add_parser("load", help="copy a bank file into a new Milvus collection (memory.store: milvus)")
     ld.add_argument("bank")

@@ -9,6 +9,7 @@ a bank from another encoder is refused.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ BANK_TYPES = (".pt", ".safetensors", ".npy")
 
 
 MAX_ID = 2 ** 62
+_DIMENSION = re.compile(r"expected (?:value )?vectors of dimension \d+, got dimension \d+")  # memory.validate's
 
 
 def parse_ids(text: str) -> list[int]:
@@ -67,6 +69,31 @@ def empty_bank(mem: MemoryConfig, lm: LoadedModel) -> MemoryVectorDB:
                         value_dtype=mem.value_dtype, hnsw_ef_search=mem.hnsw_ef_search)
     db.info = lm.encoder.describe()
     return db
+
+
+class Written(list):
+    """The ids of the memories a write added, and `skipped`: how many of its lines were not written, their text
+    being in the bank already. Shown as "2 memories [3, 4]; 1 already in the bank"."""
+
+    def __init__(self, ids: Sequence[int], skipped: int = 0):
+        super().__init__(ids)
+        self.skipped = skipped
+
+    def __str__(self) -> str:
+        written = f"{len(self)} {'memory' if len(self) == 1 else 'memories'} {list.__repr__(self)}" if self else \
+            "nothing"
+        return f"{written}; {self.skipped} already in the bank" if self.skipped else written
+
+
+def texts_in(bank: MemoryVectorDB | MilvusBank, lines: Sequence[str]) -> set[str]:
+    """Those of `lines` that are the text of a memory of `bank`."""
+    wanted = set(lines)
+    if not wanted:
+        return set()
+    if isinstance(bank, MilvusBank):  # asked of the store (the bank may be larger than any session's)
+        view = bank.scoped(f"text in {json.dumps(sorted(wanted), ensure_ascii=False)}")
+        return wanted & {e["text"] for e in view.entries(0, len(view))}
+    return wanted.intersection(bank.texts())
 
 
 class Banks:
@@ -132,9 +159,9 @@ class Banks:
             raise ServiceError(f"{name}: expected a memory bank file ending in .pt, .safetensors or .npy")
         try:
             db = self._load(lm, path, max_bytes=self.cfg.memory.max_upload_mb * 2 ** 20)
-        except BankError as e:
-            raise ServiceError(f"{e} (the model {lm.name} has hidden size {lm.hidden_size}); "
-                               "the current bank is kept") from None
+        except BankError as e:  # (the model's hidden size: only beside a dimension the bank does not have)
+            size = f" (the model {lm.name} has hidden size {lm.hidden_size})" if _DIMENSION.search(str(e)) else ""
+            raise ServiceError(f"{e}{size}; the current bank is kept") from None
         cap = self.cfg.memory.max_memories_per_session
         if len(db) > cap:
             raise ServiceError(f"{name}: expected at most {cap} memories (memory.max_memories_per_session), "
@@ -166,13 +193,14 @@ class Banks:
         return self.worker.submit(Request("build_example_bank", run, s.id))
 
     def write(self, s: Session, text: str, images: Sequence[str] = ()) -> Request:
-        """Queue encoding typed memories (one a line) and images, and adding them to this session's bank."""
+        """Queue encoding typed memories (one a line) and images, and adding them to this session's bank; a line
+        whose text a memory of the bank already has is not written again (`Written.skipped`)."""
         lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
         images = [str(p) for p in images or ()]
         if not lines and not images:
             raise ServiceError("type the memories to write, one a line (or attach images)")
 
-        def run(_: threading.Event) -> list[int]:
+        def run(_: threading.Event) -> Written:
             lm = self._model()
             if images and not lm.is_vision:
                 raise ServiceError(f"{lm.name} reads text only: memories from images need a vision-language "
@@ -181,16 +209,21 @@ class Banks:
                 raise ServiceError(f"memories from images are one hidden-state vector each, and this model writes "
                                    f"{lm.encoder.values} values with text keys: set memory.values to state to write "
                                    "image memories; nothing was written")
-            texts = lines + [f"[image] {Path(p).name}" for p in images]
+            current = self.of(s)  # (a shared bank is copied below, texts and all: what it holds is what it will)
+            there = set() if current is None else texts_in(current, lines)
+            new = list(dict.fromkeys(ln for ln in lines if ln not in there))  # (a line typed twice: written once)
+            if not new and not images:
+                return Written([], len(lines))
+            texts = new + [f"[image] {Path(p).name}" for p in images]
             bank, cap = self._writable(s), self.cfg.memory.max_memories_per_session
             if len(bank) + len(texts) > cap:
                 raise ServiceError(f"the bank would hold {len(bank) + len(texts)} memories, over the limit of {cap} "
                                    "(memory.max_memories_per_session); nothing was written")
             if images:
-                parts = [self._encode_texts(lines, lines)[0]] if lines else []
+                parts = [self._encode_texts(new, new)[0]] if new else []
                 parts += [self._encode_image(p) for p in tqdm(images, desc="encoding images", unit="image")]
-                return bank.add(torch.cat(parts), texts)
-            return bank.add(*self._encode_texts(lines, texts))
+                return Written(bank.add(torch.cat(parts), texts), len(lines) - len(new))
+            return Written(bank.add(*self._encode_texts(new, texts)), len(lines) - len(new))
 
         return self.worker.submit(Request("write_memories", run, s.id))
 

@@ -338,6 +338,11 @@ class MemoryVectorDB(BankShape):
         snap = self._snap
         return snap.texts[self._row(snap, i)]
 
+    def texts(self) -> list[str | None]:
+        """Every memory's text (None: it has none), in row order (a copy)."""
+        snap = self._snap
+        return snap.texts[:snap.n]
+
     def metadata(self, i: int) -> dict | None:
         snap = self._snap
         m = snap.metadata[self._row(snap, i)]

@@ -243,6 +243,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     a `kill -9` leaves at most a hidden temporary, never a half-written file at `path`.
     """
     path = Path(path)
+    if not path.parent.is_dir():  # (else mkstemp's error names its temporary, not the user's path)
+        raise FileNotFoundError(f"{path.parent}: expected an existing folder for {path.name}, got "
+                                f"{'a file' if path.parent.exists() else 'none'}")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:

@@ -166,7 +166,7 @@ class Handlers:
     async def write_memories(self, text: str, images: list[str] | None, s: Session,
                              progress=gr.Progress(track_tqdm=True)) -> tuple:
         out, ok = await self._bank_job(s, lambda: self.service.run(ops.write_memories, s, text, images or []),
-                                       "wrote memories {result}")
+                                       "wrote {result}")
         return (*out, "", None) if ok else (*out, gr.skip(), gr.skip())  # written: empty the inputs
 
     async def delete_memories(self, ids: str, s: Session) -> tuple:

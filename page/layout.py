@@ -42,7 +42,7 @@ def _memory_tab() -> dict[str, gr.Component]:
             c["delete_ids"] = gr.Textbox(label="Memory ids to delete (e.g. 3, 5-7)", scale=3)
             c["delete_btn"] = gr.Button("Delete", variant="stop", scale=1)
         with gr.Row():
-            c["fmt"] = gr.Radio(list(BANK_TYPES), value=".pt", label="format (.npy keeps no texts)")
+            c["fmt"] = gr.Radio(list(BANK_TYPES), value=".pt", label="format (.npy: vector banks only, no texts)")
             c["download_btn"] = gr.Button("Save bank for download")
         c["bank_out"] = gr.File(label="Bank file", interactive=False)
     return c

@@ -109,6 +109,65 @@ def test_errors_are_one_line_and_exit_2(tmp_path, tiny_dir, capsys):
     assert code == 2 and "broken.safetensors: expected a readable safetensors file" in err
 
 
+def test_input_errors_name_the_file_and_line(tmp_path, tiny_dir, capsys):
+    """A file that is not UTF-8 gave "'utf-8' codec can't decode byte 0xe9 in position 3", and metadata that is not
+    an object "add: expected each metadata entry to be a dict, got list at rows 0": neither named file or line."""
+    (tmp_path / "memories.txt").write_bytes("Tea at five.\n\nCaf\u00e9 on Friday.\n".encode("latin-1"))
+    code, out, err = run(capsys, "build", tmp_path / "memories.txt", tmp_path / "b.pt", "--model", tiny_dir)
+    assert code == 2 and out == ""
+    assert err == "error: memories.txt line 3: expected UTF-8 text, got byte 0xe9; save the file as UTF-8\n"
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "ok"}).encode()
+                                         + b'\r\n{"text": "\xff"}\n')
+    code, _, err = run(capsys, "build", tmp_path / "bom.jsonl", tmp_path / "b.pt", "--model", tiny_dir)
+    assert code == 2 and "bom.jsonl line 2: expected UTF-8 text, got byte 0xff" in err
+
+    (tmp_path / "meta.jsonl").write_text('{"text": "ok", "metadata": {"n": 1}}\n\n{"text": "no", "metadata": ["n"]}\n')
+    code, _, err = run(capsys, "build", tmp_path / "meta.jsonl", tmp_path / "b.pt", "--model", tiny_dir)
+    assert code == 2 and err == ("error: meta.jsonl line 3: expected 'metadata' as a JSON object (or left out), "
+                                 "got an array\n")
+    assert not (tmp_path / "b.pt").exists()
+
+
+def test_a_missing_output_folder_is_named_before_any_work(tmp_path, capsys):
+    """The error named mkstemp's temporary ('.../.o.pt.cbihx4da.tmp'), after the model had encoded every memory."""
+    (tmp_path / "in.txt").write_text("Tea at five.\n")
+    out = tmp_path / "nonexistent" / "dir" / "o.pt"
+    code, printed, err = run(capsys, "build", tmp_path / "in.txt", out, "--model", tmp_path / "no-model")  # (unread)
+    assert code == 2 and printed == ""
+    assert err == f"error: {out.parent}: expected an existing folder for the output, got none\n"
+    code, _, err = run(capsys, "export", "http://127.0.0.1:9", out)  # (before the store is reached)
+    assert code == 2 and err == f"error: {out.parent}: expected an existing folder for the output, got none\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["show", "bank.pt", "--n", "-1"], "argument --n: expected an integer >= 0, got -1"),
+    (["search", "bank.pt", "tea", "--k", "0"], "argument --k: expected an integer >= 1, got 0"),
+    (["search", "bank.pt", "tea", "--k", "two"], "argument --k: expected an integer >= 1, got 'two'"),
+    (["build", "in.txt", "bank.pt", "--batch-size", "0"], "argument --batch-size: expected an integer >= 1, got 0"),
+])
+def test_counts_out_of_range_are_refused_before_anything_is_printed(tmp_path, capsys, argv, message):
+    """`show --n -1` printed the bank's header, then "start and count must be >= 0"; `search --k 0` printed nothing
+    and exited 0."""
+    bank = MemoryVectorDB(8)
+    bank.add(np.ones((2, 8), np.float32), ["a", "b"])
+    bank.save(tmp_path / "bank.pt")
+    with pytest.raises(SystemExit) as info:
+        main([str(tmp_path / a) if a.endswith((".pt", ".txt")) else a for a in argv])
+    out = capsys.readouterr()
+    assert info.value.code == 2 and out.out == "" and out.err.strip().splitlines()[-1].endswith(message)
+
+
+def test_show_n_0_prints_the_header_and_search_help_says_k_is_at_least_1(tmp_path, capsys):
+    bank = MemoryVectorDB(8)
+    bank.add(np.ones((2, 8), np.float32), ["a", "b"])
+    bank.save(tmp_path / "bank.pt")
+    code, printed, _ = run(capsys, "show", tmp_path / "bank.pt", "--n", "0")
+    assert code == 0 and printed.startswith(f"{tmp_path / 'bank.pt'}: 2 memories") and "[0]" not in printed
+    with pytest.raises(SystemExit):
+        main(["search", "--help"])
+    assert "--k K memories to print, best first: 1 or more (0 is refused;" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.slow
 def test_cli_with_embedded_smollm2(tmp_path, smollm2_dir):
     """The real default model, run as a module in a subprocess, as a user would."""

@@ -111,6 +111,11 @@ def test_texts_metadata_and_accessors():
     assert db.vector(1).tolist() == [0, 2, 0]
     assert db.vector(db.topk([0, 0, 1], 1)[1][0]).tolist() == [0, 0, 3]  # a 0-d id tensor works too
     assert [e["norm"] for e in db.entries(1, 5)] == pytest.approx([2, 3])
+    texts = db.texts()
+    assert texts == ["a", None, "c"]
+    texts.append("not in the bank")  # (a copy)
+    db.remove([0])
+    assert db.texts() == [None, "c"] and MemoryVectorDB(3).texts() == []
 
 
 def test_add_and_remove_keep_ids_stable():

@@ -119,6 +119,17 @@ def test_save_replaces_and_leaves_no_temporary(tmp_path):
     assert os.listdir(tmp_path) == ["bank.pt"]
 
 
+def test_save_into_a_missing_folder_names_the_folder_not_a_temporary(tmp_path):
+    path = tmp_path / "missing" / "bank.pt"
+    with pytest.raises(FileNotFoundError) as info:
+        labelled_db().save(path)
+    assert str(info.value) == f"{path.parent}: expected an existing folder for bank.pt, got none"
+    (tmp_path / "plain").write_text("a file")
+    with pytest.raises(FileNotFoundError, match="expected an existing folder for bank.pt, got a file"):
+        labelled_db().save(tmp_path / "plain" / "bank.pt")
+    assert sorted(os.listdir(tmp_path)) == ["plain"]
+
+
 class Payload:
     """Unpickling this runs a shell command that creates the marker file."""
 
