@@ -303,7 +303,8 @@ class Service(SessionService):
                     recall_first = False
                     yield Notice("recall first needs a memory bank and recall enabled; answering without")
                 if not interrupt.is_set() and (dropped := self._fit(conv, text, images, settings, recall_first)):
-                    yield Notice(f"the conversation outgrew its limit: its {dropped} oldest turn(s) are no longer read (still shown)")
+                    yield Notice(f"the conversation outgrew its limit: its {dropped} oldest turn(s) are no longer "
+                                 "read (still shown)")
                 yield from self._noted(s, conv.stream(text, images, settings, recall, bank, interrupt, recall_first))
 
         req = Request("chat", run, s.id, text[:80])
