@@ -57,6 +57,9 @@ class ModelConfig:
     gguf_context: int = 2048  # llama.cpp: the positions each conversation holds (8 stay resident in its KV cache)
 
     def __post_init__(self):
+        if self.backend == "transformers" and str(self.path or "").lower().endswith(".gguf"):  # (it ran on llama.cpp)
+            raise ValueError(f"backend is 'transformers' but path {self.path!r} is a .gguf file, which runs on "
+                             "llama.cpp only; allowed: backend auto or llamacpp, or a model folder as path")
         _check(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(self.device)) is not None, "device", self.device,
                "auto, cpu, mps, cuda or cuda:N")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype, "float32, bfloat16, float16")

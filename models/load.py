@@ -22,9 +22,6 @@ def resolve_backend(options: LoadOptions, path) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"model.backend is {backend!r}; expected auto, transformers or llamacpp")
     if path is not None and str(path).lower().endswith(".gguf"):
-        if backend == "transformers":
-            raise ValueError(f"model.backend is 'transformers' but model.path {str(path)!r} is a .gguf file, which "
-                             "runs on llama.cpp only: set model.backend: auto or llamacpp, or give a model folder")
         return "llamacpp"
     if backend != "auto":
         return backend

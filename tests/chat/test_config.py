@@ -64,6 +64,14 @@ def test_env_and_command_line_override_in_that_order(tmp_path):
         load_config(path, overrides=["generation.temperature"], environ={})
 
 
+def test_a_gguf_on_transformers_is_refused_by_name():
+    """`--backend transformers --model x.gguf` ran on llama.cpp without a word."""
+    with pytest.raises(ConfigError, match="model: backend is 'transformers' but path '/x/own.gguf' is a .gguf file, "
+                                          "which runs on llama.cpp only"):
+        load_config(overrides=["model.backend=transformers", "model.path=/x/own.gguf"], environ={})
+    load_config(overrides=["model.backend=auto", "model.path=/x/own.gguf"], environ={})
+
+
 def test_missing_or_broken_file(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml': expected a YAML file, got nothing there"):
         load_config(tmp_path / "nope.yaml", environ={})

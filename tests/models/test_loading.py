@@ -142,9 +142,6 @@ def test_the_backend_auto_runs_the_embedded_model_on_llamacpp_on_a_cpu_and_folde
     assert resolve_backend(cpu("auto"), str(tmp_path)) == "transformers"  # a model folder
     assert resolve_backend(cpu("auto", needs=frozenset({"layers"})), None) == "transformers"  # entropy decoding
     assert resolve_backend(cpu("transformers"), None) == "transformers"
-    assert resolve_backend(cpu("auto"), str(tmp_path / "own.GGUF")) == "llamacpp"  # a GGUF file
-    with pytest.raises(ValueError, match="model.backend is 'transformers' but model.path .*own.gguf' is a .gguf file, "
-                                         "which runs on llama.cpp only"):
-        resolve_backend(cpu("transformers"), str(tmp_path / "own.gguf"))
+    assert resolve_backend(cpu("transformers"), str(tmp_path / "own.GGUF")) == "llamacpp"  # a GGUF file
     with pytest.raises(ValueError, match="model.backend is 'vllm'; expected auto, transformers or llamacpp"):
         resolve_backend(cpu("vllm"), None)
