@@ -249,7 +249,7 @@ class OpenAIRoutes:
                 finish = chunk({}, FINISH[event.reason])
             elif isinstance(event, Failed):  # (then the answer has ended: what follows, a finish, is not sent)
                 failed = True
-                yield f"data: {json.dumps(APIError.of(event).body())}\n\n"
+                yield f"data: {json.dumps(APIError.of(event, body).body())}\n\n"
         if finish is not None and not failed:
             yield finish
             if body.stream_options is not None and body.stream_options.include_usage:  # (OpenAI: no choices)
@@ -275,7 +275,7 @@ class OpenAIRoutes:
             elif isinstance(event, FinishEvent):
                 reason = FINISH[event.reason]
             elif isinstance(event, Failed):
-                raise APIError.of(event)
+                raise APIError.of(event, body)
         return JSONResponse({
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": self.model_id, "recalls": recalls, "notices": notices, **changes,

@@ -33,12 +33,14 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
     @classmethod
-    def of(cls, failed: Failed) -> APIError:
-        """An answer's failure: refused (400, the request asked for what cannot be done), the server shutting
-        down (503) or the answer failing (500)."""
+    def of(cls, failed: Failed, body: ChatRequest | None = None) -> APIError:
+        """An answer's failure: refused (400, the request asked for what cannot be done: named as `body` sent it),
+        the server shutting down (503) or the answer failing (500)."""
         if failed.cause == "refused":  # (the messages, or a setting the model cannot run: its message names it)
             message = failed.api or failed.message
-            return cls(400, message, param="messages" if message.startswith("messages") else None)
+            if message.startswith("messages"):
+                return cls(400, message, param="messages")
+            return cls(400, message) if body is None else settings_error(message, body)
         if failed.cause == "shutdown":
             return cls.shutting_down(failed.message)
         return cls(500, failed.message, "server_error")
@@ -209,14 +211,18 @@ def overrides(body: ChatRequest, cfg: Config) -> dict[str, Any]:
     return {**implied, **gen, **body.settings}
 
 
-def settings_error(error: ValueError, body: ChatRequest) -> APIError:
-    """A value the settings refused (its message opens with the field's name: "top_p is 0.0: ..."), as a 400 that
-    names the key of `settings` that set it, when one did."""
-    field = str(error).split(" ", 1)[0]
+def settings_error(error: ValueError | str, body: ChatRequest) -> APIError:
+    """A setting's refusal (its message opens with the field's name: "top_p is 0.0: ...", "sequence_bias: expected
+    ...") as a 400 that names what the request sent: the key of `settings` that set it, or `logit_bias` (which
+    becomes `sequence_bias`)."""
+    message = str(error)
+    field = message.split(" ", 1)[0].rstrip(":")
     keys = [key for key in body.settings if key.rsplit(".", 1)[-1] == field]
     if len(keys) == 1:
-        return APIError(400, f"settings[{keys[0]!r}]: {error}", param="settings")
-    return APIError(400, str(error))
+        return APIError(400, f"settings[{keys[0]!r}]: {message}", param="settings")
+    if field == "sequence_bias" and body.logit_bias and not keys:
+        return APIError(400, f"logit_bias{message[len(field):]}", param="logit_bias")
+    return APIError(400, message)
 
 
 def _token_id(key: str) -> int:

@@ -143,7 +143,9 @@ def test_a_recall_event_travels_in_the_chunks(api):
     (dict(logit_bias={"hello": 5}), openai.BadRequestError, "logit_bias: expected token ids as keys"),
     (dict(logit_bias={"42": 300}), openai.BadRequestError, "logit_bias['42']: expected a bias from -100 to 100"),
     (dict(logit_bias={"999999": 5}), openai.BadRequestError,  # (found on the worker: a refusal, not a 500)
-     "sequence_bias: expected token ids below 49155 (the model's vocabulary), got 999999"),
+     "logit_bias: expected token ids below 49155 (the model's vocabulary), got 999999"),
+    (dict(extra_body={"settings": {"generation.bad_words_ids": [[999999]]}}), openai.BadRequestError,
+     "settings['generation.bad_words_ids']: bad_words_ids: expected token ids below 49155"),
     (dict(extra_body={"top_k": -1}), openai.BadRequestError, "top_k: Input should be greater than or equal to 0"),
     (dict(extra_body={"settings": {"generation.no_such": 1}}), openai.BadRequestError,
      "settings: unknown setting 'generation.no_such'"),
