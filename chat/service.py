@@ -238,12 +238,18 @@ class Service(SessionService):
         turns = self.cfg.app.history_turns
         return (EMBEDDED_HISTORY_TURNS if self.cfg.model.path is None else 0) if turns == "auto" else turns
 
-    def _window(self, conv: Conversation) -> None:
+    def _window(self, conv: Conversation) -> Iterator[Notice]:
         """Past `history_turns` earlier turns, move the oldest out of what the model reads (the page still shows them)
-        down to half of them: the turns kept are read again (their positions move), so once every few turns."""
+        down to half of them: the turns kept are read again (their positions move), so once every few turns. The
+        first time in a conversation, a notice says so."""
         if self.history_turns and len(conv.messages) > 2 * self.history_turns:
+            first = not conv.earlier
             while len(conv.messages) > 2 * (self.history_turns // 2):
                 conv.drop_oldest_turn()
+            if first:
+                yield Notice(f"from here the model reads at most your last {self.history_turns} turns "
+                             "(app.history_turns); the earlier ones stay on the page, and what you told it stays in "
+                             "your memory")
 
     def _fit(self, conv: Conversation, text: str, images: Sequence[str], settings: GenerationSettings,
              recall_first: bool) -> int:
@@ -282,7 +288,7 @@ class Service(SessionService):
                                  f"{self.cfg.app.session_ttl_s} s), so its conversation and its bank were let go: "
                                  "this message starts a new conversation")
                     s.expired = None
-                self._window(conv)
+                yield from self._window(conv)
                 yield from self._read_ahead(conv, text, images, settings, recall_first, interrupt)
                 try:
                     if changed := self.remember(s, self.people.decide(conv.lm, text)):
