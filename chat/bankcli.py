@@ -107,6 +107,9 @@ def cmd_build(args: argparse.Namespace) -> None:
     _check_folder(args.out)
     texts, metadata, numbers = read_memories(source)
     loaded = _load_model(args, args.values, args.layer, args.pooling)
+    if Path(args.out).suffix.lower() == ".npy" and loaded.encoder.values.keyed:  # (refused at the save: after the work)
+        raise ValueError(f"{Path(args.out).name}: a .npy bank holds one vector a memory, and these memories have "
+                         f"values of their own (memory.values {loaded.encoder.values}): save as .pt or .safetensors")
     db = build_bank(loaded.model, loaded.tokenizer, texts, loaded.encoder, metadata=metadata,
                     batch_size=args.batch_size, value_dtype=args.value_dtype)
     slots = [e["slots"] for e in db.entries(0, len(db))] if db.has_values else []

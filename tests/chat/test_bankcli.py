@@ -128,6 +128,17 @@ def test_input_errors_name_the_file_and_line(tmp_path, tiny_dir, capsys):
     assert not (tmp_path / "b.pt").exists()
 
 
+def test_a_npy_for_memories_with_values_is_refused_before_they_are_encoded(tmp_path, tiny_dir, capsys, monkeypatch):
+    import models
+
+    (tmp_path / "in.txt").write_text("Tea at five.\n")
+    monkeypatch.setattr(models, "build_bank", lambda *a, **k: pytest.fail("the memories were encoded"))
+    code, printed, err = run(capsys, "build", tmp_path / "in.txt", tmp_path / "o.npy", "--model", tiny_dir)
+    assert code == 2 and printed == "" and not (tmp_path / "o.npy").exists()
+    assert ("error: o.npy: a .npy bank holds one vector a memory, and these memories have values of their own "
+            "(memory.values tokens): save as .pt or .safetensors") in err, err
+
+
 def test_a_missing_output_folder_is_named_before_any_work(tmp_path, capsys):
     """The error named mkstemp's temporary ('.../.o.pt.cbihx4da.tmp'), after the model had encoded every memory."""
     (tmp_path / "in.txt").write_text("Tea at five.\n")
