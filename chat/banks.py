@@ -23,7 +23,7 @@ from chat.config import Config, MemoryConfig
 from chat.session import Session
 from chat.textsearch import TextSearch
 from chat.worker import Request, ServiceError, Worker, describe
-from memory import BankError, MemoryVectorDB
+from memory import BankError, DimensionError, MemoryVectorDB
 from memory.milvus import MilvusBank, StoreLayout, load_into
 from models import LoadedModel
 from models.vision import IMAGE_PAD, VISION_END, VISION_START, encode_with_images
@@ -34,7 +34,6 @@ BANK_TYPES = (".pt", ".safetensors", ".npy")
 
 
 MAX_ID = 2 ** 62
-_DIMENSION = re.compile(r"expected (?:value )?vectors of dimension \d+, got dimension \d+")  # memory.validate's
 
 
 def parse_ids(text: str) -> list[int]:
@@ -159,9 +158,11 @@ class Banks:
             raise ServiceError(f"{name}: expected a memory bank file ending in .pt, .safetensors or .npy")
         try:
             db = self._load(lm, path, max_bytes=self.cfg.memory.max_upload_mb * 2 ** 20)
-        except BankError as e:  # (the model's hidden size: only beside a dimension the bank does not have)
-            size = f" (the model {lm.name} has hidden size {lm.hidden_size})" if _DIMENSION.search(str(e)) else ""
-            raise ServiceError(f"{e}{size}; the current bank is kept") from None
+        except DimensionError as e:  # (a bank of another model: the size this one has)
+            raise ServiceError(f"{e} (the model {lm.name} has hidden size {lm.hidden_size}); the current bank is "
+                               "kept") from None
+        except BankError as e:
+            raise ServiceError(f"{e}; the current bank is kept") from None
         cap = self.cfg.memory.max_memories_per_session
         if len(db) > cap:
             raise ServiceError(f"{name}: expected at most {cap} memories (memory.max_memories_per_session), "

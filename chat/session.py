@@ -376,26 +376,24 @@ class Conversation:
                   for i, m in enumerate(data.messages)]
         if any(images) and not self.lm.is_vision:
             raise TextOnlyModelError(f"the conversation has images but {self.lm.name} reads text only")
+        def written(raws: list[bytes]) -> list[str]:
+            paths = [Path(image_dir) / f"image-{uuid.uuid4().hex}.png" for _ in raws]
+            for path, raw in zip(paths, raws):
+                path.write_bytes(raw)
+            return [str(p) for p in paths]
+
         messages, pixels = [], []
         for m, raws in zip(data.messages, images):
-            paths = []
-            for raw in raws:
-                path = Path(image_dir) / f"image-{uuid.uuid4().hex}.png"
-                path.write_bytes(raw)
-                paths.append(str(path))
+            paths = written(raws)
+            for path in paths:
                 enc = encode_with_images(tok, self.lm.image_processor, IMAGE_PAD, [path])
                 pixels.append((enc["pixel_values"], enc["image_grid_thw"]))
             messages.append(Message(m.role, m.text, paths, [RecallEvent(**r.model_dump()) for r in m.recalls],
                                     m.finish_reason, m.start))
-        earlier = []  # (shown only: their images are checked and written, never read by the model)
-        for i, m in enumerate(data.earlier):
-            paths = []
-            for k, b in enumerate(m.images):
-                path = Path(image_dir) / f"image-{uuid.uuid4().hex}.png"
-                path.write_bytes(decode_image(b, f"earlier.{i}.images.{k}"))
-                paths.append(str(path))
-            earlier.append((Message(m.role, m.text, paths, [], m.finish_reason),
-                            (m.text,) if m.role == "assistant" and m.text else ()))
+        earlier = [(Message(m.role, m.text, written([decode_image(b, f"earlier.{i}.images.{k}")
+                                                     for k, b in enumerate(m.images)]), [], m.finish_reason),
+                    (m.text,) if m.role == "assistant" and m.text else ())  # (shown only, never read by the model)
+                   for i, m in enumerate(data.earlier)]
         self.clear()
         self.system_prompt = data.system_prompt
         self.messages, self.ids, self.memory, self.pixels = messages, list(data.ids), memory, pixels

@@ -6,6 +6,6 @@ that writes the vectors is the model's: `models/encoder.py`).
 
 from memory.bank import MemoryVectorDB
 from memory.files import BankData, read_bank, write_bank
-from memory.validate import BankCheck, BankError
+from memory.validate import BankCheck, BankError, DimensionError
 
-__all__ = ["BankCheck", "BankData", "BankError", "MemoryVectorDB", "read_bank", "write_bank"]
+__all__ = ["BankCheck", "BankData", "BankError", "DimensionError", "MemoryVectorDB", "read_bank", "write_bank"]

@@ -18,6 +18,10 @@ class BankError(ValueError):
     """A memory bank (file or vectors) that cannot be used; the message says what was expected."""
 
 
+class DimensionError(BankError):
+    """A bank whose vectors are not of the dimension expected of them (a bank of another model)."""
+
+
 @dataclass(frozen=True)
 class BankCheck:
     """What a model expects of a bank it opens, checked by `MemoryVectorDB.load` and `MilvusBank.open` alike
@@ -78,7 +82,7 @@ def prepare_vectors(
     if d == 0:
         raise BankError(f"{source}: expected vectors of dimension > 0, got shape {tuple(raw.shape)}")
     if expected_dim is not None and d != expected_dim:
-        raise BankError(f"{source}: expected vectors of dimension {expected_dim}, got dimension {d}")
+        raise DimensionError(f"{source}: expected vectors of dimension {expected_dim}, got dimension {d}")
     norms = np.empty(n, dtype=np.float64)
     step = _chunk_rows(d)
     for s in range(0, n, step):
@@ -185,7 +189,8 @@ def prepare_values(values: Any, offsets: Any, n: int, *, expected_dim: int | Non
     if not tokens and (values.ndim != 2 or values.shape[1] == 0):
         raise BankError(f"{source}: expected values as a 2-D array [slots, D], got shape {tuple(values.shape)}")
     if not tokens and expected_dim is not None and values.shape[1] != expected_dim:
-        raise BankError(f"{source}: expected value vectors of dimension {expected_dim}, got dimension {values.shape[1]}")
+        raise DimensionError(f"{source}: expected value vectors of dimension {expected_dim}, got dimension "
+                             f"{values.shape[1]}")
     offsets = offsets.astype(np.int64)
     if offsets[0] != 0 or offsets[-1] != len(values):
         raise BankError(f"{source}: expected value offsets from 0 to {len(values)} (the number of value rows), "
