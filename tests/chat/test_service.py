@@ -328,7 +328,7 @@ def test_the_model_reads_the_last_history_turns_and_the_page_shows_every_turn(ti
         # at most 3 earlier turns read; past them, the oldest go down to 1 (the kept turns are read again)
         assert read[3] == texts[:4] and read[4] == ["Fourth", "Fifth"] and read[5] == ["Fourth", "Fifth", "Sixth"]
         assert notices[4] == ["from here the model reads at most your last 3 turns (app.history_turns); the earlier "
-                              "ones stay on the page, and what you told it stays in your memory"]
+                              "ones stay in the conversation, and what you told it stays in your memory"]
         assert notices[:4] == [[]] * 4 and notices[5] == []  # (said once a conversation)
         shown = svc.state(s).messages
         assert [m.text for m in shown if m.role == "user"] == texts
