@@ -248,8 +248,8 @@ class Service(SessionService):
                 conv.drop_oldest_turn()
             if first:
                 yield Notice(f"from here the model reads at most your last {self.history_turns} turns "
-                             "(app.history_turns); the earlier ones stay in the conversation, and what you told it stays in "
-                             "your memory")
+                             "(app.history_turns); the earlier ones stay in the conversation, and what you told "
+                             "it stays in your memory")
 
     def _fit(self, conv: Conversation, text: str, images: Sequence[str], settings: GenerationSettings,
              recall_first: bool) -> int:
