@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 PY=${PY:-python}
 command -v "$PY" >/dev/null || PY=python3
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"  # tests/: the helpers the tests import (--noconftest)
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-120}
 BENCH_BUDGET=${BENCH_BUDGET:-340}
 {
@@ -29,7 +29,7 @@ BENCH_BUDGET=${BENCH_BUDGET:-340}
   fi
   echo "== 1. gpu tests (timeout ${TESTS_TIMEOUT} s)"
   t0=$(date +%s)
-  timeout "$TESTS_TIMEOUT" "$PY" -m pytest -p no:cacheprovider -o addopts="" --noconftest -m gpu -rA -q \
+  timeout "$TESTS_TIMEOUT" "$PY" -m pytest -p no:cacheprovider -o addopts="" --noconftest -p no:logging -m gpu -rfEsp -q \
     --junitxml="$OUT/gpu_tests.xml" tests/decoding/test_graph.py
   echo "== gpu tests: exit $? in $(( $(date +%s) - t0 )) s"
   echo "== 2. bench/gpu.py (budget ${BENCH_BUDGET} s)"

@@ -345,9 +345,15 @@ def test_the_compiled_step_equals_the_eager_one(model, eager, freeze):
 
 
 def windows_seen(step) -> list[int]:
-    """The cache windows of `step`'s replays from now on (recorded as each runs)."""
-    seen, body = [], step._body
-    step._body = lambda inputs, kind: (seen.append(step.window), body(inputs, kind))[1]
+    """The cache windows of `step`'s replays from now on (recorded as each runs: at `_run`, which picks the window;
+    on a GPU a replay of a captured graph never calls `_body`)."""
+    seen, run = [], step._run
+
+    def recorded(inputs, kind, window=None):
+        out = run(inputs, kind, window)
+        seen.append(step.window)
+        return out
+    step._run = recorded
     return seen
 
 
