@@ -248,18 +248,29 @@ class Worker(Runner):
                     self._cond.wait()
                 if self._closed and not self.running and not self._pending:
                     return
-                req = self._next_to_start()
-                if req is not None:
-                    self.running.append(req)
-                    req.events.put(Waiting(0))
-                    self._announce()
+            self._start_waiting(generators)
+            with self._cond:
                 turn = list(self.running)
-            if req is not None:
-                self._start(req, generators)
             for r in turn:  # each to its next decode step (or one event), in turn
                 if r.id in generators:
                     self._step(r, generators)
             self._run_batch(generators)
+
+    def _start_waiting(self, generators: dict[int, Iterator[Any]]) -> None:
+        """Start the waiting requests that may start now, in order: every answer (their prompts may then be read
+        together, `decoding.prompt_reads`), but at most one request that runs whole (a bank edit: the running answers
+        get their round between two)."""
+        while True:
+            with self._cond:
+                req = self._next_to_start()
+                if req is None:
+                    return
+                self.running.append(req)
+                req.events.put(Waiting(0))
+                self._announce()
+            self._start(req, generators)
+            if req.id not in generators:  # (it ran whole, or failed)
+                return
 
     def _start(self, req: Request, generators: dict[int, Iterator[Any]]) -> None:
         req.started = time.perf_counter()

@@ -56,10 +56,12 @@ class Forward:
         """The round's steps as rows of one forward on the batch's `StaticCache` (a lone step on its own cache)."""
         batch.run_rows(steps, self)
 
-    def forward_block(self, embeds: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        """Every new position's final state [B, S, H] of embeds [B, S, H] on `cache` (the mixture's verify)."""
+    def forward_block(self, embeds: torch.Tensor, positions: torch.Tensor, cache,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Every new position's final state [B, S, H] of embeds [B, S, H] on `cache` (the mixture's verify; prompts
+        read together, with `attention_mask` [B, cached + S])."""
         return self.backbone(inputs_embeds=embeds, position_ids=positions, past_key_values=cache,
-                             use_cache=True).last_hidden_state
+                             attention_mask=attention_mask, use_cache=True).last_hidden_state
 
     def text_positions(self, start: int, length: int, rows: int) -> torch.Tensor:
         """Position ids [R, S] of positions start..start+S-1 of text (stacked [4, R, S] for mRoPE models)."""

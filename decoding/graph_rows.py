@@ -7,7 +7,8 @@ row of the sampler (`DeviceSampler.configure_row`); a replay runs the union of t
 neutral values making the operations it lacks exact no-ops.
 
 An answer (`GraphRows.stream`) reads its prompt on a cache of its own (chunked, `PrefillEvent`s between: the other rows
-go on decoding), then takes a free row: its keys and values are copied in, right-aligned at the step's current
+go on decoding; each chunk parked for the round, whose answers' chunks are read in one forward:
+`decoding.prompt_reads`), then takes a free row: its keys and values are copied in, right-aligned at the step's current
 column, and its first token is chosen at once. From then on, each round of the chat's worker it yields a `RowTurn`
 (`Batch.park`); `Batch.run` hands the round's turns to `GraphRows.run`, one replay for every row, and the answer,
 resumed, reads its token of the previous replay (one step late: the device is already busy with the next). A
@@ -42,6 +43,7 @@ from decoding.graph import GraphDecoder, unwrap_model
 from decoding.graph_stream import TEXT, GraphCache, NoRoom, for_the_loop
 from decoding.loop import prefill_embeds
 from decoding.memory import Recall
+from decoding.prompt_reads import PromptReader, PromptTurn
 from decoding.request import Controls, Prompt, Request, prepare
 from decoding.settings import GenerationSettings
 
@@ -74,6 +76,7 @@ class GraphRows:
         self.states: set[int] = set()  # rows whose requests may recall (the run keeps each replay's states)
         self.readback = ReadBack(g.sampler)
         self.replays = 0
+        self.reader = PromptReader()  # the round's prompt chunks, in one forward
         self._ready = threading.Event()
 
     @property
@@ -303,10 +306,12 @@ def _past(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys[:1, :, :n], layer.values[:1, :, :n]) for layer in cache.layers] if n else []
 
 
-def _prefill(req: Request, prompt: Prompt, chunk: int, interrupt: threading.Event | None
-             ) -> Generator[PrefillEvent, None, tuple[DynamicCache, torch.Tensor] | None]:
-    """The prompt past its cached positions on a cache of its own, `chunk` tokens a forward; (the cache, the last
-    state [1, H]), or None when stopped between chunks."""
+def _prefill(rows: GraphRows, batch: Batch, req: Request, prompt: Prompt, chunk: int,
+             interrupt: threading.Event | None
+             ) -> Generator[PrefillEvent | PromptTurn, None, tuple[DynamicCache, torch.Tensor] | None]:
+    """The prompt past its cached positions on a cache of its own, `chunk` tokens a round (each chunk parked in
+    `batch`: read with the round's other prompts); (the cache, the last state [1, H]), or None when stopped between
+    chunks."""
     fwd, past = req.fwd, _past(prompt.cache)
     cache = fwd.new_cache()
     for i, (k, v) in enumerate(past):
@@ -320,8 +325,9 @@ def _prefill(req: Request, prompt: Prompt, chunk: int, interrupt: threading.Even
     todo, hidden = embeds.shape[1], None
     for s in range(0, todo, max(1, chunk)):
         e = min(todo, s + max(1, chunk))
-        with torch.no_grad():
-            hidden, _ = fwd.prefill(embeds[:, s:e], positions[..., s:e], cache, None, {})
+        turn = PromptTurn(rows.reader, fwd, embeds[:, s:e], positions[..., s:e], cache)
+        yield from batch.park(turn)
+        cache, hidden = turn.cache, turn.hidden
         if e < todo:
             yield PrefillEvent(start + e, req.prompt_len)
             if interrupt is not None and interrupt.is_set():
@@ -329,14 +335,14 @@ def _prefill(req: Request, prompt: Prompt, chunk: int, interrupt: threading.Even
     return cache, hidden
 
 
-def _seat_answer(rows: GraphRows, row: int, req: Request, prompt: Prompt, kind: Kind,
+def _seat_answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Prompt, kind: Kind,
                  interrupt: threading.Event | None, prefill_chunk: int
-                 ) -> Generator[PrefillEvent, None, torch.Tensor | None]:
+                 ) -> Generator[PrefillEvent | PromptTurn, None, torch.Tensor | None]:
     """The prompt read on a cache of its own, then copied into the row, and the row's sampler set for the request;
     the prompt's last state [1, H], or None when stopped while reading."""
     g = rows.graph
     req.rows.seq = req.rows.seq.cpu()  # the criteria and the events read the host's copy
-    read = yield from _prefill(req, prompt, prefill_chunk, interrupt)
+    read = yield from _prefill(rows, batch, req, prompt, prefill_chunk, interrupt)
     req.prefill_s = time.perf_counter() - req.t0
     if read is None:
         return None
@@ -367,7 +373,7 @@ def _span(rows: GraphRows, row: int, req: Request, tokens: list[int], vectors: d
 def _answer(rows: GraphRows, row: int, batch: Batch, req: Request, prompt: Prompt, kind: Kind,
             interrupt: threading.Event | None, controls: Controls) -> Iterator[Event]:
     g, r = rows.graph, req.rows
-    hidden = yield from _seat_answer(rows, row, req, prompt, kind, interrupt, controls.prefill_chunk)
+    hidden = yield from _seat_answer(rows, row, batch, req, prompt, kind, interrupt, controls.prefill_chunk)
     if hidden is None:  # stopped while reading: the conversation keeps what it had
         req.cache = prompt.cache
         yield from req.stop_all()

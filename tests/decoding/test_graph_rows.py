@@ -84,6 +84,31 @@ def test_answers_at_once_in_the_rows_are_each_the_loops_alone(rowed, tiny_llama,
         assert conv.ids == ref.ids and cache_length(conv.cache) == len(conv.ids) - 1
 
 
+def test_prompts_of_answers_starting_together_are_read_in_one_forward(rowed, tiny_llama, bank, monkeypatch):
+    """Three conversations start in one round: their prompts are read in one forward (`decoding.prompt_reads`), and
+    their next turns, started together again, too, each on its conversation's own positions (of three lengths), one
+    read 3 tokens a round beside the others; every answer equals the loop's alone, recalls included."""
+    from decoding import prompt_reads
+
+    sizes, read = [], prompt_reads.read_together
+    monkeypatch.setattr(prompt_reads, "read_together", lambda turns: (sizes.append(len(turns)), read(turns)))
+    batch = Batch()
+    convs = [Conversation(rowed, batch=batch, prefill_chunk=c) for c in (512, 3, 512)]
+    refs = [Conversation(tiny_llama) for _ in convs]
+    for texts in (["Who am I?", "Tell me a story about the sea.", "Hi."], ["Go on.", "And then what happened?", "Why?"]):
+        got = drive(batch, [(0, lambda c=c, t=t: c.stream(t, settings=recalling(rowed), memory_db=bank))
+                            for c, t in zip(convs, texts)])
+        for conv, ref, text, events in zip(convs, refs, texts, got):
+            assert told(events) == told(list(ref.stream(text, settings=recalling(rowed), memory_db=bank))), text
+            assert conv.ids == ref.ids and cache_length(conv.cache) == len(conv.ids) - 1
+            for (k, v), layer in zip(conv.cache.layers(), ref.cache.layers):  # (what a later turn attends to)
+                torch.testing.assert_close(k, layer.keys[:, :, :k.shape[2]], atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(v, layer.values[:, :, :v.shape[2]], atol=1e-5, rtol=1e-4)
+        assert sizes[0] == 3, sizes  # (the round they start in: the three prompts, or their first chunks, at once)
+        sizes.clear()
+    assert graph_rows.attached_rows(rowed.merged()).free_rows() == 3
+
+
 def test_memories_wider_than_the_span_graph_ride_several_replays(rowed, tiny_llama):
     """Memories of 3 to 20 slots (the span graph is 9 wide), three answers at once, one starting with `<recall>`:
     each the loop's alone (tokens, recalls, the memories' vectors); the others decode meanwhile."""
@@ -230,10 +255,6 @@ def test_the_service_answers_concurrent_sessions_in_the_rows(smollm2_dir, tiny_l
         for s, q in zip(sessions, questions):
             alone = off.new_session()
             result(off.chat(alone, q, [], settings, recall).request)
-            print(q, type(s.conv.cache).__name__, getattr(s.conv.cache, "step", None) is rows.graph, s.conv.ids == alone.conv.ids)
-        for s, q in zip(sessions, questions):
-            alone = off.new_session()
-            result(off.chat(alone, q, [], settings, recall).request)
             assert s.conv.ids == alone.conv.ids and s.conv.messages[-1].text == alone.conv.messages[-1].text
         assert sum(isinstance(s.conv.cache, GraphCache) and s.conv.cache.step is rows.graph for s in sessions) == 2
     finally:
@@ -251,8 +272,9 @@ def test_a_bad_graph_value_is_refused_by_name(key, value):
 
 def test_a_loop_answer_ending_beside_a_parked_row_turn_and_a_failed_round(rowed, tiny_llama):
     """A seeded answer (the loop's) ends in a round where a rows answer has parked its turn: both are as alone. A
-    round that fails fails the answers in it; an answer still reading its prompt keeps its row, and it and the
-    next answer (which must take another row) are as alone."""
+    round that fails fails the answers in it, an answer reading its prompt in it too (its chunk was parked in the
+    round: `decoding.prompt_reads`); their turns are not stored, their rows are free, and the next answer is as
+    alone."""
     batch = Batch()
     a, b = Conversation(rowed, batch=batch), Conversation(rowed, batch=batch)
     sa, sb = GenerationSettings(max_new_tokens=20), GenerationSettings(max_new_tokens=4, do_sample=True, seed=3)
@@ -278,10 +300,10 @@ def test_a_loop_answer_ending_beside_a_parked_row_turn_and_a_failed_round(rowed,
         events = drive(batch, [(0, lambda: reading.stream(text, settings=sa)),
                                (0, lambda: failing.stream("Hi.", settings=sa)),
                                (3, lambda: later.stream("Who are you?", settings=sa))], failed)
-    assert list(failed) == [1] and not failing.messages  # (its turn was not stored)
-    for t, ev in ((text, events[0]), ("Who are you?", events[2])):
-        assert told(ev) == told(list(Conversation(tiny_llama).stream(t, settings=sa)))
-    assert rows.free_rows() == 3
+    assert sorted(failed) == [0, 1] and "injected" in failed[0]
+    assert not failing.messages and not reading.messages  # (their turns were not stored)
+    assert told(events[2]) == told(list(Conversation(tiny_llama).stream("Who are you?", settings=sa)))
+    assert rows.free_rows() == 3 and not rows.joining
 
 
 def test_an_answer_ending_at_its_seat_keeps_only_what_its_row_holds(rowed, tiny_llama):
