@@ -399,6 +399,7 @@ class ModelBench:
                 out["rows only"]["rows_replays"] = rows.replays - before
             out["batch_forwards"] = svc.worker.batch.forwards  # (the loop's: none while the rows take every answer)
             out["rows_replays"], out["rows_compile_s"] = rows.replays, rows_compile_s
+            out["prompt_reads"] = {"forwards": rows.reader.forwards, "turns": rows.reader.turns}  # (read together)
         finally:
             svc.close()
         return out
