@@ -175,8 +175,10 @@ class Runner:
 class Worker(Runner):
     """One thread owns the model and runs every request; answers decode together, a round at a time.
 
-    A request whose `run` returns a value (a bank edit, loading the model) runs whole. One that
-    returns an event generator (an answer) joins the running ones, up to `max_running`, and each
+    A request whose `run` returns a value (a bank edit, loading the model) runs whole, at most one
+    a round. One that returns an event generator (an answer) joins the running ones, up to
+    `max_running`, every waiting one at the next round (so answers that arrive together start
+    together: the graph rows read their prompts in one forward), and each
     round the worker advances every one of them: an answer that decodes in `batch` up to its next
     decode `Step` (which the batch then runs with the others' as one forward), any other generator
     by one event (a chunk of a long prompt, a token of a decoder that runs alone). So no request

@@ -29,7 +29,10 @@ from decoding.compiled import fit, static_cache
 
 
 class Parked:
-    """What a request's decode loop yields to wait for the round (the worker parks it until `Batch.run`)."""
+    """What a request's decode loop yields to wait for the round (the worker parks it until `Batch.run`). A turn
+    run by a runner (not a `Step`) that failed holds its `error`, which the answer raises when it is resumed."""
+
+    error: BaseException | None = None
 
 
 @dataclass(eq=False)
@@ -82,16 +85,24 @@ class Batch:
         whose `run` runs it with the others of its kind (`turn.runner.run(turns)`)."""
         self.pending.append(turn)
         yield turn
+        if turn.error is not None:
+            raise turn.error
 
     @torch.no_grad()
     def run(self) -> None:
-        """Run every pending step, as the requests' backend runs a round (`Backend.run_round`), and every other
-        parked turn by its runner (the graph step's rows: one replay for all of them)."""
+        """Run every pending step, as the requests' backend runs a round (`Backend.run_round`; a failure fails the
+        round), and every other parked turn by its runner (the graph step's rows: one replay for all of them; the
+        prompts read together): a runner that fails fails its own turns only (their `error`)."""
         parked, self.pending = self.pending, []
         steps = [p for p in parked if isinstance(p, Step)]
         others = [p for p in parked if not isinstance(p, Step)]
         for runner in dict.fromkeys(p.runner for p in others):
-            runner.run([p for p in others if p.runner is runner])
+            turns = [p for p in others if p.runner is runner]
+            try:
+                runner.run(turns)
+            except Exception as e:  # noqa: BLE001 - each of its answers raises it when resumed (`park`)
+                for t in turns:
+                    t.error = e
         if steps:
             steps[0].req.fwd.run_round(steps, self)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from decoding.batch import Parked
 from decoding.compiled import seq_length
@@ -54,12 +55,25 @@ class PromptReader:
                 group = []
             group.append(t)
         for group in [*groups, group] if group else groups:
-            self.forwards += 1
-            if len(group) == 1:
-                t = group[0]
-                t.hidden, _ = t.fwd.prefill(t.embeds, t.positions, t.cache, None, {})
-            else:
-                read_together(group)
+            try:
+                self._read(group)
+            except Exception as e:  # noqa: BLE001 - (out of memory, say) each read alone: only what fails alone fails
+                if len(group) == 1:
+                    group[0].error = e
+                    continue
+                for t in group:
+                    try:
+                        self._read([t])
+                    except Exception as alone:  # noqa: BLE001 - its answer raises it (`Batch.park`)
+                        t.error = alone
+
+    def _read(self, group: list[PromptTurn]) -> None:
+        self.forwards += 1
+        if len(group) == 1:
+            t = group[0]
+            t.hidden, _ = t.fwd.prefill(t.embeds, t.positions, t.cache, None, {})
+        else:
+            read_together(group)
 
 
 def _size(turns: list[PromptTurn]) -> int:
@@ -67,9 +81,17 @@ def _size(turns: list[PromptTurn]) -> int:
     return max(seq_length(t.cache) for t in turns) + max(t.embeds.shape[1] for t in turns)
 
 
+STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # rotary frequencies that do not depend on the batch's positions
+
+
 def _together(turn: PromptTurn) -> bool:
-    """Whether the turn can be a row of a padded forward: text positions, a cache that keeps every position."""
-    return turn.positions.dim() == 2 and turn.fwd.joins_batch(turn.cache)
+    """Whether the turn can be a row of a padded forward: text positions (not mRoPE's), plain layers that keep every
+    position (not a sliding window's), rotary frequencies fixed (`dynamic` and `longrope` rescale them by the
+    longest position in the batch, so a row would not read as alone)."""
+    config = turn.fwd.base.config.get_text_config(decoder=True)
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    return (turn.positions.dim() == 2 and rope in STATIC_ROPE
+            and all(type(layer) is DynamicLayer for layer in turn.cache.layers))
 
 
 def read_together(turns: list[PromptTurn]) -> None:
@@ -82,7 +104,8 @@ def read_together(turns: list[PromptTurn]) -> None:
     mask = torch.zeros((b, p + n), dtype=torch.long, device=first.device)
     for i, (t, past, size) in enumerate(zip(turns, pasts, sizes)):
         embeds[i, :size] = t.embeds[0]
-        positions[i] = torch.arange(past, past + n, device=first.device)  # (the padding's: any, it is never read)
+        positions[i, :size] = t.positions[0]
+        positions[i, size:] = t.positions[0, -1]  # (the padding's: never read; none past the row's own)
         mask[i, p - past:p + size] = 1
     cache = fwd.new_cache()
     if p:

@@ -137,3 +137,64 @@ def test_a_refusal_is_told_apart_from_a_failure():
         assert Failed("out of memory") in drain(worker.submit(Request("failed", fail)))
     finally:
         worker.close()
+
+
+class Rounds:
+    """A runner of parked turns that records how many each round brought (as the graph rows' runners do)."""
+
+    def __init__(self):
+        self.sizes: list[int] = []
+
+    def run(self, turns) -> None:
+        self.sizes.append(len(turns))
+
+
+def parking(worker: Worker, runner: Rounds, turns: int | None):
+    """An answer's `run`: `turns` turns parked for the rounds, one a round (None: until it is stopped)."""
+    from decoding.batch import Parked
+
+    def run(interrupt):
+        n = 0
+        while (n < turns) if turns is not None else not interrupt.is_set():
+            n += 1
+            turn = Parked()
+            turn.runner = runner
+            yield from worker.batch.park(turn)
+        return "done"
+    return run
+
+
+def test_answers_waiting_together_start_in_the_same_round():
+    """Three answers that waited behind a long request all start at the next round, so their first turns run
+    together (the graph rows then read their prompts in one forward); one a round before."""
+    worker, gate, runner = Worker(), threading.Event(), Rounds()
+    try:
+        blocker = worker.submit(Request("gate", lambda _: gate.wait(10)))
+        while blocker not in worker.running:
+            time.sleep(0.001)
+        answers = [worker.submit(Request("generate", parking(worker, runner, 3))) for _ in range(3)]
+        gate.set()
+        assert [result(a) for a in answers] == ["done"] * 3
+        assert runner.sizes == [3, 3, 3]
+    finally:
+        worker.close()
+
+
+def test_at_most_one_request_that_runs_whole_starts_a_round():
+    """Two bank edits waiting beside a running answer: the answer gets a round between them (a whole request holds
+    the model; the answers are not held for two in a row)."""
+    worker, runner, seen = Worker(), Rounds(), []
+    try:
+        answer = worker.submit(Request("generate", parking(worker, runner, None)))
+        while len(runner.sizes) < 2:
+            time.sleep(0.001)
+        gate = threading.Event()
+        first = worker.submit(Request("edit", lambda _: (gate.wait(10), seen.append(len(runner.sizes)))))
+        second = worker.submit(Request("edit", lambda _: seen.append(len(runner.sizes))))
+        gate.set()
+        result(first), result(second)
+        assert seen[1] > seen[0], seen
+        answer.stop()
+        assert result(answer) == "done"
+    finally:
+        worker.close()

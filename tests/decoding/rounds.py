@@ -11,7 +11,8 @@ def drive(batch: Batch, starts: list[tuple[int, object]], failed: dict | None = 
     """The chat worker's rounds (`chat.worker.Worker`): each running answer is advanced to its next parked turn (one
     that never parked yet: by one event), then the batch runs the turns; `starts`: (the round it starts in, a
     callable making its event stream). Every answer's events. A round that raises fails the answers parked in it
-    (closed, their error in `failed`), as `Worker._run_batch` does."""
+    (closed, their error in `failed`), as `Worker._run_batch` does; an answer that raises (a turn its runner failed:
+    `Batch.park`) fails alone, as in `Worker._step`."""
     events: list[list] = [[] for _ in starts]
     running: dict[int, object] = {}
     stepping: set[int] = set()  # answers that decode in the batch: advanced to their next turn (others: one event)
@@ -27,6 +28,10 @@ def drive(batch: Batch, starts: list[tuple[int, object]], failed: dict | None = 
                     event = next(running[i])
                 except StopIteration:
                     del running[i]
+                    break
+                except Exception as e:  # noqa: BLE001
+                    del running[i]
+                    failed[i] = str(e)
                     break
                 if isinstance(event, Parked):
                     stepping.add(i)

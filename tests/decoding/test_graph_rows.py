@@ -272,9 +272,9 @@ def test_a_bad_graph_value_is_refused_by_name(key, value):
 
 def test_a_loop_answer_ending_beside_a_parked_row_turn_and_a_failed_round(rowed, tiny_llama):
     """A seeded answer (the loop's) ends in a round where a rows answer has parked its turn: both are as alone. A
-    round that fails fails the answers in it, an answer reading its prompt in it too (its chunk was parked in the
-    round: `decoding.prompt_reads`); their turns are not stored, their rows are free, and the next answer is as
-    alone."""
+    replay that fails fails the answers seated in the rows (their turns not stored); an answer reading its prompt in
+    that round (its chunk read by another runner, `decoding.prompt_reads`) keeps its row, and it and the next answer
+    (which must take another row) are as alone."""
     batch = Batch()
     a, b = Conversation(rowed, batch=batch), Conversation(rowed, batch=batch)
     sa, sb = GenerationSettings(max_new_tokens=20), GenerationSettings(max_new_tokens=4, do_sample=True, seed=3)
@@ -300,9 +300,33 @@ def test_a_loop_answer_ending_beside_a_parked_row_turn_and_a_failed_round(rowed,
         events = drive(batch, [(0, lambda: reading.stream(text, settings=sa)),
                                (0, lambda: failing.stream("Hi.", settings=sa)),
                                (3, lambda: later.stream("Who are you?", settings=sa))], failed)
-    assert sorted(failed) == [0, 1] and "injected" in failed[0]
-    assert not failing.messages and not reading.messages  # (their turns were not stored)
-    assert told(events[2]) == told(list(Conversation(tiny_llama).stream("Who are you?", settings=sa)))
+    assert list(failed) == [1] and "injected" in failed[1] and not failing.messages  # (its turn was not stored)
+    for t, ev in ((text, events[0]), ("Who are you?", events[2])):
+        assert told(ev) == told(list(Conversation(tiny_llama).stream(t, settings=sa)))
+    assert rows.free_rows() == 3 and not rows.joining
+
+
+def test_a_prompt_read_that_fails_fails_its_answer_alone(rowed, tiny_llama, monkeypatch):
+    """Out of memory reading one answer's prompt (a long one) while another decodes in a row: that answer fails
+    with the error, the other goes on to the end as alone, and every row is free after."""
+    from decoding.forward import Forward
+
+    real, batch = Forward.prefill, Batch()
+
+    def prefill(self, embeds, *args, **kw):
+        if embeds.shape[1] >= 40:
+            raise torch.OutOfMemoryError("injected: out of memory reading a long prompt")
+        return real(self, embeds, *args, **kw)
+    monkeypatch.setattr(Forward, "prefill", prefill)
+    a, b = Conversation(rowed, batch=batch), Conversation(rowed, batch=batch)
+    s, long = GenerationSettings(max_new_tokens=30), "Tell me everything about the sea and the ships on it. " * 4
+    failed: dict = {}
+    got = drive(batch, [(0, lambda: a.stream("Who are you?", settings=s)), (3, lambda: b.stream(long, settings=s))],
+                failed)
+    assert list(failed) == [1] and "out of memory" in failed[1] and not b.messages
+    monkeypatch.undo()
+    assert told(got[0]) == told(list(Conversation(tiny_llama).stream("Who are you?", settings=s)))
+    rows = graph_rows.attached_rows(rowed.merged())
     assert rows.free_rows() == 3 and not rows.joining
 
 

@@ -75,3 +75,56 @@ def test_turns_past_the_readers_positions_are_read_in_groups_of_similar_pasts(ti
             want, _ = fwd.prefill(turn.embeds, turn.positions, cache, None, {})
             torch.testing.assert_close(t.hidden, want, atol=1e-5, rtol=1e-5)
 
+
+
+def test_a_read_that_fails_together_is_read_alone_and_only_what_fails_alone_fails(tiny_llama, monkeypatch):
+    """Out of memory in the forward of three chunks: each is read alone, and only the one whose own read fails
+    (the longest, 11 positions) holds the error its answer raises; the others are as read alone."""
+    fwd, g = Forward(tiny_llama.model), torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 1000, (1, 3 + n), generator=g) for n in (7, 2, 11)]
+    turns = [alone(fwd, ids, 3)[1] for ids in prompts]
+    real = Forward.prefill
+
+    def prefill(self, embeds, *args, **kw):
+        if embeds.shape[1] > 10:
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return real(self, embeds, *args, **kw)
+    monkeypatch.setattr(Forward, "forward_block", lambda *a, **k: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("injected: out of memory")))
+    monkeypatch.setattr(Forward, "prefill", prefill)
+    reader = PromptReader()
+    with torch.no_grad():
+        reader.run(turns)
+    assert [t.error is not None for t in turns] == [False, False, True] and "injected" in str(turns[2].error)
+    monkeypatch.undo()
+    with torch.no_grad():
+        for t, ids in zip(turns[:2], prompts):
+            cache, turn = alone(fwd, ids, 3)
+            want, _ = fwd.prefill(turn.embeds, turn.positions, cache, None, {})
+            torch.testing.assert_close(t.hidden, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sliding-window", "dynamic-rope"])
+def test_what_would_not_read_as_alone_in_a_padded_forward_is_read_alone(kind):
+    """A sliding window's layers keep only their window, and dynamic rotary frequencies depend on the batch's
+    longest position: such chunks are each read in a forward of their own (the guard, not luck)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    model = (MistralForCausalLM(MistralConfig(sliding_window=8, **small)) if kind == "sliding-window" else
+             LlamaForCausalLM(LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+                                          **small))).eval()
+    fwd, g = Forward(model), torch.Generator().manual_seed(4)
+    pasts = (50, 10) if kind == "dynamic-rope" else (5, 3)
+    prompts = [torch.randint(5, 1000, (1, p + n), generator=g) for p, n in zip(pasts, (4, 30))]
+    with torch.no_grad():
+        turns = [alone(fwd, ids, p)[1] for ids, p in zip(prompts, pasts)]
+        reader = PromptReader()
+        reader.run(turns)
+        assert (reader.forwards, reader.turns) == (2, 2)
+        for t, ids, p in zip(turns, prompts, pasts):
+            cache, turn = alone(fwd, ids, p)
+            want, _ = fwd.prefill(turn.embeds, turn.positions, cache, None, {})
+            torch.testing.assert_close(t.hidden, want, atol=1e-6, rtol=1e-6)
