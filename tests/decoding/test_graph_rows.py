@@ -95,7 +95,8 @@ def test_prompts_of_answers_starting_together_are_read_in_one_forward(rowed, tin
     batch = Batch()
     convs = [Conversation(rowed, batch=batch, prefill_chunk=c) for c in (512, 3, 512)]
     refs = [Conversation(tiny_llama) for _ in convs]
-    for texts in (["Who am I?", "Tell me a story about the sea.", "Hi."], ["Go on.", "And then what happened?", "Why?"]):
+    turns = (["Who am I?", "Tell me a story about the sea.", "Hi."], ["Go on.", "And then what happened?", "Why?"])
+    for texts in turns:
         got = drive(batch, [(0, lambda c=c, t=t: c.stream(t, settings=recalling(rowed), memory_db=bank))
                             for c, t in zip(convs, texts)])
         for conv, ref, text, events in zip(convs, refs, texts, got):
