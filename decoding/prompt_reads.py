@@ -119,8 +119,11 @@ def read_together(turns: list[PromptTurn]) -> None:
                     keys[i, :, p - past:], values[i, :, p - past:] = h.keys[0, :, :past], h.values[0, :, :past]
             cache.update(keys, values, layer)
     states = fwd.forward_block(embeds, positions, cache, attention_mask=mask)  # [B, n, H]
-    for i, (t, past, size) in enumerate(zip(turns, pasts, sizes)):
+    read = []
+    for i, (past, size) in enumerate(zip(pasts, sizes)):
         own = fwd.new_cache()
         for layer, held in enumerate(cache.layers):
             own.update(held.keys[i:i + 1, :, p - past:p + size], held.values[i:i + 1, :, p - past:p + size], layer)
-        t.cache, t.hidden = own, states[i:i + 1, size - 1]
+        read.append((own, states[i:i + 1, size - 1]))
+    for t, (own, hidden) in zip(turns, read):  # (only now: a failure before leaves every turn as it came)
+        t.cache, t.hidden = own, hidden
