@@ -29,8 +29,8 @@ BENCH_BUDGET=${BENCH_BUDGET:-340}
   fi
   echo "== 1. gpu tests (timeout ${TESTS_TIMEOUT} s)"
   t0=$(date +%s)
-  timeout "$TESTS_TIMEOUT" "$PY" -m pytest -p no:cacheprovider -o addopts="" --noconftest -p no:logging -m gpu -rfEsp -q \
-    --junitxml="$OUT/gpu_tests.xml" tests/decoding/test_graph.py
+  timeout "$TESTS_TIMEOUT" "$PY" -m pytest -p no:cacheprovider -o addopts="" --noconftest -p no:logging -m gpu \
+    -rfEsp -q --junitxml="$OUT/gpu_tests.xml" tests/decoding/test_graph.py
   echo "== gpu tests: exit $? in $(( $(date +%s) - t0 )) s"
   echo "== 2. bench/gpu.py (budget ${BENCH_BUDGET} s)"
   t0=$(date +%s)
