@@ -202,14 +202,17 @@ class OpenAIRoutes:
         return paths
 
     async def events(self, request: Request, session: Session, turn) -> AsyncIterator[Any]:
-        """The answer's events; a disconnected client stops it; the session is freed at the end."""
-        req = turn.request
+        """The answer's events; a disconnected client stops it (asked at least every half second, while tokens
+        flow too: a whole answer's client sees nothing until the end); the session is freed at the end."""
+        req, asked = turn.request, time.monotonic()
         try:
             while (event := await self.service.next_event(req, 0.5)) is not END:
-                if event is None:
+                if event is None or time.monotonic() - asked >= 0.5:
+                    asked = time.monotonic()
                     if await request.is_disconnected():
                         return
-                    continue
+                    if event is None:
+                        continue
                 yield event
         finally:
             if not req.done.is_set():

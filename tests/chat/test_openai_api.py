@@ -226,6 +226,24 @@ def test_eight_concurrent_sessions_get_what_they_would_get_alone(api, server):
     assert reasons and set(reasons.values()) == {"interrupted"}  # a client that hangs up stops its answer
 
 
+def test_a_whole_answer_whose_client_hangs_up_stops(server):
+    """A client of a whole (not streamed) answer that hangs up stops it, while its tokens still flow: the answer
+    ends interrupted, short of the 200 tokens it was asked for (about 9 s of them here; it went on to its end
+    before)."""
+    prompt = "Tell me a very long story about the dragons of the north."
+    body = {"model": httpx.get(server.url + "v1/models").json()["data"][0]["id"], "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": 200,
+            "settings": {"generation.min_new_tokens": 200}}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "v1/chat/completions", json=body, timeout=1.5)
+    worker = server.service.worker
+    deadline = time.monotonic() + 120
+    while not any(r.label == prompt for r in worker.history) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    done = [r for r in worker.history if r.label == prompt]
+    assert done and done[-1].reason == "interrupted" and done[-1].steps < 200, [(r.reason, r.steps) for r in done]
+
+
 @pytest.fixture(scope="module")
 def default_api(default_lm):
     """The server as it starts by default on a CPU (llama.cpp, the recall GGUF), with no bank."""
