@@ -92,6 +92,7 @@ class Request:
     result: Any = None
     error: str | None = None
     on_withdraw: Callable[[], None] | None = None  # called when withdrawn before it ran (off the worker)
+    whole: bool = False  # inside its `run` now (a bank edit runs whole there): a shutdown lets it end with its result
 
     def stop(self) -> None:
         if self.stop_requested is None:
@@ -275,11 +276,21 @@ class Worker(Runner):
                 return
 
     def _start(self, req: Request, generators: dict[int, Iterator[Any]]) -> None:
-        req.started = time.perf_counter()
+        with self._cond:
+            if self._closed:  # `close` stopped it before it ran (and told it so)
+                return self._finish(req)
+            req.started, req.whole = time.perf_counter(), True
+        out = failed = None
         try:
             out = req.context.run(req.run, req.interrupt)
         except Exception as e:  # noqa: BLE001 - reported to the requester
-            return self._fail(req, e)
+            failed = e
+        with self._cond:
+            req.whole = False
+            if self._closed and isinstance(out, GeneratorType) and req.error is None:
+                self._put(req, Failed(SHUTTING_DOWN, "shutdown"))  # (`close` came while its run made the answer)
+        if failed is not None:
+            return self._fail(req, failed)
         if isinstance(out, GeneratorType):
             generators[req.id] = out
         else:
@@ -340,14 +351,16 @@ class Worker(Runner):
 
     def close(self, timeout: float | None = 5.0) -> None:
         """Take no more requests and end every one: each is told `SHUTTING_DOWN` (a `Failed` event), a waiting one
-        leaves the queue unrun, a running one stops within a step; then the worker thread ends (waiting
+        leaves the queue unrun, a running one stops within a step; but one running whole now (a bank edit, a
+        memory written) ends with its own result, which it has made. Then the worker thread ends (waiting
         `timeout` seconds at most). Those following a request still read its last events (`next_event`)."""
         with self._cond:
             self._closed = True
             pending, running = list(self._pending), list(self.running)
             self._pending.clear()
             for req in [*pending, *running]:
-                self._put(req, Failed(SHUTTING_DOWN, "shutdown"))
+                if not req.whole:
+                    self._put(req, Failed(SHUTTING_DOWN, "shutdown"))
                 req.stop()
             self._cond.notify_all()
         for req in pending:

@@ -198,3 +198,22 @@ def test_at_most_one_request_that_runs_whole_starts_a_round():
         assert result(answer) == "done"
     finally:
         worker.close()
+
+
+def test_a_request_running_whole_at_shutdown_ends_with_its_own_result():
+    """A shutdown while a memory is being written (a request that runs whole): the write is made, so its requester
+    gets its result, not "stopped"; the one waiting behind it never runs and is told the server stopped it."""
+    worker, gate, written = Worker(), threading.Event(), []
+    write = worker.submit(Request("edit", lambda _: (gate.wait(10), written.append("the dog is called T0"), "made")[2]))
+    while write.started is None:
+        time.sleep(0.001)
+    behind = worker.submit(Request("edit", lambda _: written.append("never")))
+    closing = threading.Thread(target=worker.close)
+    closing.start()
+    while not worker._closed:
+        time.sleep(0.001)
+    gate.set()
+    closing.join(10)
+    assert result(write) == "made" and written == ["the dog is called T0"]
+    with pytest.raises(ServiceError, match="shutting down"):
+        result(behind)
