@@ -35,20 +35,25 @@ class Limits:
     max_memories_per_session: int
 
 
+class ImageRefused(ValueError):
+    """A message's image that cannot be read, or one too many (the page then takes the images out of the message)."""
+
+
 def check_message(text: str, images: list[str], limits: Limits) -> None:
     if not isinstance(text, str):
         raise ValueError(f"message text: expected a string, got {type(text).__name__}")
     if len(text) > limits.max_message_chars:
         raise ValueError(f"message: expected at most {limits.max_message_chars} characters, got {len(text)}")
     if len(images) > 8:
-        raise ValueError(f"message: expected at most 8 images, got {len(images)}")
+        raise ImageRefused(f"message: expected at most 8 images, got {len(images)}")
     for path in images:  # (as the API checks its images: readable, of a sane size, whatever the model reads)
         try:
-            raw = Path(path).read_bytes()
+            check_image(Path(path).read_bytes(), Path(path).name)
         except OSError as e:
-            raise ValueError(f"{Path(path).name}: expected an image file, got one that cannot be read "
-                             f"({e.strerror})") from None
-        check_image(raw, Path(path).name)
+            raise ImageRefused(f"{Path(path).name}: expected an image file, got one that cannot be read "
+                               f"({e.strerror})") from None
+        except ValueError as e:
+            raise ImageRefused(str(e)) from None
 
 
 def check_new_tokens(max_new_tokens: int, limits: Limits) -> None:

@@ -14,6 +14,7 @@ import gradio as gr
 
 from chat import operations as ops
 from chat.api import ChatService, Turn
+from chat.inputs import ImageRefused
 from chat.session import Session
 from chat.state import MessageState, SessionState
 from chat.view import (
@@ -88,10 +89,14 @@ class Handlers:
     async def chat(self, message: dict | None, recall_first: bool, s: Session, request: gr.Request = None,
                    **values):
         self.bind(s, request)
+        text = (message or {}).get("text", "")
         try:
             settings, recall = controls.settings(self.cfg, values)
-            turn = self.service.chat(s, (message or {}).get("text", ""), (message or {}).get("files", []),
-                                     settings, recall, recall_first)
+            turn = self.service.chat(s, text, (message or {}).get("files", []), settings, recall, recall_first)
+        except ImageRefused as e:  # the images leave the message (else each later send is refused again); its text
+            note = f"{_warn(e)} (the images were taken out of the message; its text is kept)"  # stays
+            yield *self.render(s, note), gr.skip(), gr.MultimodalTextbox(value={"text": text, "files": []})
+            return
         except ValueError as e:
             yield *self.render(s, _warn(e)), gr.skip(), gr.skip()
             return

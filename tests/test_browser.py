@@ -126,6 +126,18 @@ def test_chat_with_an_image_stream_stop_upload_and_recall(page, vl_page_server, 
                            " return b.length >= 2 && b[1].innerText.length > 20; })()")
     stop(page)
 
+    # a file that is not an image: refused by name and taken out of the message, whose text stays (it stayed
+    # attached before, and every later send was refused again)
+    (tmp_path / "fake.png").write_bytes(b"not an image, just text")
+    page.locator("#message textarea").fill("What is this?")
+    page.locator("#message input[type=file]").set_input_files(str(tmp_path / "fake.png"))
+    page.wait_for_selector("#message img")  # (attached: its preview)
+    page.locator("#message [data-testid=submit-button]").click()
+    page.wait_for_function("document.querySelector('#status').innerText.includes('taken out of the message')")
+    assert "fake.png: expected a PNG or JPEG image" in page.inner_text("#status")
+    page.wait_for_function("!document.querySelector('#message img')")  # (taken out)
+    assert page.locator("#message textarea").input_value() == "What is this?"
+
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "browser.png"), full_page=True)
     status, chat_text = page.inner_text("#status"), page.inner_text("#chatbot")
