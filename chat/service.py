@@ -290,12 +290,18 @@ class Service(SessionService):
                     s.expired = None
                 yield from self._window(conv)
                 yield from self._read_ahead(conv, text, images, settings, recall_first, interrupt)
+                decision, reply = self.people.decide(conv.lm, text), None
                 try:
-                    if changed := self.remember(s, self.people.decide(conv.lm, text)):
+                    if changed := self.remember(s, decision):
                         s.last_change = changed if changed.written or changed.forgotten else None
                         yield changed
+                    reply = changed.describe() if decision.forget else None
                 except (ServiceError, BankError) as e:  # (a memory that cannot be read: said, and the answer goes on)
                     yield Notice(f"{e}; answering without your memories")
+                    reply = f"Nothing was forgotten: {e}" if decision.forget else None
+                if reply is not None:  # "forget ...": the app's own answer says what it did (the model would guess)
+                    yield from self._noted(s, conv.say(text, images if conv.lm.is_vision else [], reply))
+                    return
                 bank = yield from self.recall_bank(s, text)
                 if images and not conv.lm.is_vision:
                     message = text_only_message(conv.lm, len(images))

@@ -28,7 +28,7 @@ from chat.reading import recall_context
 from chat.worker import Request
 from chat.users import LOCAL
 from decoding.engine import Engine, Prompt, Recall, cache_length, cut_cache, memory_now
-from decoding.events import DoneEvent, Event, GenerationResult, RecallEvent
+from decoding.events import DoneEvent, Event, FinishEvent, GenerationResult, RecallEvent, TokenEvent
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
 from models import LoadedModel
@@ -292,6 +292,22 @@ class Conversation:
         inputs = self.build_inputs(text, images, recall_first, place)
         yield from self.placed
         yield from self._run(inputs, len(self.ids), settings, context, interrupt_event, missed)
+
+    def say(self, text: str, images: Sequence[str], reply: str) -> Iterator[Event]:
+        """Add a user message and an answer the app gives itself (the reply to a command, which the model is not
+        asked to write), streamed as the model's answers are: its tokens, then end of turn. The KV cache still
+        covers a prefix of the conversation; the next turn reads the rest."""
+        self._settle()
+        self.placed = []
+        self.build_inputs(text, images)
+        prompt_len, tok = len(self.ids), self.lm.tokenizer
+        ids = tok(reply, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [tok.eos_token_id]
+        for i in range(len(ids) - 1):  # (each token's text as the detokenizer of an answer gives it)
+            yield TokenEvent(0, ids[i], prompt_len + i, tok.decode(ids[:i + 1]).removeprefix(tok.decode(ids[:i])))
+        yield FinishEvent(0, "stop")
+        self.ids = self.ids + ids
+        self.messages.append(Message("assistant", reply, start=prompt_len, finish_reason="stop"))
+        yield DoneEvent(GenerationResult(torch.tensor([self.ids]), prompt_len, ["stop"], [], [dict(self.memory)]))
 
     def regenerate(self, settings, recall, memory_db=None, interrupt_event=None) -> Iterator[Event]:
         """Drop the last answer and answer the last user message again."""

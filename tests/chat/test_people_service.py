@@ -403,3 +403,37 @@ def test_an_import_nested_too_deep_is_refused_by_name(tiny_llama, tmp_path):
             svc.run(import_memories, s, str(path))
     finally:
         svc.close()
+
+
+def test_a_forget_is_answered_with_what_it_did_and_the_conversation_goes_on_as_read_whole(tiny_llama, tmp_path):
+    """"Forget ..." is a command: the answer is the app's own, what was forgotten or why nothing was (the model was
+    asked before, and said "You haven't told me your dog's name."), streamed as an answer, and kept in the
+    conversation exactly: the next answer equals one of the same conversation read whole from its file."""
+    from chat.session import Conversation
+    from chat.worker import Notice
+    from decoding.events import FinishEvent, TokenEvent
+
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    s = svc.new_session("ada")
+    try:
+        drain(svc.chat(s, "Remember that my dog is called Rex.", [], SHORT, RECALL).request)
+        for said, reply in [("Forget my dog.", "Forgot: The user's dog is called Rex."),
+                            ("Forget about my cat.", "Nothing to forget: you have not told me anything to "
+                                                     "remember yet")]:
+            events = drain(svc.chat(s, said, [], SHORT, RECALL).request)
+            assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == reply
+            assert [e.reason for e in events if isinstance(e, FinishEvent)] == ["stop"]
+            assert not [e for e in events if isinstance(e, Notice)]  # (no recall was looked for)
+            assert [(m.role, m.text) for m in s.conv.messages[-2:]] == [("user", said), ("assistant", reply)]
+            tok = tiny_llama.tokenizer  # (its tokens, then the end of turn, as an answer given as text)
+            assert s.conv.ids[s.conv.messages[-1].start:] == tok(reply)["input_ids"] + [tok.eos_token_id]
+        assert svc.run(my_memories, s) == []
+        whole = Conversation(tiny_llama)
+        whole.load_json(s.conv.to_json(), tmp_path)
+        assert whole.ids == s.conv.ids
+        drain(svc.chat(s, "Hello there.", [], SHORT, RECALL).request)
+        again = list(whole.stream("Hello there.", settings=SHORT, recall=RECALL))
+        assert whole.ids == s.conv.ids and whole.messages[-1].text == s.conv.messages[-1].text
+        assert again  # (the answer was decoded: its tokens are the ids compared)
+    finally:
+        svc.close()
