@@ -95,6 +95,16 @@ def texts_in(bank: MemoryVectorDB | MilvusBank, lines: Sequence[str]) -> set[str
     return wanted.intersection(bank.texts())
 
 
+def dimension_note(lm: LoadedModel, e: DimensionError) -> str:
+    """What a dimension refusal adds: the model's hidden size, and where vectors of its key encoder's size go."""
+    note = f"the model {lm.name} has hidden size {lm.hidden_size}"
+    key_dim = lm.bank_check().key_dim
+    if e.got is not None and e.got == key_dim and key_dim != lm.hidden_size:
+        note += (f"; {key_dim} is the size of its text keys, which a bank holds as a dict with `embeddings` (the "
+                 "keys) beside the memories' `values`, as `recall-memory build` writes it (docs/memory.md, Files)")
+    return note
+
+
 class Banks:
     """The banks of every session. Thread-safe; model work is queued on `worker`."""
 
@@ -117,6 +127,8 @@ class Banks:
             return
         try:  # the operator's own file: no upload limit; one that cannot be used stops the start
             self.shared = self._load(lm, path)
+        except DimensionError as e:
+            raise ServiceError(f"memory.bank {str(path)!r} cannot be loaded: {e} ({dimension_note(lm, e)})") from None
         except (BankError, FileNotFoundError) as e:
             raise ServiceError(f"memory.bank {str(path)!r} cannot be loaded: {describe(e)}") from None
         self.shared_note = Path(path).name
@@ -159,8 +171,7 @@ class Banks:
         try:
             db = self._load(lm, path, max_bytes=self.cfg.memory.max_upload_mb * 2 ** 20)
         except DimensionError as e:  # (a bank of another model: the size this one has)
-            raise ServiceError(f"{e} (the model {lm.name} has hidden size {lm.hidden_size}); the current bank is "
-                               "kept") from None
+            raise ServiceError(f"{e} ({dimension_note(lm, e)}); the current bank is kept") from None
         except BankError as e:
             raise ServiceError(f"{e}; the current bank is kept") from None
         cap = self.cfg.memory.max_memories_per_session

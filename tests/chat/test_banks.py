@@ -55,6 +55,30 @@ def test_upload_errors_name_the_hidden_size_only_beside_a_dimension_that_does_no
         assert message in error and "hidden size" not in error and error.endswith("; the current bank is kept")
 
 
+def test_bare_vectors_of_the_key_encoders_size_are_told_where_keys_go(tmp_path, smollm2):
+    """A bare [N, 384] tensor (text keys without their values) was refused as "expected dimension 576" alone, which
+    does not say that keys of that size are read from a bank's `embeddings` beside its values (at an upload and at
+    the start); a bare tensor of another size is not told so."""
+    torch.save(torch.randn(3, 384), tmp_path / "keys.pt")
+    note = ("(the model SmolLM2-135M-Instruct + recall-smollm2 has hidden size 576; 384 is the size of its text keys, which a bank "
+            "holds as a dict with `embeddings`")
+    svc = Service(config(), smollm2)
+    try:
+        with pytest.raises(ServiceError) as info:
+            svc.banks.upload(svc.new_session(), tmp_path / "keys.pt")
+        assert "expected vectors of dimension 576, got dimension 384 " + note in str(info.value)
+        assert str(info.value).endswith("; the current bank is kept")
+        with pytest.raises(ServiceError) as info:
+            svc.banks.upload(svc.new_session(), bank_file(tmp_path / "other.pt", 100))
+        assert str(info.value).endswith("got dimension 100 (the model SmolLM2-135M-Instruct + recall-smollm2 has hidden size 576); "
+                                        "the current bank is kept")
+    finally:
+        svc.close()
+    with pytest.raises(ServiceError) as info:  # (a service given its model loads the shared bank as it is made)
+        Service(config(f"memory.bank={tmp_path / 'keys.pt'}"), smollm2).close()
+    assert "keys.pt' cannot be loaded: " in str(info.value) and "got dimension 384 " + note in str(info.value)
+
+
 def test_a_line_already_in_the_bank_is_not_written_again(service):
     """Writing the same line three times gave three identical memories, which then filled the search's top results."""
     s = service.new_session()
