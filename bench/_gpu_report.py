@@ -53,6 +53,16 @@ def table(results: dict) -> str:
                      f"({cell(f, 'memory_gb')}, {cell(f, 'compile_s', '{:.0f}')}) | {cell(f, 'vs_the_step')} | "
                      f"{f.get('agrees_with_eager', '—') if isinstance(f, dict) else '—'} | "
                      f"{f.get('same_tokens_as_the_step', '—') if isinstance(f, dict) else '—'} |")
+    lines += ["", "| model | graph step ms/token (memory GB) | fused (`model.graph_fuse`) ms/token (memory GB, "
+              "compile s) | fused / plain | fused's first greedy tokens = eager generate's | same tokens as the plain "
+              "step |",
+              "|---|---|---|---|---|---|"]
+    for name, m in results.get("models", {}).items():
+        g, f = m.get("graph step", {}), m.get("graph step, fused", {})
+        lines.append(f"| {name} | {cell(g, 'ms_per_token')} ({cell(g, 'memory_gb')}) | {cell(f, 'ms_per_token')} "
+                     f"({cell(f, 'memory_gb')}, {cell(f, 'compile_s', '{:.0f}')}) | {cell(f, 'vs_the_step')} | "
+                     f"{f.get('agrees_with_eager', '—') if isinstance(f, dict) else '—'} | "
+                     f"{f.get('same_tokens_as_the_step', '—') if isinstance(f, dict) else '—'} |")
     lines += ["", "| model | graph step ms/token | on a long cache: positions | ms/token | / the step |", "|---|---|---|---|---|"]
     for name, m in results.get("models", {}).items():
         g, long = m.get("graph step", {}), m.get("graph step, long cache", {})

@@ -23,6 +23,7 @@ the log beside them), so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -44,6 +45,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 from bench._gpu_report import table  # noqa: E402
 from decoding import graph, graph_rows  # noqa: E402
 from decoding.events import DoneEvent  # noqa: E402
+from decoding.fused import FusedPart  # noqa: E402
 from decoding.graph import GraphDecoder  # noqa: E402
 from decoding.graph_stream import stream_graph  # noqa: E402
 from decoding.request import Controls, Prompt  # noqa: E402
@@ -53,6 +55,7 @@ from decoding.processors import to_generation_config  # noqa: E402
 from decoding.settings import GenerationSettings, RecallSettings  # noqa: E402
 from memory.bank import MemoryVectorDB  # noqa: E402
 from models.loading import LoadedModel, ensure_special_tokens  # noqa: E402
+from models.modeling import unwrap_model  # noqa: E402
 
 SHAPES = {  # the published configs' numbers (HuggingFaceTB/SmolLM2-*, meta-llama/Llama-3.1-8B)
     "135m": ("SmolLM2-135M", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -181,8 +184,8 @@ class ModelBench:
                     else torch.randint(3, 40000, (1, 24), generator=torch.Generator().manual_seed(0)))
         self.dev_ids = self.ids.to(device)
         self.info = run.results["models"].setdefault(self.name, {})
-        self.info.update(weights_gb=weight_bytes / 1e9, prompt_tokens=self.ids.shape[1], dtype=str(dtype),
-                         tokens=self.n)
+        self.info.update(weights_gb=weight_bytes / 1e9, layers=shape["num_hidden_layers"],
+                         prompt_tokens=self.ids.shape[1], dtype=str(dtype), tokens=self.n)
         card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
         bw = next((b for k, b in BANDWIDTH.items() if k in card), None)
         if bw:
@@ -260,6 +263,33 @@ class ModelBench:
         if self.device == "cuda":
             torch.cuda.empty_cache()
         return out
+
+    def graph_fused(self) -> dict:
+        """The same step with `fuse=True` (`model.graph_fuse`: q/k/v and gate/up joined in place, one matmul each,
+        no copy), on a twin of the model (the fusion moves the weights: the plain step's captured graphs read the
+        old ones), side by side; its memory beside the plain step's should be the plain step's."""
+        twin = self._twin()
+        before = allocated()
+        dec = GraphDecoder(twin, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs, fuse=True)
+        out = self._step(dec, "fused")
+        out["memory_gb"] = (allocated() - before) / 1e9
+        out["same_tokens_as_the_step"] = self.answers["fused"] == self.answers.get("graph")
+        out["fused_groups"] = len({id(m._whole) for m in twin.modules() if isinstance(m, FusedPart)})
+        self._vs_the_step(out)
+        del dec, twin
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        return out
+
+    def _twin(self) -> torch.nn.Module:
+        """A copy of the model, without the steps attached to it (`graph.enable`: not submodules)."""
+        base = unwrap_model(self.model)
+        held = {k: base.__dict__.pop(k) for k in list(base.__dict__) if k.startswith("_recall_")}
+        try:
+            return copy.deepcopy(self.model)
+        finally:
+            base.__dict__.update(held)
 
     def _decoder(self, what: str) -> GraphDecoder:
         if self.decoder is None:
@@ -452,6 +482,8 @@ class ModelBench:
     def batch_one(self) -> None:
         """Phase 1 (every model's before any model's phase 2): the batch-1 targets, the step plain and frozen."""
         self.run.measure(self.name, "graph step", 80, self.graph_step)
+        if self.args.fused:
+            self.run.measure(self.name, "graph step, fused", 80, self.graph_fused)
         if self.args.frozen:
             self.run.measure(self.name, "graph step, frozen", 80, self.graph_frozen)
 
@@ -510,6 +542,8 @@ def main() -> None:
     ap.add_argument("--no-static", dest="static", action="store_false", help="skip transformers' static generate")
     ap.add_argument("--no-frozen", dest="frozen", action="store_false",
                     help="skip the frozen graph step (model.graph_freeze) beside the plain one")
+    ap.add_argument("--no-fused", dest="fused", action="store_false",
+                    help="skip the fused graph step (model.graph_fuse) beside the plain one")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape and a few tokens (runs on a CPU)")
     args = ap.parse_args()
     if args.smoke:

@@ -51,6 +51,7 @@ class ModelConfig:
     graph_max_len: int = 4096  # positions of the graph step's static cache (a prompt and its answer past it: the loop)
     graph_rows: int = 8  # concurrent answers as rows of a second graph step (decoding/graph_rows.py); 0: in the loop
     graph_freeze: bool = False  # the graph steps' decode forward frozen (q/k/v, gate/up one matmul; a copy of them)
+    graph_fuse: bool = False  # q/k/v, gate/up joined in place (decoding/fused.py): one matmul each, no copy
     quantize: str = "none"  # none | int8: int8 weights and activations on the CPU (models/quantize.py; changes outputs)
     backend: str = "auto"  # auto (llama.cpp on a CPU) | transformers | llamacpp (a GGUF on llama.cpp, models/llamacpp.py)
     gguf_type: str = "q8_0"  # the embedded recall model's GGUF on llama.cpp: q8_0 | q4_1 | f16 | f32
@@ -70,6 +71,7 @@ class ModelConfig:
         _check(isinstance(self.graph_rows, int) and not isinstance(self.graph_rows, bool) and 0 <= self.graph_rows <= 256,
                "graph_rows", self.graph_rows, "an integer from 0 to 256")
         _check(isinstance(self.graph_freeze, bool), "graph_freeze", self.graph_freeze, "true, false")
+        _check(isinstance(self.graph_fuse, bool), "graph_fuse", self.graph_fuse, "true, false")
         _check(self.quantize in QUANTIZE, "quantize", self.quantize, ", ".join(QUANTIZE))
         _check(self.backend in ("auto", "transformers", "llamacpp"), "backend", self.backend,
                "auto, transformers, llamacpp")

@@ -124,7 +124,7 @@ class Service(SessionService):
         if self._graph_step_on(lm):
             model, model_cfg = lm.merged(), self.cfg.model
             shape = dict(max_slots=self.cfg.memory.max_slots, max_len=model_cfg.graph_max_len,
-                         compile=lm.device.type == "cuda", freeze=model_cfg.graph_freeze)
+                         compile=lm.device.type == "cuda", freeze=model_cfg.graph_freeze, fuse=model_cfg.graph_fuse)
             graphs = [graph.enable(model, **shape)]
             if model_cfg.graph_rows and not lm.is_vision:  # (the rows take text answers)
                 graphs.append(graph_rows.enable_rows(model, rows=model_cfg.graph_rows, **shape))

@@ -48,6 +48,7 @@ from transformers import StaticCache
 from decoding.compiled import TRACING
 from decoding.memory import Recall
 from decoding.device_sampler import FULL, DeviceSampler, Kind
+from decoding.fused import OPTIONS as FUSED, fuse_projections, joining
 from decoding.graph_inputs import Inputs
 from decoding.graph_windows import allocate_strided, cache_windows, window_mask, windowable
 from decoding.graph_loop import Decoded, HostLoop
@@ -73,12 +74,19 @@ class GraphStep:
     the weights are constants, so q/k/v and gate/up each run as one matmul (inductor's concat-linear patterns),
     three fewer kernels a layer, at the cost of a copy of those weights (about 2/3 of a Llama's) that the frozen
     graph keeps. Freezing folds every static input into a constant, so the step's mutable state (the cache, its
-    length, the mRoPE offset, the rows' mask) is then a plain input, not a static address (`_mark_state`)."""
+    length, the mRoPE offset, the rows' mask) is then a plain input, not a static address (`_mark_state`).
+
+    `fuse`: the same joined products without the copy (`decoding.fused`): each group's weights moved into one
+    tensor, in place (the modules' weights its views), and every forward of the step compiled to one matmul a
+    group."""
 
     def __init__(self, model: torch.nn.Module, *, batch: int = 1, max_len: int = 1024,
                  spans: tuple[int, ...] = SPANS, compile: bool = True, graphs: str = "manual", rows: bool = False,
-                 freeze: bool = False):
+                 freeze: bool = False, fuse: bool = False):
         self.model = model
+        self.fuse = fuse and compile
+        if self.fuse:
+            fuse_projections(model)
         self.backbone, self.head = backbone_and_head(model)
         self.mrope = hasattr(self.backbone, "get_rope_index")  # Qwen3-VL: positions [4, B, S] (text, then t/h/w)
         base = unwrap_model(model)
@@ -124,7 +132,11 @@ class GraphStep:
         """(the forward of the span graphs, the one-position forward): frozen or not (`freeze`)."""
         if not self.compiled:
             return self._forward, self._forward
-        fn = torch.compile(self._forward, dynamic=False, mode="reduce-overhead" if self.mode == "trees" else None)
+        if self.fuse:  # (torch.compile takes a mode or options: "reduce-overhead" is CUDA graphs)
+            trees = {"triton.cudagraphs": True} if self.mode == "trees" else {}
+            fn = joining(torch.compile(self._forward, dynamic=False, options={**FUSED, **trees}))
+        else:
+            fn = torch.compile(self._forward, dynamic=False, mode="reduce-overhead" if self.mode == "trees" else None)
         if not self.freeze:
             return fn, fn
         options = {"freezing": True}

@@ -26,6 +26,8 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir)
     frozen = model["graph step, frozen"]  # (its tokens against the plain step's: reported; test_graph.py checks them)
     assert "/" in frozen["agrees_with_eager"] and isinstance(frozen["same_tokens_as_the_step"], bool)
     assert frozen["frozen"] is True
+    fused = model["graph step, fused"]  # (on a twin: q/k/v and gate/up of each layer joined)
+    assert fused["fused_groups"] == 2 * model["layers"] and isinstance(fused["same_tokens_as_the_step"], bool)
     assert model["graph step, long cache"]["positions"] == 512 and model["graph step, long cache"]["ms_per_token"] > 0
     assert all(r["recalled_through_the_decoder"] and r["slots"] == 16 for r in model["recall"].values())
     sessions = model["sessions"]  # through the chat service: one on the graph step, the other in the graph rows

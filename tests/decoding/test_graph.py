@@ -564,23 +564,28 @@ def test_a_warm_up_takes_every_configured_setting_and_a_stop_ends_only_itself(mo
     assert dec.ready.is_set() and dec.error is None
 
 
-@pytest.mark.parametrize("where,freeze", [("cpu", False), ("cpu", True),
-                                          pytest.param("cuda", False, marks=[gpu, pytest.mark.gpu]),
-                                          pytest.param("cuda", True, marks=[gpu, pytest.mark.gpu])],
-                         ids=["cpu", "cpu-frozen", "cuda", "cuda-frozen"])
-def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where, freeze):
+@pytest.mark.parametrize("where,how", [("cpu", ""), ("cpu", "freeze"), ("cpu", "fuse"),
+                                       pytest.param("cuda", "", marks=[gpu, pytest.mark.gpu]),
+                                       pytest.param("cuda", "freeze", marks=[gpu, pytest.mark.gpu]),
+                                       pytest.param("cuda", "fuse", marks=[gpu, pytest.mark.gpu])],
+                         ids=["cpu", "cpu-frozen", "cpu-fused", "cuda", "cuda-frozen", "cuda-fused"])
+def test_answers_at_once_as_rows_of_the_step_are_each_the_loops(request, where, how):
     """`decoding.graph_rows` (what the chat's concurrent answers decode in): three answers, one with memories of 18 to 30
     slots (wider than the 17-wide span graph), one of 1 to 6, one with nothing to read (a penalty on all), at once in three rows; each
     equals the loop's alone, event for event; on the GPU, no host sync in any replay's launch. Frozen: the decode
-    forward compiled with inductor's freezing (on a CPU too), the rows' mask and cache plain inputs."""
+    forward compiled with inductor's freezing (on a CPU too), the rows' mask and cache plain inputs. Fused: q/k/v and
+    gate/up joined in place (`decoding.fused`; a model of its own, the same weights)."""
     from decoding.batch import Batch
     from decoding.graph_rows import GraphRows
     from rounds import drive
     from decoding.loop import stream_generate
 
     model = request.getfixturevalue("model" if where == "cpu" else "cuda_model")
+    if how == "fuse":
+        model = tiny_llama(seed=3, device=where)
     s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),), repetition_penalty=1.1)
-    rows = GraphRows(model, rows=3, max_len=512, spans=(17,), compile=where == "cuda" or freeze, freeze=freeze)
+    rows = GraphRows(model, rows=3, max_len=512, spans=(17,), compile=where == "cuda" or bool(how),
+                     freeze=how == "freeze", fuse=how == "fuse")
     rows.warm_up(settings=(s,), eos=[EOS])  # (its graphs captured now: a capture synchronises)
     from torch._dynamo.utils import counters
     graphs = counters["stats"]["unique_graphs"]  # (every window and width compiled in the warm-up)

@@ -263,7 +263,8 @@ def test_the_service_answers_concurrent_sessions_in_the_rows(smollm2_dir, tiny_l
         off.close()
 
 
-@pytest.mark.parametrize("key,value", [("graph_rows", "-1"), ("graph_freeze", "sometimes")])
+@pytest.mark.parametrize("key,value", [("graph_rows", "-1"), ("graph_freeze", "sometimes"),
+                                       ("graph_fuse", "sometimes")])
 def test_a_bad_graph_value_is_refused_by_name(key, value):
     from chat.config import ConfigError, load_config
 
