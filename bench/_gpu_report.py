@@ -53,6 +53,14 @@ def table(results: dict) -> str:
                      f"({cell(f, 'memory_gb')}, {cell(f, 'compile_s', '{:.0f}')}) | {cell(f, 'vs_the_step')} | "
                      f"{f.get('agrees_with_eager', '—') if isinstance(f, dict) else '—'} | "
                      f"{f.get('same_tokens_as_the_step', '—') if isinstance(f, dict) else '—'} |")
+    lines += ["", "| model | graph step ms/token | kernels a token | their time ms/token (of the step) | the most time, "
+              "µs a token (count) |", "|---|---|---|---|---|"]
+    for name, m in results.get("models", {}).items():
+        g, k = m.get("graph step", {}), m.get("graph step, kernels", {})
+        top = "; ".join(f"{t['name'][:48]} {t['us_per_token']:.0f} ({t['per_token']:g})" for t in k.get("top", [])[:5]) \
+            if isinstance(k, dict) else ""
+        lines.append(f"| {name} | {cell(g, 'ms_per_token')} | {cell(k, 'per_token', '{:.0f}')} | "
+                     f"{cell(k, 'busy_ms_per_token')} ({cell(k, 'busy_of_the_step')}) | {top or '—'} |")
     lines += ["", "| model | graph step ms/token (memory GB) | fused (`model.graph_fuse`) ms/token (memory GB, "
               "compile s) | fused / plain | fused's first greedy tokens = eager generate's | same tokens as the plain "
               "step |",

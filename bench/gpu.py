@@ -282,6 +282,32 @@ class ModelBench:
             torch.cuda.empty_cache()
         return out
 
+    def kernels(self) -> dict:
+        """What one token of the plain step runs on the device (torch.profiler over 32 tokens after a warm answer:
+        the kernels inside the captured graph's replays): kernels a token, their time a token beside the step's
+        ms/token (the rest is gaps between kernels and the host), and the kernels that take the most of it. On a
+        CPU, the operators instead."""
+        from torch.profiler import ProfilerActivity, profile
+
+        dec, n = self._decoder("kernel"), 32
+        dec.generate(self.ids, self.greedy(n))
+        cuda = self.device == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+            dec.generate(self.ids, self.greedy(n))
+            sync()
+        kind = "kernel" if cuda else "cpu_op"
+        events = [e for e in prof.events() if (e.device_type.name == "CUDA") == cuda and
+                  (not cuda or e.device_time_total > 0)]
+        per: dict[str, list[float]] = {}
+        for e in events:
+            per.setdefault(e.name, []).append(e.device_time_total if cuda else e.self_cpu_time_total)
+        total = sum(sum(v) for v in per.values())  # microseconds
+        top = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:12]
+        step = self.info.get("graph step", {}).get("ms_per_token")
+        return {"what": kind, "tokens": n, "per_token": len(events) / n, "busy_ms_per_token": total / n / 1e3,
+                **({"busy_of_the_step": total / n / 1e3 / step} if step else {}),
+                "top": [{"name": k[:90], "per_token": len(v) / n, "us_per_token": sum(v) / n} for k, v in top]}
+
     def _twin(self) -> torch.nn.Module:
         """A copy of the model, without the steps attached to it (`graph.enable`: not submodules)."""
         base = unwrap_model(self.model)
@@ -482,6 +508,7 @@ class ModelBench:
     def batch_one(self) -> None:
         """Phase 1 (every model's before any model's phase 2): the batch-1 targets, the step plain and frozen."""
         self.run.measure(self.name, "graph step", 80, self.graph_step)
+        self.run.measure(self.name, "graph step, kernels", 15, self.kernels)
         if self.args.fused:
             self.run.measure(self.name, "graph step, fused", 80, self.graph_fused)
         if self.args.frozen:

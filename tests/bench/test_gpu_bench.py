@@ -26,6 +26,9 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir)
     frozen = model["graph step, frozen"]  # (its tokens against the plain step's: reported; test_graph.py checks them)
     assert "/" in frozen["agrees_with_eager"] and isinstance(frozen["same_tokens_as_the_step"], bool)
     assert frozen["frozen"] is True
+    kernels = model["graph step, kernels"]  # (on a CPU the operators: the step's 15 matmuls among them)
+    assert kernels["what"] == "cpu_op" and kernels["per_token"] > 15 and kernels["busy_ms_per_token"] > 0
+    assert {"name": "aten::mm", "per_token": 15.0} in [{k: t[k] for k in ("name", "per_token")} for t in kernels["top"]]
     fused = model["graph step, fused"]  # (on a twin: q/k/v and gate/up of each layer joined)
     assert fused["fused_groups"] == 2 * model["layers"] and isinstance(fused["same_tokens_as_the_step"], bool)
     assert model["graph step, long cache"]["positions"] == 512 and model["graph step, long cache"]["ms_per_token"] > 0
