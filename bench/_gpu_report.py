@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 
+def busiest(profile, n: int = 5) -> str:
+    """The kernels of a `bench.gpu.device_profile` that take the most time."""
+    if not isinstance(profile, dict) or not profile.get("top"):
+        return "—"
+    return "; ".join(f"{t['name'][:48]} {t['us_per_call']:.0f} ({t['per_call']:g})" for t in profile["top"][:n])
+
+
 def cell(entry, key: str, fmt: str = "{:.2f}") -> str:
     if not isinstance(entry, dict):
         return "—"
@@ -57,10 +64,16 @@ def table(results: dict) -> str:
               "µs a token (count) |", "|---|---|---|---|---|"]
     for name, m in results.get("models", {}).items():
         g, k = m.get("graph step", {}), m.get("graph step, kernels", {})
-        top = "; ".join(f"{t['name'][:48]} {t['us_per_token']:.0f} ({t['per_token']:g})" for t in k.get("top", [])[:5]) \
-            if isinstance(k, dict) else ""
-        lines.append(f"| {name} | {cell(g, 'ms_per_token')} | {cell(k, 'per_token', '{:.0f}')} | "
-                     f"{cell(k, 'busy_ms_per_token')} ({cell(k, 'busy_of_the_step')}) | {top or '—'} |")
+        lines.append(f"| {name} | {cell(g, 'ms_per_token')} | {cell(k, 'per_call', '{:.0f}')} | "
+                     f"{cell(k, 'busy_ms_per_call')} ({cell(k, 'busy_of_the_step')}) | {busiest(k)} |")
+    lines += ["", "| model | recall at memories | part | kernels | their time ms | the most time, µs (count) |",
+              "|---|---|---|---|---|---|"]
+    for name, m in results.get("models", {}).items():
+        for size, r in (m.get("recall") or {}).items():
+            for part in ("head", "span"):
+                if isinstance(r, dict) and isinstance(k := r.get(f"{part}_kernels"), dict):
+                    lines.append(f"| {name} | {int(size):,} | {part} | {cell(k, 'per_call', '{:.0f}')} | "
+                                 f"{cell(k, 'busy_ms_per_call', '{:.3f}')} | {busiest(k)} |")
     lines += ["", "| model | graph step ms/token (memory GB) | fused (`model.graph_fuse`) ms/token (memory GB, "
               "compile s) | fused / plain | fused's first greedy tokens = eager generate's | same tokens as the plain "
               "step |",

@@ -133,6 +133,27 @@ def allocated() -> int:
     return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
 
 
+def device_profile(fn, calls: int = 1) -> dict:
+    """What `fn` runs, a `calls`-th of it (torch.profiler): on a GPU its kernels (those inside a captured graph's
+    replays too), on a CPU its operators: how many, their time in ms, and the 12 that take the most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        fn()
+        sync()
+    events = [e for e in prof.events() if (e.device_type.name == "CUDA") == cuda and
+              (not cuda or e.device_time_total > 0)]
+    per: dict[str, list[float]] = {}
+    for e in events:
+        per.setdefault(e.name, []).append(e.device_time_total if cuda else e.self_cpu_time_total)
+    total = sum(sum(v) for v in per.values())  # microseconds
+    top = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {"what": "kernel" if cuda else "cpu_op", "calls": calls, "per_call": len(events) / calls,
+            "busy_ms_per_call": total / calls / 1e3,
+            "top": [{"name": k[:90], "per_call": len(v) / calls, "us_per_call": sum(v) / calls} for k, v in top]}
+
+
 def per_token(run, n: int, repeats: int) -> dict:
     """{ms_per_token, ttft_ms}: (T(n) - T(1)) / (n - 1) and T(1), medians over `repeats`."""
     ones, rates = [], []
@@ -283,30 +304,14 @@ class ModelBench:
         return out
 
     def kernels(self) -> dict:
-        """What one token of the plain step runs on the device (torch.profiler over 32 tokens after a warm answer:
-        the kernels inside the captured graph's replays): kernels a token, their time a token beside the step's
-        ms/token (the rest is gaps between kernels and the host), and the kernels that take the most of it. On a
-        CPU, the operators instead."""
-        from torch.profiler import ProfilerActivity, profile
-
+        """What one token of the plain step runs (torch.profiler over 32 tokens after a warm answer: on a GPU the
+        kernels inside the captured graph's replays, on a CPU the operators): `device_profile`'s summary, and their
+        time beside the step's ms/token (the rest is gaps between kernels and the host)."""
         dec, n = self._decoder("kernel"), 32
         dec.generate(self.ids, self.greedy(n))
-        cuda = self.device == "cuda"
-        with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
-            dec.generate(self.ids, self.greedy(n))
-            sync()
-        kind = "kernel" if cuda else "cpu_op"
-        events = [e for e in prof.events() if (e.device_type.name == "CUDA") == cuda and
-                  (not cuda or e.device_time_total > 0)]
-        per: dict[str, list[float]] = {}
-        for e in events:
-            per.setdefault(e.name, []).append(e.device_time_total if cuda else e.self_cpu_time_total)
-        total = sum(sum(v) for v in per.values())  # microseconds
-        top = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:12]
+        out = device_profile(lambda: dec.generate(self.ids, self.greedy(n)), n)
         step = self.info.get("graph step", {}).get("ms_per_token")
-        return {"what": kind, "tokens": n, "per_token": len(events) / n, "busy_ms_per_token": total / n / 1e3,
-                **({"busy_of_the_step": total / n / 1e3 / step} if step else {}),
-                "top": [{"name": k[:90], "per_token": len(v) / n, "us_per_token": sum(v) / n} for k, v in top]}
+        return {**out, **({"busy_of_the_step": out["busy_ms_per_call"] / step} if step else {})}
 
     def _twin(self) -> torch.nn.Module:
         """A copy of the model, without the steps attached to it (`graph.enable`: not submodules)."""
@@ -398,13 +403,17 @@ class ModelBench:
             one_span = self._span(rec.span(memory), rec.embed(rec.values(memory), device, dtype))
             one_span()
             span_s = statistics.median(one_span() for _ in range(10))
+            if size == max(self.args.memories):  # what a recall runs on the device: the head, the span's replay
+                profiles = {"head_kernels": device_profile(lambda: selector.choose(query)),
+                            "span_kernels": device_profile(one_span)}
             full = dec.generate(torch.cat([self.ids, torch.tensor([[recall_id]])], 1), self.greedy(4), recall=rec)
             out[f"{size}"] = {"bank_build_s": built, "first_search_s": upload, "head_ms": head * 1e3,
                               "span_ms": span_s * 1e3, "slots": memory.slots,
                               "decode_steps": (head + span_s) * 1e3 / step_ms,
                               **({"decode_steps_of_the_frozen_step": (head + span_s) * 1e3 / frozen_ms}
                                  if frozen_ms else {}),
-                              "recalled_through_the_decoder": bool(full.recalls)}
+                              "recalled_through_the_decoder": bool(full.recalls),
+                              **(profiles if size == max(self.args.memories) else {})}
             selector = rec = None  # (the keys on the device go before the next size's)
         return out
 

@@ -27,8 +27,11 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir)
     assert "/" in frozen["agrees_with_eager"] and isinstance(frozen["same_tokens_as_the_step"], bool)
     assert frozen["frozen"] is True
     kernels = model["graph step, kernels"]  # (on a CPU the operators: the step's 15 matmuls among them)
-    assert kernels["what"] == "cpu_op" and kernels["per_token"] > 15 and kernels["busy_ms_per_token"] > 0
-    assert {"name": "aten::mm", "per_token": 15.0} in [{k: t[k] for k in ("name", "per_token")} for t in kernels["top"]]
+    assert kernels["what"] == "cpu_op" and kernels["per_call"] > 15 and kernels["busy_ms_per_call"] > 0
+    assert {"name": "aten::mm", "per_call": 15.0} in [{k: t[k] for k in ("name", "per_call")} for t in kernels["top"]]
+    recall = model["recall"]["2000"]  # (the largest bank: what the head and the span's replay run)
+    assert {"aten::mm", "aten::addmv_"} & {t["name"] for t in recall["head_kernels"]["top"]}  # (the keys' product)
+    assert recall["span_kernels"]["per_call"] > 15
     fused = model["graph step, fused"]  # (on a twin: q/k/v and gate/up of each layer joined)
     assert fused["fused_groups"] == 2 * model["layers"] and isinstance(fused["same_tokens_as_the_step"], bool)
     assert model["graph step, long cache"]["positions"] == 512 and model["graph step, long cache"]["ms_per_token"] > 0
