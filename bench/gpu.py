@@ -15,9 +15,10 @@ answer of --tokens to its own question; aggregate tokens/s from the first submis
 and the ratio to one session; then the same with every answer a row ("rows only": while both steps serve answers a
 round runs their replays one after the other). The bound is the weights' bytes over the
 card's memory bandwidth (H200 4.8 TB/s, H100 3.35 TB/s). The measures run in three phases, each for every model
-before the next (the batch-1 step, plain and frozen; the sessions and a recall; the rest). Every measure runs in its
-own try/except and is skipped once the time budget is spent; results are written after each one (results.json, results.md, and
-the log beside them), so a run cut short keeps what it measured.
+before the next (the batch-1 step: plain, its kernels, fused, and frozen with --frozen; the sessions and a recall, its
+kernels at the largest bank; the rest). Every measure runs in its own try/except and is skipped once the time budget is
+spent; results are written after each one (results.json, results.md, and the log beside them), so a run cut short
+keeps what it measured.
 """
 
 from __future__ import annotations
@@ -515,7 +516,8 @@ class ModelBench:
         return fn
 
     def batch_one(self) -> None:
-        """Phase 1 (every model's before any model's phase 2): the batch-1 targets, the step plain and frozen."""
+        """Phase 1 (every model's before any model's phase 2): the batch-1 targets: the step plain, its kernels, fused,
+        and frozen (--frozen)."""
         self.run.measure(self.name, "graph step", 80, self.graph_step)
         self.run.measure(self.name, "graph step, kernels", 15, self.kernels)
         if self.args.fused:
@@ -576,8 +578,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--inductor", default="", help="inductor settings of the run, k=v,... (freezing=1: a wrong step)")
     ap.add_argument("--no-static", dest="static", action="store_false", help="skip transformers' static generate")
-    ap.add_argument("--no-frozen", dest="frozen", action="store_false",
-                    help="skip the frozen graph step (model.graph_freeze) beside the plain one")
+    ap.add_argument("--frozen", action="store_true",
+                    help="the frozen graph step (model.graph_freeze) beside the plain one (run 4 measured it: off)")
     ap.add_argument("--no-fused", dest="fused", action="store_false",
                     help="skip the fused graph step (model.graph_fuse) beside the plain one")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape and a few tokens (runs on a CPU)")
@@ -585,7 +587,7 @@ def main() -> None:
     if args.smoke:
         args.models, args.tokens, args.repeats, args.memories = "smoke", 6, 1, "2000"
         args.rows, args.graph_rows, args.max_len, args.eager, args.sessions = "2", "2", 128, True, "1,2"
-        args.long_len = 512
+        args.long_len, args.frozen = 512, True
     as_ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     args.rows, args.graph_rows, args.memories = as_ints(args.rows), as_ints(args.graph_rows), as_ints(args.memories)
     args.sessions = as_ints(args.sessions)
