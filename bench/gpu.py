@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -38,24 +36,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
+from bench import _gpu_serving as serving  # noqa: E402
+from bench._gpu_measure import Run, allocated, device_profile, per_token  # noqa: E402
 from bench._gpu_report import table  # noqa: E402
-from decoding import graph, graph_rows  # noqa: E402
+from bench._gpu_serving import SLOTS  # noqa: E402
+from decoding import graph  # noqa: E402
 from decoding.events import DoneEvent  # noqa: E402
 from decoding.fused import FusedPart  # noqa: E402
 from decoding.graph import GraphDecoder  # noqa: E402
 from decoding.graph_stream import stream_graph  # noqa: E402
 from decoding.request import Controls, Prompt  # noqa: E402
 from decoding.loop import generate  # noqa: E402
-from decoding.memory import MemorySelector, Recall  # noqa: E402
 from decoding.processors import to_generation_config  # noqa: E402
-from decoding.settings import GenerationSettings, RecallSettings  # noqa: E402
-from memory.bank import MemoryVectorDB  # noqa: E402
-from models.loading import LoadedModel, ensure_special_tokens  # noqa: E402
+from decoding.settings import GenerationSettings  # noqa: E402
+from models.loading import ensure_special_tokens  # noqa: E402
 from models.modeling import unwrap_model  # noqa: E402
 
 SHAPES = {  # the published configs' numbers (HuggingFaceTB/SmolLM2-*, meta-llama/Llama-3.1-8B)
@@ -74,95 +72,6 @@ SHAPES = {  # the published configs' numbers (HuggingFaceTB/SmolLM2-*, meta-llam
 }
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, HBM
 PROMPT = "<|im_start|>user\nWrite a long story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
-SLOTS = 16
-
-
-class Run:
-    """The results so far, the log and the time budget."""
-
-    def __init__(self, out: Path, budget: float):
-        self.out, self.budget, self.t0 = out, budget, time.perf_counter()
-        out.mkdir(parents=True, exist_ok=True)
-        self.log_file = open(out / "bench_gpu.log", "a")
-        self.results: dict = {"models": {}}
-
-    def log(self, msg: str) -> None:
-        line = f"[{time.perf_counter() - self.t0:7.1f}s] {msg}"
-        print(line, flush=True)
-        self.log_file.write(line + "\n")
-        self.log_file.flush()
-
-    def left(self) -> float:
-        return self.budget - (time.perf_counter() - self.t0)
-
-    def measure(self, model: str, name: str, cost: float, fn) -> None:
-        """Run one measure unless less than `cost` seconds of budget are left; record its result or its error."""
-        into = self.results["models"].setdefault(model, {})
-        if self.left() < cost:
-            into[name] = {"skipped": f"time budget: {self.left():.0f} s left, needs about {cost:.0f} s"}
-            self.log(f"{model} / {name}: skipped ({into[name]['skipped']})")
-            return
-        self.log(f"{model} / {name} ...")
-        t = time.perf_counter()
-        try:
-            into[name] = fn()
-        except Exception as e:  # noqa: BLE001 - one failed measure must not cost the others
-            into[name] = {"error": f"{type(e).__name__}: {e}"}
-            self.log(traceback.format_exc())
-        self.log(f"{model} / {name}: {json.dumps(into[name])[:400]} ({time.perf_counter() - t:.1f} s)")
-        self.save()
-
-    def save(self) -> None:
-        (self.out / "results.json").write_text(json.dumps(self.results, indent=1))
-        (self.out / "results.md").write_text(table(self.results))
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn) -> float:
-    sync()
-    t = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t
-
-
-def allocated() -> int:
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-
-
-def device_profile(fn, calls: int = 1) -> dict:
-    """What `fn` runs, a `calls`-th of it (torch.profiler): on a GPU its kernels (those inside a captured graph's
-    replays too), on a CPU its operators: how many, their time in ms, and the 12 that take the most."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
-        fn()
-        sync()
-    events = [e for e in prof.events() if (e.device_type.name == "CUDA") == cuda and
-              (not cuda or e.device_time_total > 0)]
-    per: dict[str, list[float]] = {}
-    for e in events:
-        per.setdefault(e.name, []).append(e.device_time_total if cuda else e.self_cpu_time_total)
-    total = sum(sum(v) for v in per.values())  # microseconds
-    top = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:12]
-    return {"what": "kernel" if cuda else "cpu_op", "calls": calls, "per_call": len(events) / calls,
-            "busy_ms_per_call": total / calls / 1e3,
-            "top": [{"name": k[:90], "per_call": len(v) / calls, "us_per_call": sum(v) / calls} for k, v in top]}
-
-
-def per_token(run, n: int, repeats: int) -> dict:
-    """{ms_per_token, ttft_ms}: (T(n) - T(1)) / (n - 1) and T(1), medians over `repeats`."""
-    ones, rates = [], []
-    for _ in range(repeats):
-        one, many = timed(lambda: run(1)), timed(lambda: run(n))
-        ones.append(one)
-        rates.append((many - one) / (n - 1))
-    return {"ms_per_token": statistics.median(rates) * 1e3, "ttft_ms": statistics.median(ones) * 1e3}
 
 
 def load_tokenizer(path: str | None):
@@ -377,126 +286,6 @@ class ModelBench:
         self.answers["ours"] = generate_k(self.n).sequences[0, self.ids.shape[1]:].tolist()
         return per_token(generate_k, self.n, self.repeats)
 
-    def recall(self) -> dict:
-        """The memory head over each bank size, the wide replay of a memory's 16 slots and `</recall>`, in decode
-        steps of the graph step; and a recall through the decoder."""
-        dec, hidden, device, dtype = self._decoder("recall"), self.hidden, self.device, self.dtype
-        recall_id, pad_id, end_id = self.vocab - 3, self.vocab - 2, self.vocab - 1  # random weights: any ids do
-        step_ms = self.info["graph step"]["ms_per_token"]
-        frozen_ms = self.info.get("graph step, frozen", {}).get("ms_per_token")  # (its span graphs are the step's)
-        out = {}
-        db = MemoryVectorDB(hidden, token_values=True)  # grown from one size to the next
-        g, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
-        for size in sorted(self.args.memories):
-            t = time.perf_counter()
-            for start in range(len(db), size, 20_000):
-                k = min(20_000, size - start)
-                db.add(torch.randn(k, hidden, generator=g), values=list(rng.integers(3, 40000, (k, SLOTS), np.int32)))
-            built = time.perf_counter() - t
-            rec = Recall(recall_id, pad_id, db, RecallSettings(), suffix=(end_id,)).with_tokens(
-                self.model.get_input_embeddings())
-            selector = MemorySelector.of(rec)
-            query = torch.randn(hidden, device=device, dtype=dtype)
-            upload = timed(lambda: selector.choose(query))  # the keys go to the device once
-            head = statistics.median(timed(lambda: selector.choose(query)) for _ in range(20))
-            dec.graph.prefill(dec.graph.embed(self.dev_ids))
-            memory = selector.choose(query)
-            one_span = self._span(rec.span(memory), rec.embed(rec.values(memory), device, dtype))
-            one_span()
-            span_s = statistics.median(one_span() for _ in range(10))
-            if size == max(self.args.memories):  # what a recall runs on the device: the head, the span's replay
-                profiles = {"head_kernels": device_profile(lambda: selector.choose(query)),
-                            "span_kernels": device_profile(one_span)}
-            full = dec.generate(torch.cat([self.ids, torch.tensor([[recall_id]])], 1), self.greedy(4), recall=rec)
-            out[f"{size}"] = {"bank_build_s": built, "first_search_s": upload, "head_ms": head * 1e3,
-                              "span_ms": span_s * 1e3, "slots": memory.slots,
-                              "decode_steps": (head + span_s) * 1e3 / step_ms,
-                              **({"decode_steps_of_the_frozen_step": (head + span_s) * 1e3 / frozen_ms}
-                                 if frozen_ms else {}),
-                              "recalled_through_the_decoder": bool(full.recalls),
-                              **(profiles if size == max(self.args.memories) else {})}
-            selector = rec = None  # (the keys on the device go before the next size's)
-        return out
-
-    def _span(self, span: list[int], vectors: torch.Tensor):
-        """The wide replay of a memory's span, in place: its seconds (what the chat runs), then the cache's position
-        moved back (the bench's own reset, not timed: a kernel a layer)."""
-        g = self._decoder("recall").graph
-
-        def one_span() -> float:
-            took = timed(lambda: g.forward_span(span, dict(enumerate(vectors))))
-            for layer in g.cache.layers:
-                layer.cumulative_length.sub_(len(span))
-            g.one.position.sub_(len(span))
-            g.length -= len(span)
-            return took
-        return one_span
-
-    def sessions(self) -> dict:
-        """N chat sessions at once through the service, for each N of --sessions (see the module's doc)."""
-        if self.tokenizer is None:
-            raise RuntimeError("no tokenizer: the chat service needs one (bench/gpu_prepare.sh)")
-        # (here, not at the top: the chat service needs Pillow and pydantic, which a GPU machine may lack; the
-        # other measures run without them)
-        from chat.config import load_config
-        from chat.service import Service
-
-        lm = LoadedModel(model=self.model, tokenizer=self.tokenizer, tokens=self.tokens, name=self.name)
-        counts = self.args.sessions
-        rows = graph_rows.enable_rows(self.model, rows=max(counts), max_len=self.args.max_len, spans=(SLOTS + 1,),
-                                      graphs=self.args.graphs)  # (what `model.graph_rows` attaches at start)
-        rows_compile_s = rows.warm_up(settings=(GenerationSettings(max_new_tokens=self.n),))
-        cfg = load_config(overrides=[f"app.max_running={max(counts)}", f"generation.max_new_tokens={self.n}",
-                                     f"app.max_new_tokens_cap={max(self.n, 8)}", "model.compile=false"], environ={})
-        svc = Service(cfg, lm)
-        out: dict = {}
-        try:
-            out.update(self._sessions_at_once(svc, counts))
-            single = graph.attached(self.model)
-            if single is not None and single.ready.is_set():
-                # the other policy, side by side: every answer a row (a round runs the single-row step's replay and
-                # the rows' one after the other while both serve answers)
-                single.ready.clear()
-                before = rows.replays
-                try:
-                    out["rows only"] = self._sessions_at_once(svc, counts)
-                finally:
-                    single.ready.set()
-                out["rows only"]["rows_replays"] = rows.replays - before
-            out["batch_forwards"] = svc.worker.batch.forwards  # (the loop's: none while the rows take every answer)
-            out["rows_replays"], out["rows_compile_s"] = rows.replays, rows_compile_s
-            out["prompt_reads"] = {"forwards": rows.reader.forwards, "turns": rows.reader.turns}  # (read together)
-        finally:
-            svc.close()
-        return out
-
-    def _sessions_at_once(self, svc, counts: list[int]) -> dict:
-        from bench.serving import OFF, QUESTIONS, Follow, wait
-
-        # (no min_new_tokens: its processor has no tensor form, so neither graph path would take the answers; a
-        # random model's end token is one of 49k, so the answers run their length all the same)
-        settings, out = GenerationSettings(max_new_tokens=self.n), {}
-        warm = svc.new_session()  # (uncounted: run 4's first session paid 137 ms of first calls in its TTFT)
-        wait([Follow(svc, svc.chat(warm, QUESTIONS[0], [], GenerationSettings(max_new_tokens=4), OFF),
-                     time.perf_counter())])
-        svc.end_session(warm)
-        for n in counts:
-            sessions = [svc.new_session() for _ in range(n)]
-            t0 = time.perf_counter()
-            follows = [Follow(svc, svc.chat(s, QUESTIONS[i % len(QUESTIONS)], [], settings, OFF),
-                              time.perf_counter()) for i, s in enumerate(sessions)]
-            wait(follows)
-            wall = time.perf_counter() - t0
-            made = sum(len(f.result.new_tokens[0]) for f in follows)
-            for s in sessions:
-                svc.end_session(s)
-            out[str(n)] = {"tokens_per_s": made / wall, "tokens": made,
-                           "ttft_ms": statistics.median(f.ttft for f in follows) * 1e3,
-                           "ttft_max_ms": max(f.ttft for f in follows) * 1e3}
-            if "1" in out:
-                out[str(n)]["vs_1_session"] = out[str(n)]["tokens_per_s"] / out["1"]["tokens_per_s"]
-        return out
-
     def rows(self, kind: str, b: int):
         def fn():
             batch_ids = self.dev_ids.expand(b, -1).contiguous()
@@ -528,8 +317,8 @@ class ModelBench:
     def serving(self) -> None:
         """Phase 2: chat sessions through the service, and a recall."""
         if self.args.sessions:
-            self.run.measure(self.name, "sessions", 60, self.sessions)
-        self.run.measure(self.name, "recall", 15, self.recall)
+            self.run.measure(self.name, "sessions", 60, lambda: serving.sessions(self))
+        self.run.measure(self.name, "recall", 15, lambda: serving.recall(self))
 
     def rest(self) -> None:
         """Phase 3: the chat's answer on the step, transformers' static path, rows of one request, the eager paths."""
