@@ -26,7 +26,7 @@ SLOTS = 16  # a recalled memory's value slots
 def recall(mb: ModelBench) -> dict:
     """The memory head over each bank size, the wide replay of a memory's 16 slots and `</recall>`, in decode
     steps of the graph step; and a recall through the decoder."""
-    dec, hidden, device, dtype = mb._decoder("recall"), mb.hidden, mb.device, mb.dtype
+    dec, hidden, device, dtype = mb.step_for("recall"), mb.hidden, mb.device, mb.dtype
     recall_id, pad_id, end_id = mb.vocab - 3, mb.vocab - 2, mb.vocab - 1  # random weights: any ids do
     step_ms = mb.info["graph step"]["ms_per_token"]
     frozen_ms = mb.info.get("graph step, frozen", {}).get("ms_per_token")  # (its span graphs are the step's)
@@ -68,7 +68,7 @@ def recall(mb: ModelBench) -> dict:
 def _span(mb: ModelBench, span: list[int], vectors: torch.Tensor):
     """The wide replay of a memory's span, in place: its seconds (what the chat runs), then the cache's position
     moved back (the bench's own reset, not timed: a kernel a layer)."""
-    g = mb._decoder("recall").graph
+    g = mb.step_for("recall").graph
 
     def one_span() -> float:
         took = timed(lambda: g.forward_span(span, dict(enumerate(vectors))))

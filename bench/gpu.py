@@ -217,7 +217,7 @@ class ModelBench:
         """What one token of the plain step runs (torch.profiler over 32 tokens after a warm answer: on a GPU the
         kernels inside the captured graph's replays, on a CPU the operators): `device_profile`'s summary, and their
         time beside the step's ms/token (the rest is gaps between kernels and the host)."""
-        dec, n = self._decoder("kernel"), 32
+        dec, n = self.step_for("kernel"), 32
         dec.generate(self.ids, self.greedy(n))
         out = device_profile(lambda: dec.generate(self.ids, self.greedy(n)), n)
         step = self.info.get("graph step", {}).get("ms_per_token")
@@ -232,7 +232,7 @@ class ModelBench:
         finally:
             base.__dict__.update(held)
 
-    def _decoder(self, what: str) -> GraphDecoder:
+    def step_for(self, what: str) -> GraphDecoder:
         if self.decoder is None:
             raise RuntimeError(f"the graph step did not compile: no {what} measure")
         return self.decoder
@@ -240,7 +240,7 @@ class ModelBench:
     def chat_graph(self) -> dict:
         """The chat's own answer on the same step (`decoding.graph_stream`: events, detokenizer, stop criteria,
         read one step late), as `Engine.stream` runs it."""
-        dec = self._decoder("chat")
+        dec = self.step_for("chat")
         dec.ready.set()
 
         def run_k(k):
@@ -258,7 +258,7 @@ class ModelBench:
     def page_processors(self) -> dict:
         """The same step sampling with every processor the page offers (penalty, the n-gram ban over the sequence
         kept on the device, temperature, top-k, top-p, min-p, typical-p): what they cost inside the graph."""
-        dec = self._decoder("page processors")
+        dec = self.step_for("page processors")
         s = lambda k: GenerationSettings(  # noqa: E731
             max_new_tokens=k, do_sample=True, temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, typical_p=0.9,
             repetition_penalty=1.1, no_repeat_ngram_size=3)
