@@ -25,8 +25,8 @@ from chat.people import People, Remembered
 from chat.session import Conversation, Session, text_only_message
 from chat.state import SessionState, bank_state, message_states
 from chat.textsearch import TextSearch
+from chat.warmup import WarmUp
 from chat.worker import Notice, Request, ServiceError, Worker
-from decoding import compiled, graph, graph_rows
 from decoding.events import DoneEvent
 from decoding.mixture import MixtureResult
 from decoding.settings import GenerationSettings, RecallSettings
@@ -35,7 +35,6 @@ from memory.milvus import MilvusBank
 from memory.personal import Joined, Newest, Personal
 from models import EMBEDDED_NAME, LoadedModel, load_model
 from models.remember import mentions_the_user
-from models.spec import COMPILE
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EXAMPLE_IMAGES = (ASSETS / "example_lighthouse.png", ASSETS / "example_cat.png")
@@ -54,9 +53,7 @@ class Service(SessionService):
     def __init__(self, cfg: Config, lm: LoadedModel | None = None,
                  loader: Callable[[], LoadedModel] | None = None, text_search: TextSearch | None = None):
         self._lm = lm
-        self._warm_up: tuple[threading.Thread, list] | None = None  # the background compile, and what it warms up
-        self._warm_lock = threading.Lock()  # (a model still loading when the service closes starts no compile)
-        self._closing = False
+        self.warm = WarmUp(cfg)  # the decode steps' background compile
         self._loader = loader or (lambda: load_model(cfg.model.path, load_options(cfg)))
         if cfg.memory.store == "milvus":  # refuse to start, naming the URI, when nothing answers there
             MilvusBank.connect(cfg.memory.milvus_uri).close()
@@ -78,20 +75,8 @@ class Service(SessionService):
         self.janitor.close()
         self.worker.close()
         self._embedder.shutdown(wait=True)
-        self._stop_warm_up()
+        self.warm.stop()
         super().close()
-
-    def _stop_warm_up(self) -> None:
-        """A background compile ends after the bucket it is compiling, and none starts after this (a model that was
-        still loading when the service closed): nothing compiles on after the service."""
-        with self._warm_lock:
-            self._closing = True
-            warm, self._warm_up = self._warm_up, None
-        if warm is not None:
-            thread, steps = warm
-            for step in steps:
-                step.stop()
-            thread.join()
 
     # ----------------------------------------------------------------- the model
 
@@ -110,51 +95,8 @@ class Service(SessionService):
                 raise ValueError(f"generation.{e}") from None
             self.banks.load_shared(lm)
             self._lm = lm
-            self._compile(lm)
+            self.warm.start(lm)
         return self._lm
-
-    def _compile(self, lm: LoadedModel) -> None:
-        """In the background, for a model on transformers: with `model.graph_step`, warm up the graph step
-        (`decoding.graph`: compiled and captured on CUDA, eager elsewhere) and its rows (`model.graph_rows`), then
-        with `model.compile` compile the loop's decode step (text models). Answers decode in the loop, eagerly, until
-        each is ready; the status line says so."""
-        if not lm.spec.can(COMPILE):
-            return
-        steps: list = []  # (what warms up, how)
-        if self._graph_step_on(lm):
-            model, model_cfg = lm.merged(), self.cfg.model
-            shape = dict(max_slots=self.cfg.memory.max_slots, max_len=model_cfg.graph_max_len,
-                         compile=lm.device.type == "cuda", freeze=model_cfg.graph_freeze, fuse=model_cfg.graph_fuse)
-            graphs = [graph.enable(model, **shape)]
-            if model_cfg.graph_rows and not lm.is_vision:  # (the rows take text answers)
-                graphs.append(graph_rows.enable_rows(model, rows=model_cfg.graph_rows, **shape))
-            configured = dict(settings=(self.cfg.generation,), eos=list(lm.spec.eos_token_ids or []))
-            steps += [(g, lambda g=g: g.warm_up(**configured)) for g in graphs]
-        if self.cfg.model.compile and not lm.is_vision:
-            step = compiled.enable(lm.merged())
-            steps.append((step, step.warm_up))
-        if steps:
-            thread = threading.Thread(target=lambda: [warm() for _, warm in steps], name="recall-chat-compile",
-                                      daemon=True)
-            with self._warm_lock:
-                if self._closing:
-                    return
-                thread.start()
-                self._warm_up = (thread, [step for step, _ in steps])
-
-    def _graph_step_on(self, lm: LoadedModel) -> bool:
-        on = self.cfg.model.graph_step
-        return lm.device.type == "cuda" if on == "auto" else bool(on)
-
-    def _compile_state(self) -> str:
-        """"compiling the decode step…" while one compiles, "" otherwise (also when compiling failed or is off)."""
-        if self._lm is None:
-            return ""
-        rows = graph_rows.attached_rows(self._lm.model)
-        for step in (graph.attached(self._lm.model), rows, compiled.attached(self._lm.model)):
-            if step is not None and not step.ready.is_set() and not step.error:
-                return "compiling the decode step…"
-        return ""
 
     def ready(self) -> Request:
         """A request that loads the model (when not yet loaded); submit it from a handler to show progress."""
@@ -439,7 +381,7 @@ class Service(SessionService):
             except (ServiceError, BankError):  # (a store gone: the page goes on rendering)
                 mine = 0
             notes = tuple(filter(None, [str(lm.device), "" if lm.recall_trained else "recall untrained: recall first "
-                                        "reads memories into your message", self._compile_state(),
+                                        "reads memories into your message", self.warm.state(self._lm),
                                         f"your memories: {mine}" if mine else ""]))
         bank = bank_state(self.banks.of(s), s.bank_use, self.banks.label(s), details)
         change = s.last_change.describe() if s.last_change is not None else ""

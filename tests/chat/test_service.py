@@ -685,7 +685,7 @@ def test_a_model_still_loading_when_the_service_closes_starts_no_compile(smollm2
     go.set()
     load.done.wait(30)
     time.sleep(0.2)  # (what the worker thread does after the load)
-    assert svc._warm_up is None
+    assert svc.warm.running is None
     assert not [t for t in threading.enumerate() if t.name == "recall-chat-compile"]
 
 
