@@ -533,6 +533,31 @@ def test_the_chats_answer_on_the_step_is_the_loops(request, where, bank):
     assert isinstance(result.cache, GraphCache) and result.cache.length == result.sequences.shape[1] - 1
 
 
+def test_answers_ended_by_eos_on_the_step_and_in_the_rows_end_as_the_loops(model, eager):
+    """A small bias on EOS ends two of three answers after 4 and 10 tokens (the third runs its length), each alone on
+    the one-row step and the three at once as rows: each ends where the loop's alone does, with its reason (the host
+    reads the length and EOS as ints, `Request.add`: a row that went on past its EOS, or a step's answer ended as
+    "length", would differ)."""
+    from decoding.batch import Batch
+    from decoding.graph_rows import GraphRows
+    from decoding.graph_stream import stream_graph
+    from decoding.loop import stream_generate
+    from rounds import drive
+
+    s, controls = GenerationSettings(max_new_tokens=40, sequence_bias=(((EOS,), 0.2),)), Controls(eos_token_id=EOS)
+    ids = [prompt(seed, length=12) for seed in (0, 2, 4)]
+    want = [list(stream_generate(model, {"input_ids": x}, s, controls=controls)) for x in ids]
+    assert [len(w[-1].result.new_tokens[0]) for w in want] == [40, 4, 10]
+    assert [w[-1].result.finish_reasons[0] for w in want] == ["length", "stop", "stop"]
+    for x, w in zip(ids, want):
+        assert told(stream_graph(eager, Prompt({"input_ids": x}), s, None, None, None, controls, None)) == told(w)
+    rows, batch = GraphRows(model, rows=3, max_len=512, spans=(17,), compile=False), Batch()
+    rows.warm_up(settings=(s,), eos=[EOS])
+    got = drive(batch, [(0, lambda x=x: rows.stream(batch, Prompt({"input_ids": x}), s, None, None, None, controls,
+                                                    None)) for x in ids])
+    assert [told(g) for g in got] == [told(w) for w in want] and rows.free_rows() == 3
+
+
 def test_a_memory_that_could_outgrow_the_steps_cache_is_answered_by_the_loop(model):
     """Memories of up to 40 slots (`max_slots`): an answer that could not hold one in the step's cache is refused by
     the step, so the loop answers it whole (the step alone would run out of positions mid-answer)."""
