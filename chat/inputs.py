@@ -106,6 +106,7 @@ class MessageRecord(BaseModel):
     recalls: list[RecallRecord] = Field(default_factory=list, max_length=10_000)
     finish_reason: Literal["stop", "length", "interrupted", "tool_call"] | None = None
     start: int = Field(ge=0)
+    said: bool = False  # the app's own answer to a command, not the model's
 
 
 class EarlierRecord(BaseModel):

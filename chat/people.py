@@ -283,5 +283,6 @@ class People:
         pick = to_forget(what, [e["text"] for _, e in found], [sc for sc, _ in found], fits,
                          check.threshold if check is not None else 0.5)
         if pick is None:
-            return Remembered(note=f"Nothing to forget: no memory of yours is about {what!r}")
+            shown = what if len(what) <= 80 else what[:80] + "…"  # (a whole long message said back is noise)
+            return Remembered(note=f"Nothing to forget: no memory of yours is about {shown!r}")
         return Remembered(forgotten=tuple(memory.remove([found[pick][1]["id"]])))

@@ -20,7 +20,7 @@ from chat.config import Config, load_options
 from chat.inputs import check_token_ids
 from chat.janitor import Janitor
 from chat.operations import operation_of
-from chat.decision import Decision
+from chat.decision import FORGET, Decision
 from chat.people import People, Remembered
 from chat.session import Conversation, Session, text_only_message
 from chat.state import SessionState, bank_state, message_states
@@ -232,19 +232,18 @@ class Service(SessionService):
                     s.expired = None
                 yield from self._window(conv)
                 yield from self._read_ahead(conv, text, images, settings, recall_first, interrupt)
-                decision, reply = self.people.decide(conv.lm, text), None
+                reply = None  # the app's own answer: what a "forget ..." forgot (the model, asked, would guess)
                 try:
-                    if changed := self.remember(s, decision):
+                    if changed := self.remember(s, decision := self.people.decide(conv.lm, text)):
                         s.last_change = changed if changed.written or changed.forgotten else None
                         yield changed
-                    reply = changed.describe() if decision.forget else None
+                        reply = changed.describe() if decision.forget and changed.forgotten else None
                 except (ServiceError, BankError) as e:  # (a memory that cannot be read: said, and the answer goes on)
                     yield Notice(f"{e}; answering without your memories")
-                    reply = f"Nothing was forgotten: {e}" if decision.forget else None
-                if reply is not None:  # "forget ...": the app's own answer says what it did (the model would guess)
-                    yield from self._noted(s, conv.say(text, images if conv.lm.is_vision else [], reply))
-                    return
-                bank = yield from self.recall_bank(s, text)
+                if self.cfg.memory.remember == "off" and FORGET.match(text):
+                    yield Notice("messages do not change your memories here (memory.remember: off): nothing was "
+                                 "forgotten; delete a memory under About you")
+                bank = None if reply is not None else (yield from self.recall_bank(s, text))
                 if images and not conv.lm.is_vision:
                     message = text_only_message(conv.lm, len(images))
                     if not text:
@@ -253,13 +252,15 @@ class Service(SessionService):
                                                f"text only), got {len(images)} image(s) and no text")
                     yield Notice(f"{message}; answering the text alone")
                     images = []
-                if recall_first and not (bank is not None and len(bank) and recall.enabled):
+                if recall_first and not (reply is None and bank is not None and len(bank) and recall.enabled):
+                    if reply is None:
+                        yield Notice("recall first needs a memory bank and recall enabled; answering without")
                     recall_first = False
-                    yield Notice("recall first needs a memory bank and recall enabled; answering without")
                 if not interrupt.is_set() and (dropped := self._fit(conv, text, images, settings, recall_first)):
                     yield Notice(f"the conversation outgrew its limit: its {dropped} oldest turn(s) are no longer "
                                  "read (still shown)")
-                yield from self._noted(s, conv.stream(text, images, settings, recall, bank, interrupt, recall_first))
+                yield from self._noted(s, conv.say(text, images, reply, settings) if reply is not None else
+                                       conv.stream(text, images, settings, recall, bank, interrupt, recall_first))
 
         req = Request("chat", run, s.id, text[:80])
         req.on_withdraw = lambda: self._record_unanswered(s, req)

@@ -28,6 +28,7 @@ from chat.reading import recall_context
 from chat.worker import Request
 from chat.users import LOCAL
 from decoding.engine import Engine, Prompt, Recall, cache_length, cut_cache, memory_now
+from decoding.request import Detokenizer
 from decoding.events import DoneEvent, Event, FinishEvent, GenerationResult, RecallEvent, TokenEvent
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
@@ -55,6 +56,7 @@ class Message:
     recalls: list[RecallEvent] = field(default_factory=list)  # the injections of an assistant turn
     finish_reason: str | None = None
     start: int = 0  # index in `Conversation.ids` where this message's tokens begin
+    said: bool = False  # an answer the app gave itself (`Conversation.say`), not the model
 
 
 def _content(msg: Message) -> Any:
@@ -244,7 +246,7 @@ class Conversation:
             self.memory.update({p + shift: v for p, v in old_memory.items() if m.start <= p < end})
             self.messages.append(Message("assistant", m.text, [], [*self.placed, *(
                 dataclasses.replace(r, position=r.position + shift)
-                for r in m.recalls if r.position >= m.start)], m.finish_reason, m.start + shift))
+                for r in m.recalls if r.position >= m.start)], m.finish_reason, m.start + shift, m.said))
 
     def _again(self, event: RecallEvent, ids: list[int], memory: dict[int, torch.Tensor]):
         """`build_inputs`'s `place` for a memory read in an earlier prompt: the same tokens and vectors, moved."""
@@ -293,21 +295,26 @@ class Conversation:
         yield from self.placed
         yield from self._run(inputs, len(self.ids), settings, context, interrupt_event, missed)
 
-    def say(self, text: str, images: Sequence[str], reply: str) -> Iterator[Event]:
+    def say(self, text: str, images: Sequence[str], reply: str, settings: GenerationSettings) -> Iterator[Event]:
         """Add a user message and an answer the app gives itself (the reply to a command, which the model is not
-        asked to write), streamed as the model's answers are: its tokens, then end of turn. The KV cache still
-        covers a prefix of the conversation; the next turn reads the rest."""
+        asked to write), streamed as the model's answers are: its tokens (at most `settings.max_new_tokens`), then
+        the end of turn. The KV cache still covers a prefix of the conversation; the next turn reads the rest."""
         self._settle()
         self.placed = []
         self.build_inputs(text, images)
+        yield from self._said(reply, settings)
+
+    def _said(self, reply: str, settings: GenerationSettings) -> Iterator[Event]:
         prompt_len, tok = len(self.ids), self.lm.tokenizer
-        ids = tok(reply, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [tok.eos_token_id]
-        for i in range(len(ids) - 1):  # (each token's text as the detokenizer of an answer gives it)
-            yield TokenEvent(0, ids[i], prompt_len + i, tok.decode(ids[:i + 1]).removeprefix(tok.decode(ids[:i])))
-        yield FinishEvent(0, "stop")
-        self.ids = self.ids + ids
-        self.messages.append(Message("assistant", reply, start=prompt_len, finish_reason="stop"))
-        yield DoneEvent(GenerationResult(torch.tensor([self.ids]), prompt_len, ["stop"], [], [dict(self.memory)]))
+        ids = tok(reply, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        reason = "length" if len(ids) > settings.max_new_tokens else "stop"
+        ids, detok = ids[:settings.max_new_tokens], Detokenizer(tok)
+        yield from (TokenEvent(0, t, prompt_len + i, detok.push(t)) for i, t in enumerate(ids))
+        yield FinishEvent(0, reason)
+        self.ids = self.ids + ids + [tok.eos_token_id]
+        text = tok.decode(ids, skip_special_tokens=True)
+        self.messages.append(Message("assistant", text, start=prompt_len, finish_reason=reason, said=True))
+        yield DoneEvent(GenerationResult(torch.tensor([self.ids]), prompt_len, [reason], [], [dict(self.memory)]))
 
     def regenerate(self, settings, recall, memory_db=None, interrupt_event=None) -> Iterator[Event]:
         """Drop the last answer and answer the last user message again."""
@@ -315,6 +322,9 @@ class Conversation:
             raise ValueError("there is no answer to regenerate")
         answer = self.messages.pop()
         self._truncate(answer.start)
+        if answer.said:  # the app's own answer to a command (done already): said again, the model is not asked
+            yield from self._said(answer.text, settings)
+            return
         self.placed = [r for r in answer.recalls if r.position < answer.start]  # read in the prompt: kept
         yield from self.placed
         context = self.recall(memory_db, recall, self.messages[-1].text if self.messages else "")
@@ -405,7 +415,7 @@ class Conversation:
                 enc = encode_with_images(tok, self.lm.image_processor, IMAGE_PAD, [path])
                 pixels.append((enc["pixel_values"], enc["image_grid_thw"]))
             messages.append(Message(m.role, m.text, paths, [RecallEvent(**r.model_dump()) for r in m.recalls],
-                                    m.finish_reason, m.start))
+                                    m.finish_reason, m.start, m.said))
         earlier = [(Message(m.role, m.text, written([decode_image(b, f"earlier.{i}.images.{k}")
                                                      for k, b in enumerate(m.images)]), [], m.finish_reason),
                     (m.text,) if m.role == "assistant" and m.text else ())  # (shown only, never read by the model)

@@ -8,8 +8,9 @@ temporary, fsync, rename) and only then published, so a crash or `kill -9` at an
 the memories in use, as they were before or as they are after. Each memory has a stable id (`m-` and 12 hex
 digits, in its metadata, kept across restarts) and the time it was written. A memory that supersedes another
 (a newer value of the same thing: `judge`) moves the older one to the bank's history (`info["history"]`: its text, when
-it was written and when it was superseded, by which id); the history is kept, never recalled. Deleting a
-person's last memory deletes the file, history included.
+it was written and when it was superseded, by which id); the history is kept, never recalled. A deleted memory
+takes the older values it superseded with it (`superseded_by`); deleting a person's last memory deletes the file,
+history included.
 """
 
 from __future__ import annotations
@@ -132,6 +133,16 @@ def chosen(entries: Iterable[dict], memory_ids: Sequence[str]) -> list[dict]:
     if missing := [i for i in memory_ids if i not in by_id]:
         raise KeyError(f"memory {missing[0]!r}: no such memory of yours")
     return [by_id[i] for i in memory_ids]
+
+
+def superseded_by(history: Iterable[dict], ids: Iterable[str]) -> set[str]:
+    """The ids of the history's entries that memories `ids` superseded, and those these superseded, on back: the
+    older values of what a person deletes, which go with it."""
+    history, chain, frontier = list(history), set(), set(ids)
+    while frontier:
+        frontier = {h["id"] for h in history if h.get("superseded_by") in frontier and h.get("id")} - chain
+        chain |= frontier
+    return chain
 
 
 def new_entry(**meta: Any) -> dict:
@@ -374,13 +385,17 @@ class PersonalMemory(Personal):
         return now.copy() if now is not None else make_bank()
 
     def remove(self, memory_ids: Sequence[str]) -> list[dict]:
-        """Delete memories by id (not kept in the history: the person asked them gone); the deleted entries.
-        An id that is not here raises `KeyError` naming it, and nothing is deleted."""
+        """Delete memories by id, and the older values they superseded (`superseded_by`: not kept in the history, the
+        person asked them gone); the deleted entries. An id that is not here raises `KeyError` naming it, and
+        nothing is deleted."""
         with self._writing() as now:
             gone = chosen(self.entries(), memory_ids)
             if gone:
                 bank = now.copy()
                 bank.remove([e["index"] for e in gone])
+                history = bank.info.get("history", [])
+                older = superseded_by(history, [e["id"] for e in gone])
+                bank.info = dict(bank.info, history=[h for h in history if h.get("id") not in older])
                 self._publish(bank)
             return gone
 

@@ -27,7 +27,7 @@ import torch
 from memory.bank import MemoryVectorDB
 from memory.milvus import MilvusBank, StoreError, StoreLayout
 from memory.personal import (
-    CLOSEST, Personal, Similar, as_entry, as_restored, chosen, judge, new_entry, newest_first, retired,
+    CLOSEST, Personal, Similar, as_entry, as_restored, chosen, judge, new_entry, newest_first, retired, superseded_by,
 )
 
 USER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")  # a user's name as a filter may quote it
@@ -115,12 +115,17 @@ class MilvusPersonal(Personal):
             return dict(meta, text=entry["text"])
 
     def remove(self, memory_ids: Sequence[str]) -> list[dict]:
-        """Delete memories by id (not kept in the history: the person asked them gone); the deleted entries.
-        An id that is not theirs raises `KeyError` naming it, and nothing is deleted."""
+        """Delete memories by id, and the older values they superseded (`superseded_by`: not kept in the history, the
+        person asked them gone); the deleted entries. An id that is not theirs raises `KeyError` naming it, and
+        nothing is deleted."""
         with self._lock:
             gone = chosen(self.entries(), memory_ids)
             if gone:
+                past = _entries(self._past)
+                older = superseded_by(past, [e["id"] for e in gone])
                 self._live.remove([e["index"] for e in gone])
+                if older:
+                    self._past.remove([h["index"] for h in past if h.get("id") in older])
             return gone
 
     def clear(self) -> int:

@@ -405,35 +405,66 @@ def test_an_import_nested_too_deep_is_refused_by_name(tiny_llama, tmp_path):
         svc.close()
 
 
-def test_a_forget_is_answered_with_what_it_did_and_the_conversation_goes_on_as_read_whole(tiny_llama, tmp_path):
-    """"Forget ..." is a command: the answer is the app's own, what was forgotten or why nothing was (the model was
-    asked before, and said "You haven't told me your dog's name."), streamed as an answer, and kept in the
-    conversation exactly: the next answer equals one of the same conversation read whole from its file."""
+def test_a_forget_is_answered_with_what_it_forgot_and_the_conversation_goes_on_as_read_whole(tiny_llama, tmp_path):
+    """A "forget ..." that forgot a memory is a command done: the answer is the app's own, what was forgotten (the
+    model was asked before, and said "You haven't told me your dog's name." with two no-memory notices), streamed
+    as an answer, cut at max_new_tokens as one, said again by Regenerate (the model would guess), and kept in the
+    conversation exactly: the next answer equals one of the same conversation read whole from its file. A "forget
+    ..." that forgot nothing ("Forget it, tell me a joke.") is answered by the model, as any message."""
     from chat.session import Conversation
     from chat.worker import Notice
     from decoding.events import FinishEvent, TokenEvent
 
     svc = started(config(tmp_path, "faiss"), tiny_llama)
-    s = svc.new_session("ada")
+    s, tok = svc.new_session("ada"), tiny_llama.tokenizer
+    whole = GenerationSettings(max_new_tokens=32)
+    answered = lambda events: ("".join(e.text for e in events if isinstance(e, TokenEvent)),  # noqa: E731
+                               [e.reason for e in events if isinstance(e, FinishEvent)])
     try:
         drain(svc.chat(s, "Remember that my dog is called Rex.", [], SHORT, RECALL).request)
-        for said, reply in [("Forget my dog.", "Forgot: The user's dog is called Rex."),
-                            ("Forget about my cat.", "Nothing to forget: you have not told me anything to "
-                                                     "remember yet")]:
-            events = drain(svc.chat(s, said, [], SHORT, RECALL).request)
-            assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == reply
-            assert [e.reason for e in events if isinstance(e, FinishEvent)] == ["stop"]
-            assert not [e for e in events if isinstance(e, Notice)]  # (no recall was looked for)
-            assert [(m.role, m.text) for m in s.conv.messages[-2:]] == [("user", said), ("assistant", reply)]
-            tok = tiny_llama.tokenizer  # (its tokens, then the end of turn, as an answer given as text)
-            assert s.conv.ids[s.conv.messages[-1].start:] == tok(reply)["input_ids"] + [tok.eos_token_id]
+        events = drain(svc.chat(s, "Forget my dog.", [], whole, RECALL).request)
+        reply = "Forgot: The user's dog is called Rex."
+        assert answered(events) == (reply, ["stop"]) and not [e for e in events if isinstance(e, Notice)]
+        assert [(m.role, m.text) for m in s.conv.messages[-2:]] == [("user", "Forget my dog."), ("assistant", reply)]
+        assert s.conv.ids[s.conv.messages[-1].start:] == tok(reply)["input_ids"] + [tok.eos_token_id]
         assert svc.run(my_memories, s) == []
-        whole = Conversation(tiny_llama)
-        whole.load_json(s.conv.to_json(), tmp_path)
-        assert whole.ids == s.conv.ids
+        ids = list(s.conv.ids)
+        assert answered(drain(svc.regenerate(s, whole, RECALL).request)) == (reply, ["stop"]) and s.conv.ids == ids
+
+        events = drain(svc.chat(s, "Forget it, tell me a joke.", [], SHORT, RECALL).request)
+        assert [e.note for e in events if isinstance(e, Remembered)] == [
+            "Nothing to forget: you have not told me anything to remember yet"]
+        assert not s.conv.messages[-1].said and answered(events)[1] == ["length"]  # (the model's 4 tokens)
+
+        drain(svc.chat(s, "Remember that my cat is called Tom.", [], SHORT, RECALL).request)
+        events = drain(svc.chat(s, "Forget my cat.", [], SHORT, RECALL).request)  # (4 tokens at most)
+        cut = tok.decode(tok("Forgot: The user's cat is called Tom.")["input_ids"][:4])
+        assert answered(events) == (cut, ["length"]) and s.conv.messages[-1].text == cut
+
+        whole_conv = Conversation(tiny_llama)
+        whole_conv.load_json(s.conv.to_json(), tmp_path)
+        assert whole_conv.ids == s.conv.ids and [m.said for m in whole_conv.messages] == [
+            m.said for m in s.conv.messages]
         drain(svc.chat(s, "Hello there.", [], SHORT, RECALL).request)
-        again = list(whole.stream("Hello there.", settings=SHORT, recall=RECALL))
-        assert whole.ids == s.conv.ids and whole.messages[-1].text == s.conv.messages[-1].text
-        assert again  # (the answer was decoded: its tokens are the ids compared)
+        assert list(whole_conv.stream("Hello there.", settings=SHORT, recall=RECALL))
+        assert whole_conv.ids == s.conv.ids and whole_conv.messages[-1].text == s.conv.messages[-1].text
+    finally:
+        svc.close()
+
+
+def test_with_remember_off_a_forget_is_told_it_changed_nothing(tiny_llama, tmp_path):
+    """(The model answered "Forget about my sister." with "Your sister is called Lena.", and nothing said that
+    messages change no memory with `memory.remember: off`.)"""
+    from chat.worker import Notice
+
+    svc = started(config(tmp_path, "faiss", "memory.remember=off"), tiny_llama)
+    s = svc.new_session("ada")
+    try:
+        svc.run(remember, s, "My sister is called Lena.")
+        events = drain(svc.chat(s, "Forget about my sister.", [], SHORT, RECALL).request)
+        assert any("memory.remember: off): nothing was forgotten" in e.text for e in events if isinstance(e, Notice))
+        assert [m["text"] for m in svc.run(my_memories, s)] == ["The user's sister is called Lena."]
+        events = drain(svc.chat(s, "What is my sister's name?", [], SHORT, RECALL).request)
+        assert not any("memory.remember" in e.text for e in events if isinstance(e, Notice))
     finally:
         svc.close()

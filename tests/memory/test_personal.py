@@ -87,6 +87,23 @@ def test_deletes_are_by_id_and_an_unknown_id_deletes_nothing(stores):
     assert mine.clear() == 1 and len(stores("ada", restart=True)) == 0
 
 
+def test_a_deleted_memory_takes_the_older_values_it_superseded_with_it(stores):
+    """"Forget my bank PIN." deleted the PIN 2222 and kept "The user's bank PIN is 1111." in the file's history (and
+    in the About-you export): the person asked the PIN gone. Another memory's history stays."""
+    mine = stores("ada")
+    mine.add(key(1, 0, 0), None, "The user's bank PIN is 0000.", make_bank=empty)
+    mine.add(key(1, 0.05, 0), None, "The user's bank PIN is 1111.", make_bank=empty)  # (supersedes 0000)
+    pin, _ = mine.add(key(1, 0.1, 0), None, "The user's bank PIN is 2222.", make_bank=empty)  # (supersedes 1111)
+    mine.add(key(0, 0, 1), None, "The user's dog is called Rex.", make_bank=empty)
+    mine.add(key(0, 0.05, 1), None, "The user's dog is called Max.", make_bank=empty)
+    assert sorted(h["text"] for h in mine.history) == ["The user's bank PIN is 0000.", "The user's bank PIN is 1111.",
+                                                       "The user's dog is called Rex."]
+    assert [e["id"] for e in mine.remove([pin["id"]])] == [pin["id"]]
+    for m in (mine, stores("ada", restart=True)):
+        assert [h["text"] for h in m.history] == ["The user's dog is called Rex."]
+        assert [e["text"] for e in m.entries()] == ["The user's dog is called Max."]
+
+
 def test_restore_puts_a_superseded_or_forgotten_memory_back_as_it_was(stores):
     mine = stores("ada")
     rex, _ = mine.add(key(1, 0, 0), None, "The user's dog is called Rex.", make_bank=empty, source="chat")
