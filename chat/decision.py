@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 from models.remember import about_the_user, asks, is_request
 
-REMEMBER = re.compile(r"^\s*(?:please\s*,?\s+)?(?:remember|note|keep in mind)(?:\s+that)?(?:\s*[,:]\s*|\s+)"
-                      r"(?P<what>.+?)\s*$", re.I | re.S)
-FORGET = re.compile(r"^\s*(?:please\s*,?\s+)?forget(?:\s+(?:that|about|what i said about|what i told you about))?"
-                    r"\s*[,:]?\s+(?P<what>.+?)\s*$", re.I | re.S)
+REMEMBER = re.compile(r"^\s*(?:please\s*,?\s+)?(?:remember|note|keep in mind|don['’]?t forget|do not forget)"
+                      r"(?:\s+that)?(?:\s*[,:]\s*|\s+)(?P<what>.+?)\s*$", re.I | re.S)
+FORGET = re.compile(r"^\s*(?:(?:can|could|would|will) you\s+)?(?:please\s*,?\s+)?forget"
+                    r"(?:\s+(?:that|about|what i said about|what i told you about))?\s*[,:]?\s+(?P<what>.+?)\s*$",
+                    re.I | re.S)
 # "Forget X" forgets the memory X is about, and none when no memory is (`to_forget`); measured on held-out requests
 # by bench/memory_commands.py (docs/benchmarks.md, "Forget"): the top-1 at 0.5 it replaces forgot a memory for about a
 # third of the requests about something never told ("Forget about my brother." forgot the sister)
@@ -69,7 +70,7 @@ def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> 
     if mode == "off" or not text:
         return Decision()
     if m := FORGET.match(text):
-        return Decision(forget=m["what"].rstrip(".!"))
+        return Decision(forget=m["what"].rstrip(".!?"))
     if (m := REMEMBER.match(text)) and refusal(m["what"]) is None:
         return Decision(write=about_the_user(m["what"]))
     if mode == "auto" and wants is not None and wants(text):

@@ -113,6 +113,9 @@ def test_without_a_users_file_there_is_one_local_user_and_the_shared_key_still_w
     ("Remember I really like jazz", "The user really likes jazz."),
     ("remember that I\u2019ve got two cats", "The user has got two cats."),
     ("Remember that the ferry leaves at seven", "The ferry leaves at seven."),
+    # (written as "Don't forget that the user's dog is called Rex.")
+    ("Don't forget that my dog is called Rex.", "The user's dog is called Rex."),
+    ("Please do not forget: I work nights.", "The user works nights."),
 ])
 def test_remember_writes_what_follows_about_the_user(said, written):
     assert decide(said, "explicit").write == written
@@ -159,6 +162,10 @@ def test_questions_and_chit_chat_write_nothing(said):
 
 def test_forget_names_what_to_forget():
     assert decide("Forget about my dog.", "explicit").forget == "my dog"
+    # (asked politely, these were not commands: the model answered "Your dog is called Rex.")
+    assert decide("Can you forget my dog?", "explicit").forget == "my dog"
+    assert decide("Could you please forget where I live?", "explicit").forget == "where I live"
+    assert decide("Do you forget things?", "explicit") == decide("", "explicit")
     assert about_the_user("my dog") == "The user's dog."
 
 
