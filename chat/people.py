@@ -48,6 +48,8 @@ from models.remember import WriteDecision, about_the_user
 
 CARRIED = ".carried.json"  # in a user's folder: {memory file: the earlier model's file it was filled from}
 log = logging.getLogger(__name__)
+EVERYTHING = re.compile(r"(?:everything|all)(?:\s+(?:of it|of them|of my memories|my memories|you know|about me))*"
+                        r"\s*$", re.I)  # "forget everything (you know about me)"
 
 def message_query(lm: LoadedModel, text: str) -> torch.Tensor:
     """The write decision's input, the message's own embedding, made with the memory head's query of the message
@@ -283,6 +285,9 @@ class People:
         pick = to_forget(what, [e["text"] for _, e in found], [sc for sc, _ in found], fits,
                          check.threshold if check is not None else 0.5)
         if pick is None:
+            if EVERYTHING.match(what):  # (one memory at a time here: all of them is a button, and a confirmation)
+                return Remembered(note="Nothing forgotten: a message forgets one memory; to forget all of yours, "
+                                       "use Forget everything under About you (or DELETE /v1/memories)")
             shown = what if len(what) <= 80 else what[:80] + "…"  # (a whole long message said back is noise)
             return Remembered(note=f"Nothing to forget: no memory of yours is about {shown!r}")
         return Remembered(forgotten=tuple(memory.remove([found[pick][1]["id"]])))

@@ -54,6 +54,14 @@ def test_forgetting_something_never_told_forgets_nothing(smollm2, told, said):
     assert texts(told, smollm2) == sorted([CAT, BAKER, SISTER])
 
 
+def test_forgetting_everything_in_a_message_says_where_all_memories_are_forgotten(smollm2, told):
+    """("forget everything you know about me" said "Nothing to forget", with no word of how to.)"""
+    for said in ("Forget everything you know about me.", "forget all of it"):
+        done = told.forget(smollm2, "ada", decide(said, "explicit").forget)
+        assert done.forgotten == () and "use Forget everything under About you" in done.note
+    assert texts(told, smollm2) == sorted([CAT, BAKER, SISTER])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("said,gone", [("Forget about my cat.", CAT), ("Forget where I work.", BAKER),
                                        ("Forget my sister's name.", SISTER), ("Forget about Whiskers.", CAT),
