@@ -102,8 +102,8 @@ def sessions(mb: ModelBench) -> dict:
         out.update(_sessions_at_once(mb, svc, counts))
         single = graph.attached(mb.model)
         if single is not None and single.ready.is_set():
-            # the other policy, side by side: every answer a row (a round runs the single-row step's replay and
-            # the rows' one after the other while both serve answers)
+            # the other policy, side by side: every answer a row (one session too; answers in progress together are
+            # rows under both)
             single.ready.clear()
             before = rows.replays
             try:

@@ -9,11 +9,10 @@ repeats; TTFT = T(1). A recall = the memory head's exact search over 10k / 100k 
 the forward of 16 `<|memory_pad|>` slots and `</recall>` (one wide replay), in decode steps of the graph step.
 Rows: B rows of one request (equal lengths), aggregate tokens/s. Sessions: 1 / 8 / 32 / 64 chat sessions at once
 through the chat service as a server runs it (`chat.service.Service` over this model with the graph step and the
-graph rows attached (`decoding/graph_rows.py`, as many rows as the most sessions): the worker's rounds, one answer on
-the single-row step and the others as rows of the second, one replay a step for all of them), each a greedy
-answer of --tokens to its own question; aggregate tokens/s from the first submission to the last answer's end,
-and the ratio to one session; then the same with every answer a row ("rows only": while both steps serve answers a
-round runs their replays one after the other). The bound is the weights' bytes over the
+graph rows attached (`decoding/graph_rows.py`, as many rows as the most sessions): the worker's rounds, an answer
+alone on the single-row step, answers in progress together as rows of the second, one replay a step for all of
+them), each a greedy answer of --tokens to its own question; aggregate tokens/s from the first submission to the last
+answer's end, and the ratio to one session; then the same with every answer a row ("rows only": one session too). The bound is the weights' bytes over the
 card's memory bandwidth (H200 4.8 TB/s, H100 3.35 TB/s). The measures run in three phases, each for every model
 before the next (the batch-1 step: plain, its kernels, fused, and frozen with --frozen; the sessions and a recall, its
 kernels at the largest bank; the rest). Every measure runs in its own try/except and is skipped once the time budget is

@@ -252,6 +252,7 @@ class Worker(Runner):
                 if self._closed and not self.running and not self._pending:
                     return
             self._start_waiting(generators)
+            self.batch.concurrent = len(generators)  # (an answer alone takes the single-row graph step; else rows)
             with self._cond:
                 turn = list(self.running)
             for r in turn:  # each to its next decode step (or one event), in turn

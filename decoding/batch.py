@@ -70,6 +70,8 @@ class Batch:
         self.width = 0  # columns written
         self.forwards = 0  # batched forwards run, and the rows they carried (for measuring)
         self.rows_run = 0
+        self.concurrent = 0  # requests in progress beside one another (set by the chat's worker each round): an
+        # answer alone may take the single-row graph step; with others, the graph rows (`Engine.stream`)
 
     def step(self, req, embeds: torch.Tensor, position: torch.Tensor) -> Generator[Step, None, tuple]:
         """`yield from` in a request's decode loop: (hidden [1, H], logits [1, V]) of its next position."""
