@@ -28,8 +28,8 @@ from chat.reading import recall_context
 from chat.worker import Request
 from chat.users import LOCAL
 from decoding.engine import Engine, Prompt, Recall, cache_length, cut_cache, memory_now
-from decoding.request import Detokenizer
 from decoding.events import DoneEvent, Event, FinishEvent, GenerationResult, RecallEvent, TokenEvent
+from decoding.request import Detokenizer
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import MemoryVectorDB
 from models import LoadedModel
