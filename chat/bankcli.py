@@ -19,12 +19,15 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from chat.config import MemoryConfig
+from chat.inputs import memory_lines, no_questions
 from memory import BankError, MemoryVectorDB
+from memory.files import FORMATS
 
 
 _JSON_TYPES = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
@@ -38,7 +41,7 @@ def _read_text(path: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = len((data[:e.start].decode("utf-8") + "x").splitlines())  # (lines counted as read_memories does)
+        line = len(re.split(r"\r\n|\r|\n", data[:e.start].decode("utf-8")))  # (counted as `memory_lines` does)
         raise ValueError(f"{path.name} line {line}: expected UTF-8 text, got byte 0x{data[e.start]:02x}; "
                          "save the file as UTF-8") from None
 
@@ -46,14 +49,13 @@ def _read_text(path: Path) -> str:
 def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None, list[int]]:
     """Texts (and metadata) from a .txt (one memory per non-empty line) or .jsonl ({"text", "metadata"?}), and the
     line of the file each came from."""
-    lines = _read_text(path).splitlines()
-    numbers = [number for number, line in enumerate(lines, 1) if line.strip()]
+    numbered = memory_lines(_read_text(path))
+    numbers = [number for number, _ in numbered]
     if path.suffix.lower() == ".txt":
-        texts, metadata = [lines[n - 1].strip() for n in numbers], None
+        texts, metadata = [line for _, line in numbered], None
     elif path.suffix.lower() == ".jsonl":
         texts, metadata = [], []
-        for number in numbers:
-            line = lines[number - 1]
+        for number, line in numbered:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -73,6 +75,7 @@ def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None, list
                          f"got {path.suffix or 'no extension'!r}")
     if not texts:
         raise ValueError(f"{path.name}: expected at least one memory, got none")
+    no_questions(list(zip(numbers, texts)), path.name)
     return texts, metadata, numbers
 
 
@@ -93,7 +96,10 @@ def _load_model(args: argparse.Namespace, values: str = "auto", layer: int = -1,
 
 
 def _check_folder(out: str) -> None:
-    """Refuse an output file whose folder is not there, before any work (the file is written last)."""
+    """Refuse an output file of another type or whose folder is not there, before any work (it is written last)."""
+    if Path(out).suffix.lower() not in FORMATS:
+        raise ValueError(f"{Path(out).name}: expected a memory bank file ending in .pt, .safetensors or .npy, got "
+                         f"{Path(out).suffix or 'no extension'!r}")
     folder = Path(out).parent
     if not folder.is_dir():
         raise ValueError(f"{folder}: expected an existing folder for the output, got "

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from chat.config import Config, MemoryConfig
+from chat.inputs import memory_lines, no_questions
 from chat.session import Session
 from chat.textsearch import TextSearch
 from chat.worker import Request, ServiceError, Worker, describe
@@ -31,6 +32,7 @@ from models.vision import IMAGE_PAD, VISION_END, VISION_START, encode_with_image
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EXAMPLE_MEMORIES = ASSETS / "example_memories.txt"
 BANK_TYPES = (".pt", ".safetensors", ".npy")
+MAX_WRITE = 500  # the most memories one write of the page adds (it holds the model worker, as an import: limits.md)
 
 
 MAX_ID = 2 ** 62
@@ -79,8 +81,8 @@ class Written(list):
         self.skipped = skipped
 
     def __str__(self) -> str:
-        written = f"{len(self)} {'memory' if len(self) == 1 else 'memories'} {list.__repr__(self)}" if self else \
-            "nothing"
+        ids = list.__repr__(self) if len(self) <= 8 else f"[{', '.join(map(str, self[:5]))}, ..., {self[-1]}]"
+        written = f"{len(self)} {'memory' if len(self) == 1 else 'memories'} {ids}" if self else "nothing"
         return f"{written}; {self.skipped} already in the bank" if self.skipped else written
 
 
@@ -179,6 +181,7 @@ class Banks:
             raise ServiceError(f"{name}: expected at most {cap} memories (memory.max_memories_per_session), "
                                f"got {len(db)}; the current bank is kept")
         s.own_bank, s.own_label, s.bank_use = db, f"your upload {name}", "own"
+        s.bank_chosen += 1
         return db
 
     def use(self, s: Session, which: str) -> None:
@@ -188,18 +191,18 @@ class Banks:
             raise ServiceError("the example bank is not built yet: press Build example bank")
         if which == "own" and s.own_bank is None:
             raise ServiceError("this session has no bank of its own: upload one or write memories")
-        s.bank_use = which
+        s.bank_use, s.bank_chosen = which, s.bank_chosen + 1
 
     def build_example(self, s: Session) -> Request:
         """Queue building the example bank (once per server) and switching this session to it."""
         def run(_: threading.Event) -> int:
             if self.example is None:
-                lines = [ln.strip() for ln in EXAMPLE_MEMORIES.read_text().splitlines() if ln.strip()]
+                lines = [line for _, line in memory_lines(EXAMPLE_MEMORIES.read_text())]
                 db = self.empty(self._model())
                 db.add(*self._encode_texts(lines, lines))
                 db.info["source"] = EXAMPLE_MEMORIES.name
                 self.example = db
-            s.bank_use = "example"
+            s.bank_use, s.bank_chosen = "example", s.bank_chosen + 1
             return len(self.example)
 
         return self.worker.submit(Request("build_example_bank", run, s.id))
@@ -207,12 +210,24 @@ class Banks:
     def write(self, s: Session, text: str, images: Sequence[str] = ()) -> Request:
         """Queue encoding typed memories (one a line) and images, and adding them to this session's bank; a line
         whose text a memory of the bank already has is not written again (`Written.skipped`)."""
-        lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
-        images = [str(p) for p in images or ()]
+        numbered, images = memory_lines(text or ""), [str(p) for p in images or ()]
+        lines = [line for _, line in numbered]
         if not lines and not images:
             raise ServiceError("type the memories to write, one a line (or attach images)")
+        if len(lines) + len(images) > MAX_WRITE:
+            raise ServiceError(f"expected at most {MAX_WRITE} memories in one write (it holds the model, and every "
+                               f"user's chat waits for it), got {len(lines) + len(images)}; write them in parts, or "
+                               "build a bank with recall-memory build and upload it; nothing was written")
+        try:
+            no_questions(numbered, "the memories typed:")
+        except ValueError as e:
+            raise ServiceError(str(e)) from None
+        chosen = s.bank_chosen  # (an upload while the write waits replaces the bank: the write is refused, not lost)
 
         def run(_: threading.Event) -> Written:
+            if s.bank_chosen != chosen:
+                raise ServiceError("the session's bank changed while the memories waited to be written (an upload, "
+                                   "or another bank chosen): nothing was written; write them again")
             lm = self._model()
             if images and not lm.is_vision:
                 raise ServiceError(f"{lm.name} reads text only: memories from images need a vision-language "

@@ -11,6 +11,8 @@ import base64
 import binascii
 import io
 import math
+import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Callable, Literal
@@ -254,3 +256,28 @@ def _short(text: str, width: int = 60, tail: bool = False) -> str:
     if len(text) <= width:
         return repr(text)
     return repr("..." + text[3 - width:]) if tail else repr(text[:width - 3] + "...")
+
+
+_BLANK = {"Cc", "Cf", "Zs", "Zl", "Zp"}  # characters that show nothing: controls, zero-width, spaces, separators
+
+
+def memory_lines(text: str) -> list[tuple[int, str]]:
+    """A bank's memories typed or read one a line: (the line's number from 1, its text stripped). Lines end at a
+    new line only (\\n, \\r\\n, \\r: a form feed or U+2028 inside a line stays in it); a line that shows nothing
+    (blank, zero-width or control characters only) is no memory."""
+    lines = re.split(r"\r\n|\r|\n", text)
+    return [(n, line.strip()) for n, line in enumerate(lines, 1)
+            if any(unicodedata.category(ch) not in _BLANK for ch in line)]
+
+
+def no_questions(numbered: list[tuple[int, str]], source: str) -> None:
+    """A bank's memories are the facts questions are answered from: a ValueError naming the lines that are
+    questions (ending in "?"), which a search for the same question finds first and reads instead of the fact."""
+    asked = [(n, t) for n, t in numbered if t.rstrip().endswith("?")]
+    if asked:
+        n, t = asked[0]
+        lines = ", ".join(str(k) for k, _ in asked[:5]) + (" and more" if len(asked) > 5 else "")
+        raise ValueError(f"{source} line{'s' if len(asked) > 1 else ''} {lines}: expected statements (a bank holds "
+                         f"the facts a question is answered from), got {len(asked)} question(s), first "
+                         f"{t[:60]!r}; nothing was written")
+

@@ -130,7 +130,7 @@ class Service(SessionService):
         self.settle(s)
         with s.lock:
             s.conv = None  # its KV cache and memory vectors
-            s.own_bank, s.bank_use = None, "shared"
+            s.own_bank, s.bank_use, s.bank_chosen = None, "shared", s.bank_chosen + 1
             s.active = []
 
     def conversation(self, s: Session) -> Conversation:

@@ -436,6 +436,8 @@ class Session:
     bank_use: str = "shared"  # shared | example | own
     own_bank: MemoryVectorDB | None = None
     own_label: str = ""
+    bank_chosen: int = 0  # counts the choices of its bank (an upload, a bank chosen): a write queued before one is
+    # refused, not made to the bank it no longer uses (`chat.banks.Banks.write`)
     active: list[Request] = field(default_factory=list)  # the answers it runs or waits for
     last_speed: float | None = None
     last_plot: tuple | None = None  # how the last answer was decoded: ("entropy" | "mixture", data...), see chat.view

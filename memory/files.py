@@ -98,6 +98,10 @@ def _from_pt(obj: Any, name: str) -> BankData:
         info = obj.get("info") or {}
         if not isinstance(info, dict):
             raise BankError(f"{name}: expected 'info' as a dict, got {type(info).__name__}")
+        try:  # (saved as JSON in a .safetensors: a tensor there failed the download, after it was accepted)
+            json.dumps(info)
+        except (TypeError, ValueError) as e:
+            raise BankError(f"{name}: expected 'info' of JSON values (text, numbers, lists, dicts), got {e}") from None
         values, offsets = _value_pair(obj.get("values"), obj.get("value_offsets"), name)
         return BankData(emb, obj.get("texts"), obj.get("metadata"), info, values, offsets)
     raise BankError(

@@ -199,3 +199,22 @@ def test_cli_with_embedded_smollm2(tmp_path, smollm2_dir):
     shown = subprocess.run([*cli, "show", str(bank)], **env_run)
     assert "3 memories, tokens values (token ids)" in shown.stdout and "keys of dimension 384" in shown.stdout
     assert '"model": "SmolLM2-135M-Instruct + recall-smollm2"' in shown.stdout  # the shipped adapter's encoder
+
+
+def test_build_reads_one_memory_a_line_refuses_questions_and_checks_the_output_first(tmp_path, tiny_dir, capsys):
+    """A form feed or U+2028 inside a line split it in two (and shifted the line numbers of errors); a line of
+    zero-width or control characters was a memory; a question was a memory that a search for the same question read
+    instead of the fact; an output of another type was refused after every line was encoded (41 s for 5,250)."""
+    src = tmp_path / "odd.txt"
+    src.write_text("Line with a form\x0cfeed inside.\r\nOne\u2028Two.\n\u200b\n\x00\nThe ferry leaves at seven.\n")
+    bank = tmp_path / "odd.pt"
+    code, out, err = run(capsys, "build", src, bank, "--model", tiny_dir, "--values", "state")
+    assert code == 0, err
+    assert MemoryVectorDB.load(bank).texts() == ["Line with a form\x0cfeed inside.", "One\u2028Two.",
+                                                 "The ferry leaves at seven."]
+    src.write_text("Zorbel Quint is the harbour master.\n\nWho is the harbour master of Tessaly?\n")
+    code, _, err = run(capsys, "build", src, tmp_path / "q.pt", "--model", tiny_dir, "--values", "state")
+    assert code == 2 and "odd.txt line 3: expected statements" in err and "'Who is the harbour master" in err
+    assert not (tmp_path / "q.pt").exists()
+    code, _, err = run(capsys, "build", src, tmp_path / "bank.txt2", "--model", tmp_path / "no-such-model")
+    assert code == 2 and "bank.txt2: expected a memory bank file ending in .pt, .safetensors or .npy" in err

@@ -60,8 +60,8 @@ def test_bare_vectors_of_the_key_encoders_size_are_told_where_keys_go(tmp_path, 
     does not say that keys of that size are read from a bank's `embeddings` beside its values (at an upload and at
     the start); a bare tensor of another size is not told so."""
     torch.save(torch.randn(3, 384), tmp_path / "keys.pt")
-    note = ("(the model SmolLM2-135M-Instruct + recall-smollm2 has hidden size 576; 384 is the size of its text keys, which a bank "
-            "holds as a dict with `embeddings`")
+    note = ("(the model SmolLM2-135M-Instruct + recall-smollm2 has hidden size 576; 384 is the size of its text keys, "
+            "which a bank holds as a dict with `embeddings`")
     svc = Service(config(), smollm2)
     try:
         with pytest.raises(ServiceError) as info:
@@ -70,8 +70,8 @@ def test_bare_vectors_of_the_key_encoders_size_are_told_where_keys_go(tmp_path, 
         assert str(info.value).endswith("; the current bank is kept")
         with pytest.raises(ServiceError) as info:
             svc.banks.upload(svc.new_session(), bank_file(tmp_path / "other.pt", 100))
-        assert str(info.value).endswith("got dimension 100 (the model SmolLM2-135M-Instruct + recall-smollm2 has hidden size 576); "
-                                        "the current bank is kept")
+        assert str(info.value).endswith("got dimension 100 (the model SmolLM2-135M-Instruct + recall-smollm2 has "
+                                        "hidden size 576); the current bank is kept")
     finally:
         svc.close()
     with pytest.raises(ServiceError) as info:  # (a service given its model loads the shared bank as it is made)
@@ -96,6 +96,37 @@ def test_a_line_already_in_the_bank_is_not_written_again(service):
     assert twice == [3] and twice.skipped == 1 and len(bank) == 4
     found = [hit["text"] for hit in service.banks.find(s, "When does the ferry leave?", 3)]
     assert found.count("The ferry leaves at seven.") == 1
+
+
+def test_a_write_is_refused_whole_when_too_big_a_question_or_its_bank_was_replaced_while_it_waited(service, tmp_path):
+    """Three ways a write lost memories or held everyone: an upload while a write waited made the write go to the
+    bank no longer used (it said "wrote 300 memories", the bank had none of them); a paste of 6,000 lines held the
+    model for 30 s, every user's chat waiting; a question was kept as a memory, and read instead of the fact."""
+    import threading
+
+    from chat.banks import MAX_WRITE
+    from chat.worker import Request
+
+    s = service.new_session()
+    with pytest.raises(ServiceError, match=f"expected at most {MAX_WRITE} memories in one write .* got 501"):
+        service.banks.write(s, "\n".join(f"Fact number {i}." for i in range(501)))
+    with pytest.raises(ServiceError, match="lines 2, 3: expected statements .* 'Who keeps bees in Holloway\\?'"):
+        service.banks.write(s, "Oda keeps bees.\nWho keeps bees in Holloway?\nWhere is it? ")
+    assert service.banks.of(s) is None  # nothing written
+    typed = result(service.banks.write(s, "One\u2028Two.\n\u200b\nThree\x0cFour."))  # (a line each, the blank none)
+    assert service.banks.of(s).texts() == ["One\u2028Two.", "Three\x0cFour."] and len(typed) == 2
+
+    held, go = threading.Event(), threading.Event()
+    service.worker.submit(Request("hold", lambda _: held.set() or go.wait(30), None))  # (the write waits behind it)
+    assert held.wait(30)
+    waiting = service.banks.write(s, "The ferry leaves at seven.")
+    uploaded = service.banks.upload(s, bank_file(tmp_path / "up.pt", 64))
+    go.set()
+    with pytest.raises(ServiceError, match="bank changed while the memories waited to be written .* nothing was "
+                                           "written"):
+        result(waiting)
+    assert service.banks.of(s) is uploaded and uploaded.texts() == ["fact 0", "fact 1", "fact 2"]
+    assert result(service.banks.write(s, "The ferry leaves at seven.")) == [3]  # (written again: to the new bank)
 
 
 def test_writes_skip_the_lines_of_a_shared_bank_and_stay_all_or_nothing(service, tiny_llama):

@@ -251,6 +251,9 @@ def test_truncated_pt(tmp_path):
     ([torch.ones(8), torch.ones(2, 8)], r"expected a list of 1-D \[D\] tensors, got shape \(2, 8\) at item 1"),
     ("just a string", "expected a tensor .*, got str"),
     (torch.ones(2, 8, dtype=torch.int64), "expected floating-point vectors, got dtype torch.int64"),
+    # (accepted, then its .safetensors download failed: the info is saved there as JSON)
+    ({"embeddings": torch.ones(2, 8), "info": {"x": torch.zeros(2)}},
+     "expected 'info' of JSON values .* Tensor is not JSON serializable"),
 ])
 def test_unknown_layout(tmp_path, obj, message):
     with pytest.raises(BankError, match=message):
