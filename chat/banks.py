@@ -99,8 +99,10 @@ def texts_in(bank: MemoryVectorDB | MilvusBank, lines: Sequence[str]) -> set[str
 
 def dimension_note(lm: LoadedModel, e: DimensionError) -> str:
     """What a dimension refusal adds: the model's hidden size, and where vectors of its key encoder's size go."""
-    note = f"the model {lm.name} has hidden size {lm.hidden_size}"
     key_dim = lm.bank_check().key_dim
+    if e.expected is not None and e.expected == key_dim != lm.hidden_size:  # (the keys of a bank with values)
+        return f"the model {lm.name} reads keys of dimension {key_dim}, its text key encoder's"
+    note = f"the model {lm.name} has hidden size {lm.hidden_size}"
     if e.got is not None and e.got == key_dim and key_dim != lm.hidden_size:
         note += (f"; {key_dim} is the size of its text keys, which a bank holds as a dict with `embeddings` (the "
                  "keys) beside the memories' `values`, as `recall-memory build` writes it (docs/memory.md, Files)")

@@ -19,11 +19,12 @@ class BankError(ValueError):
 
 
 class DimensionError(BankError):
-    """A bank whose vectors are not of the dimension expected of them (a bank of another model); `got`: theirs."""
+    """A bank whose vectors are not of the dimension expected of them (a bank of another model): `got` theirs,
+    `expected` the model's."""
 
-    def __init__(self, message: str, got: int | None = None):
+    def __init__(self, message: str, got: int | None = None, expected: int | None = None):
         super().__init__(message)
-        self.got = got
+        self.got, self.expected = got, expected
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ def prepare_vectors(
     if d == 0:
         raise BankError(f"{source}: expected vectors of dimension > 0, got shape {tuple(raw.shape)}")
     if expected_dim is not None and d != expected_dim:
-        raise DimensionError(f"{source}: expected vectors of dimension {expected_dim}, got dimension {d}", d)
+        raise DimensionError(f"{source}: expected vectors of dimension {expected_dim}, got dimension {d}", d,
+                             expected_dim)
     norms = np.empty(n, dtype=np.float64)
     step = _chunk_rows(d)
     for s in range(0, n, step):

@@ -72,6 +72,13 @@ def test_bare_vectors_of_the_key_encoders_size_are_told_where_keys_go(tmp_path, 
             svc.banks.upload(svc.new_session(), bank_file(tmp_path / "other.pt", 100))
         assert str(info.value).endswith("got dimension 100 (the model SmolLM2-135M-Instruct + recall-smollm2 has "
                                         "hidden size 576); the current bank is kept")
+        torch.save({"embeddings": torch.randn(2, 100), "values": torch.tensor([5, 6, 7]),
+                    "value_offsets": torch.tensor([0, 1, 3])}, tmp_path / "keys100.pt")  # (keys of a bank with values)
+        with pytest.raises(ServiceError) as info:  # (it said "has hidden size 576", which is not what is wrong)
+            svc.banks.upload(svc.new_session(), tmp_path / "keys100.pt")
+        assert str(info.value) == ("keys100.pt: expected vectors of dimension 384, got dimension 100 (the model "
+                                   "SmolLM2-135M-Instruct + recall-smollm2 reads keys of dimension 384, its text key "
+                                   "encoder's); the current bank is kept")
     finally:
         svc.close()
     with pytest.raises(ServiceError) as info:  # (a service given its model loads the shared bank as it is made)
