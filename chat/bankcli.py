@@ -67,6 +67,8 @@ def read_memories(path: Path) -> tuple[list[str], list[dict | None] | None, list
             if meta is not None and not isinstance(meta, dict):
                 raise ValueError(f"{path.name} line {number}: expected 'metadata' as a JSON object (or left out), "
                                  f"got {_JSON_TYPES.get(type(meta), type(meta).__name__)}")
+            if not any(ch.strip() for ch in obj["text"]):  # (refused later as "rows [2]", counted from 0)
+                raise ValueError(f"{path.name} line {number}: expected a 'text' to remember, got {obj['text']!r}")
             texts.append(obj["text"])
             metadata.append(meta)
         metadata = metadata if any(m is not None for m in metadata) else None
@@ -112,6 +114,14 @@ def cmd_build(args: argparse.Namespace) -> None:
     source = Path(args.input)
     _check_folder(args.out)
     texts, metadata, numbers = read_memories(source)
+    seen: set[str] = set()  # (a line given twice is one memory, as the page's Write to bank keeps it)
+    keep = [i for i, t in enumerate(texts) if not (t in seen or seen.add(t))]
+    if len(keep) < len(texts):
+        again = [numbers[i] for i in sorted(set(range(len(texts))) - set(keep))]
+        print(f"{len(again)} line(s) repeat an earlier one and are kept once: line(s) "
+              f"{', '.join(map(str, again[:10]))}{' ...' if len(again) > 10 else ''}")
+        texts, numbers = [texts[i] for i in keep], [numbers[i] for i in keep]
+        metadata = None if metadata is None else [metadata[i] for i in keep]
     loaded = _load_model(args, args.values, args.layer, args.pooling)
     if Path(args.out).suffix.lower() == ".npy" and loaded.encoder.values.keyed:  # (refused at the save: after the work)
         raise ValueError(f"{Path(args.out).name}: a .npy bank holds one vector a memory, and these memories have "
@@ -137,7 +147,8 @@ def describe(db: MemoryVectorDB) -> str:
         return f"one vector of dimension {db.dim} each (key = value)"
     slots = [e["slots"] for e in db.entries(0, len(db))]
     what = "values (token ids)" if db.token_values else f"values of dimension {db.value_dim}"
-    return (f"{db.info.get('values', 'values')} {what}, {min(slots)}-{max(slots)} slots, keys of dimension {db.dim} "
+    kind = db.info.get("values")  # (none in a bank written elsewhere: "values values" was shown)
+    return (f"{f'{kind} ' if kind else ''}{what}, {min(slots)}-{max(slots)} slots, keys of dimension {db.dim} "
             f"({db.info.get('keys')}), {db.bytes_per_memory() / 1024:.1f} KB a memory in RAM")
 
 

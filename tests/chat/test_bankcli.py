@@ -206,10 +206,11 @@ def test_build_reads_one_memory_a_line_refuses_questions_and_checks_the_output_f
     zero-width or control characters was a memory; a question was a memory that a search for the same question read
     instead of the fact; an output of another type was refused after every line was encoded (41 s for 5,250)."""
     src = tmp_path / "odd.txt"
-    src.write_text("Line with a form\x0cfeed inside.\r\nOne\u2028Two.\n\u200b\n\x00\nThe ferry leaves at seven.\n")
+    src.write_text("Line with a form\x0cfeed inside.\r\nOne\u2028Two.\n\u200b\n\x00\nThe ferry leaves at seven.\n"
+                   "One\u2028Two.\n")  # (and a line again: kept once, as the page's write keeps it)
     bank = tmp_path / "odd.pt"
     code, out, err = run(capsys, "build", src, bank, "--model", tiny_dir, "--values", "state")
-    assert code == 0, err
+    assert code == 0 and "1 line(s) repeat an earlier one and are kept once: line(s) 6" in out, err
     assert MemoryVectorDB.load(bank).texts() == ["Line with a form\x0cfeed inside.", "One\u2028Two.",
                                                  "The ferry leaves at seven."]
     src.write_text("Zorbel Quint is the harbour master.\n\nWho is the harbour master of Tessaly?\n")
@@ -218,3 +219,6 @@ def test_build_reads_one_memory_a_line_refuses_questions_and_checks_the_output_f
     assert not (tmp_path / "q.pt").exists()
     code, _, err = run(capsys, "build", src, tmp_path / "bank.txt2", "--model", tmp_path / "no-such-model")
     assert code == 2 and "bank.txt2: expected a memory bank file ending in .pt, .safetensors or .npy" in err
+    (tmp_path / "empty.jsonl").write_text('{"text": "A fact."}\n{"text": " "}\n')  # (refused as "rows [1]", later)
+    code, _, err = run(capsys, "build", tmp_path / "empty.jsonl", tmp_path / "e.pt", "--model", tmp_path / "none")
+    assert code == 2 and "empty.jsonl line 2: expected a 'text' to remember, got ' '" in err
