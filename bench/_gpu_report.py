@@ -144,15 +144,15 @@ def _rows(models: dict) -> list[str]:
 
 def _sessions(models: dict) -> list[str]:
     lines = header("model", "chat sessions at once (the service)", "aggregate tokens/s", "/ 1 session",
-                   "TTFT ms median / max")
+                   "TTFT ms median / max", "answers on the single-row step")
     for name, m in models.items():
         ses = m.get("sessions", {})
         if not isinstance(ses, dict) or {"skipped", "error"} & set(ses):
-            lines.append(f"| {name} | — | {cell(ses, 'x')} | | |")
+            lines.append(f"| {name} | — | {cell(ses, 'x')} | | | |")
             continue
         for policy, runs in (("", ses), (", rows only", ses.get("rows only", {}))):
             lines += [f"| {name} | {n}{policy} | {v['tokens_per_s']:.0f} | {cell(v, 'vs_1_session', '{:.1f}x')} | "
-                      f"{v['ttft_ms']:.1f} / {v['ttft_max_ms']:.1f} |"
+                      f"{v['ttft_ms']:.1f} / {v['ttft_max_ms']:.1f} | {v.get('on_the_single_step', '—')} |"
                       for n, v in runs.items() if isinstance(v, dict) and "tokens_per_s" in v]
     return lines
 

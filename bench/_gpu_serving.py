@@ -12,6 +12,7 @@ import torch
 
 from bench._gpu_measure import device_profile, timed
 from decoding import graph, graph_rows
+from decoding.graph_stream import GraphCache
 from decoding.memory import MemorySelector, Recall
 from decoding.settings import GenerationSettings, RecallSettings
 from memory.bank import MemoryVectorDB
@@ -137,11 +138,14 @@ def _sessions_at_once(mb: ModelBench, svc, counts: list[int]) -> dict:
         wait(follows)
         wall = time.perf_counter() - t0
         made = sum(len(f.result.new_tokens[0]) for f in follows)
+        single = graph.attached(mb.model)  # (an answer that started before the next was asked took it)
+        alone = sum(single is not None and isinstance(s.conv.cache, GraphCache) and s.conv.cache.step is single.graph
+                    for s in sessions)
         for s in sessions:
             svc.end_session(s)
         out[str(n)] = {"tokens_per_s": made / wall, "tokens": made,
                        "ttft_ms": statistics.median(f.ttft for f in follows) * 1e3,
-                       "ttft_max_ms": max(f.ttft for f in follows) * 1e3}
+                       "ttft_max_ms": max(f.ttft for f in follows) * 1e3, "on_the_single_step": alone}
         if "1" in out:
             out[str(n)]["vs_1_session"] = out[str(n)]["tokens_per_s"] / out["1"]["tokens_per_s"]
     return out

@@ -39,7 +39,9 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir)
     assert all(r["recalled_through_the_decoder"] and r["slots"] == 16 for r in model["recall"].values())
     sessions = model["sessions"]  # through the chat service: one alone on the graph step, two at once in the rows
     assert sessions["1"]["tokens"] == 6 and sessions["2"]["tokens"] == 12 and sessions["batch_forwards"] == 0
+    assert sessions["1"]["on_the_single_step"] == 1 and sessions["2"]["on_the_single_step"] in (0, 1)  # (reported)
     assert sessions["rows_replays"] >= 5  # (the two sessions at once: their tokens after their first, in the rows)
     only = sessions["rows only"]  # every answer a row (the other policy): the lone session's 5 tokens after its first
     assert only["1"]["tokens"] == 6 and only["2"]["tokens"] == 12 and only["rows_replays"] >= 10
+    assert only["1"]["on_the_single_step"] == only["2"]["on_the_single_step"] == 0
     assert "| tiny (smoke)" in (tmp_path / "results.md").read_text()
