@@ -331,6 +331,9 @@ class Service(SessionService):
             with s.lock:
                 _check_tokens(conv, settings)
                 question = next((m.text for m in reversed(conv.messages) if m.role == "user"), "")
+                if not settings.do_sample and not conv.messages[-1].said:  # (the button looked broken)
+                    yield Notice("decoding is greedy (sampling is off under Decoding): the same conversation and "
+                                 "settings give the same answer; turn sampling on for another")
                 bank = yield from self.recall_bank(s, question)
                 yield from self._noted(s, conv.regenerate(settings, recall, bank, interrupt))
 

@@ -339,8 +339,8 @@ class Worker(Runner):
             self.batch.clear()  # every seated request was in this round: all have failed
 
     def _fail(self, req: Request, e: Exception) -> None:
-        if not isinstance(e, (ValueError, KeyError, FileNotFoundError)):
-            log.exception("request %d (%s) failed", req.id, req.kind)
+        if not isinstance(e, (ValueError, KeyError, FileNotFoundError)):  # (called after its except: its traceback
+            log.error("request %d (%s) failed", req.id, req.kind, exc_info=e)  # given, "NoneType: None" was logged)
         refused = isinstance(e, (ServiceError, Unsupported))  # (the requester's to change: the OpenAI API's 400)
         self._put(req, Failed(describe(e), "refused", getattr(e, "api", None)) if refused else Failed(describe(e)))
         self._finish(req)

@@ -180,13 +180,14 @@ class Handlers:
         return out
 
     def upload_bank(self, path: str | None, s: Session) -> tuple:
+        """The bank's view, and the upload box emptied when the file was refused (it stayed, as if loaded)."""
         if not path:
-            return self.bank_view(s)
+            return *self.bank_view(s), gr.skip()
         try:
             self.service.run(ops.upload_bank, s, path)
-            return self.bank_view(s, f"bank uploaded: {os.path.basename(path)}")
+            return *self.bank_view(s, f"bank uploaded: {os.path.basename(path)}"), gr.skip()
         except ValueError as e:
-            return self.bank_view(s, _warn(e))
+            return *self.bank_view(s, _warn(e)), None
         finally:
             Path(path).unlink(missing_ok=True)  # the upload's copy in Gradio's cache: the bank lives in memory
 
@@ -219,7 +220,8 @@ class Handlers:
         except ValueError as e:
             entries, note = [], _warn(e)
         who = "" if s.user == "local" else f" ({s.user})"
-        count = f"**About you{who}**: {len(entries)} memories, written when you say \"remember that ...\" or below."
+        count = (f"**About you{who}**: {len(entries)} {'memory' if len(entries) == 1 else 'memories'}, written when "
+                 "you say \"remember that ...\" or below.")
         return count, about_table(entries, query), self.status(s, note)
 
     async def _about_job(self, s: Session, query: str, make_request, done) -> tuple:

@@ -174,7 +174,8 @@ def build_demo(service: ChatService) -> gr.Blocks:
 
 def _wire_banks(h: Handlers, m: dict, session: gr.State, bank_outputs: list, status: gr.Markdown) -> None:
     """The Banks accordion's events: upload, choose, write, find, delete, download."""
-    m["bank_file"].upload(h.upload_bank, [m["bank_file"], session], bank_outputs, api_name="upload_bank")
+    m["bank_file"].upload(h.upload_bank, [m["bank_file"], session], [*bank_outputs, m["bank_file"]],
+                          api_name="upload_bank")
     m["bank_use"].input(h.use_bank, [m["bank_use"], session], bank_outputs, api_name="use_bank")
     m["write_btn"].click(h.write_memories, [m["memory_text"], m["memory_images"], session],
                          [*bank_outputs, m["memory_text"], m["memory_images"]], api_name="write_memories",

@@ -292,8 +292,8 @@ def test_invalid_settings_show_the_engine_message(client):
 
 def test_bank_upload_and_bad_uploads_leave_the_bank_untouched(client, tmp_path):
     good = bank_file(tmp_path / "good.pt", 576)
-    md, sample, status, _ = client.predict(handle_file(str(good)), api_name="/upload_bank")
-    assert "your upload good.pt" in md and "**3** memories" in md and "576-d" in md
+    md, sample, status, _, kept = client.predict(handle_file(str(good)), api_name="/upload_bank")
+    assert "your upload good.pt" in md and "**3** memories" in md and "576-d" in md and kept is not None
     assert [row[1] for row in sample["data"]] == ["fact 0", "fact 1", "fact 2"]
     marker = tmp_path / "pwned"
     torch.save({"embeddings": Evil(marker)}, tmp_path / "payload.pt")
@@ -301,8 +301,9 @@ def test_bank_upload_and_bad_uploads_leave_the_bank_untouched(client, tmp_path):
     bad = {bank_file(tmp_path / "small.pt", 64): "expected vectors of dimension 576, got dimension 64",
            tmp_path / "payload.pt": "corrupt or refused", tmp_path / "corrupt.pt": "corrupt or refused"}
     for path, expected in bad.items():
-        md, _, status, use = client.predict(handle_file(str(path)), api_name="/upload_bank")
+        md, _, status, use, box = client.predict(handle_file(str(path)), api_name="/upload_bank")
         assert status.count("⚠") == 1 and expected in status and "current bank is kept" in status
+        assert box is None  # (the refused file left the upload box: it stayed there, as if loaded)
         assert "your upload good.pt" in md and "**3** memories" in md and use == "own"
     assert not marker.exists()
 
@@ -450,7 +451,7 @@ def test_mixture_answers_from_q_star_and_draws_alpha(client, server):
 def test_about_you_lists_edits_deletes_exports_and_imports_your_memories(client, tmp_path):
     client.predict("", api_name="/forget_all_memories")
     md, table, status = client.predict("my dog is a beagle called Pocket", "", api_name="/remember")
-    assert "Remembered: The user's dog is a beagle called Pocket." in status and "**About you**: 1 memories" in md
+    assert "Remembered: The user's dog is a beagle called Pocket." in status and "**About you**: 1 memory," in md
     client.predict("I live in Porto", "", api_name="/remember")
     md, table, status = client.predict("I live in Porto", "", api_name="/remember")  # the same again: kept once
     assert "Already remembered" in status and "2 memories" in md

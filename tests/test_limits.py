@@ -158,17 +158,17 @@ def test_uploads_over_the_limit_are_refused_before_they_are_stored(smollm2, tmp_
 
 def test_bad_bank_uploads_get_clear_messages(client, tmp_path):
     (tmp_path / "random.pt").write_bytes(os.urandom(4096))
-    _, _, status, _ = client.predict(handle_file(str(tmp_path / "random.pt")), api_name="/upload_bank")
+    _, _, status, _, _ = client.predict(handle_file(str(tmp_path / "random.pt")), api_name="/upload_bank")
     assert "corrupt" in status and "Python objects" not in status
     db = MemoryVectorDB(576)
     db.add(torch.randn(3, 576), ["a", "b", "c"])
     db.save(tmp_path / "UPPER.PT")
-    md, _, status, _ = client.predict(handle_file(str(tmp_path / "UPPER.PT")), api_name="/upload_bank")
+    md, _, status, _, _ = client.predict(handle_file(str(tmp_path / "UPPER.PT")), api_name="/upload_bank")
     assert "**3** memories" in md  # extensions are read case-insensitively, consistently
     db = MemoryVectorDB(576)
     db.add(torch.randn(1001, 576))
     db.save(tmp_path / "many.npy")
-    _, _, status, _ = client.predict(handle_file(str(tmp_path / "many.npy")), api_name="/upload_bank")
+    _, _, status, _, _ = client.predict(handle_file(str(tmp_path / "many.npy")), api_name="/upload_bank")
     assert "expected at most 1000 memories" in status
 
 

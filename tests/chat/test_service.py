@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -310,9 +311,12 @@ def test_regenerate_replaces_the_last_answer(service):
     result(service.chat(s, "Hi", [], GREEDY, NO_RECALL).request)
     first = s.conv.messages[-1].text
     turn = service.regenerate(s, GREEDY, NO_RECALL)
-    result(turn.request)
+    notices = [e.text for e in drain(turn.request) if isinstance(e, Notice)]
     assert len(s.conv.messages) == 2 and s.conv.messages[-1].text == first  # greedy: the same answer again
     assert turn.shown == service.state(s).messages[:1]
+    assert any("decoding is greedy" in n for n in notices)  # (and it says why: the button looked broken)
+    sampled = drain(service.regenerate(s, dataclasses.replace(GREEDY, do_sample=True), NO_RECALL).request)
+    assert not any("decoding is greedy" in e.text for e in sampled if isinstance(e, Notice))
 
 
 def test_the_model_reads_the_last_history_turns_and_the_page_shows_every_turn(tiny_llama, text_search, tmp_path):

@@ -245,7 +245,7 @@ def test_about_you_on_the_replicas_remembers_edits_imports_and_undoes(front, key
     for person in (ada, bob):
         person.predict("", api_name="/forget_all_memories")
     count, table, status = ada.predict("My cat is called Whiskers.", "", api_name="/remember")
-    assert "(ada)**: 1 memories" in count and "⚠" not in status, (count, status)
+    assert "(ada)**: 1 memory," in count and "⚠" not in status, (count, status)
     ((memory_id, _, text),) = table["data"]
     assert text == "The user's cat is called Whiskers."
 
