@@ -245,7 +245,7 @@ class OpenAIRoutes:
             elif isinstance(event, Notice):
                 yield chunk({}, notice=event.text)
             elif isinstance(event, Remembered):
-                yield chunk({}, **_memory_changes(event))
+                yield chunk({}, **_memory_changes(event), **({"notice": event.note} if event.note else {}))
             elif isinstance(event, FinishEvent):
                 if out := text.finish():
                     yield chunk({"content": out})
@@ -275,6 +275,7 @@ class OpenAIRoutes:
             elif isinstance(event, Remembered):
                 for name, entries in _memory_changes(event).items():
                     changes[name] += entries
+                notices += [event.note] if event.note else []  # ("Nothing to forget: ...": the page's status says it)
             elif isinstance(event, FinishEvent):
                 reason = FINISH[event.reason]
             elif isinstance(event, Failed):

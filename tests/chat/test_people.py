@@ -59,6 +59,8 @@ def test_each_user_remembers_their_own_and_keeps_it_across_a_restart(default_lm,
         assert "Pocket" in answer.choices[0].message.content
         assert [(r["text"], r["source"]) for r in answer.model_extra["recalls"]] == [(DOG, "yours")]
         assert "Pocket" not in ask(bob, "What is my dog's name?").choices[0].message.content
+        nothing = ask(bob, "Forget about my dog.")  # (the note was the page's alone: the API said nothing)
+        assert nothing.model_extra["forgotten"] == [] and "Nothing to forget" in nothing.model_extra["notices"][0]
 
         # bob cannot delete ada's memory: 404, and it is still hers
         gone = httpx.delete(url + f"v1/memories/{written['id']}", headers={"Authorization": f"Bearer {keys['bob']}"})
