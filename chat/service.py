@@ -43,8 +43,15 @@ EXAMPLE_IMAGES = (ASSETS / "example_lighthouse.png", ASSETS / "example_cat.png")
 EMBEDDED_HISTORY_TURNS = 3
 
 
-NO_MEMORY = ("the model looked for a memory, but none fits (no bank, none close enough to the question: "
-             "memory min score, or recall is off): it answered from what it knows")
+def no_memory(bank, recall: RecallSettings) -> str:
+    """The notice of an answer whose model looked for a memory and read none, with the reason that holds."""
+    if not recall.enabled:
+        why = "recall is off"
+    elif bank is None or not len(bank):
+        why = "there is no bank to read"
+    else:
+        why = f"none is close enough to the question (memory min score {recall.min_score:g})"
+    return f"the model looked for a memory, but {why}: it answered from what it knows"
 
 
 class Service(SessionService):
@@ -260,7 +267,8 @@ class Service(SessionService):
                     yield Notice(f"the conversation outgrew its limit: its {dropped} oldest turn(s) are no longer "
                                  "read (still shown)")
                 yield from self._noted(s, conv.say(text, images, reply, settings) if reply is not None else
-                                       conv.stream(text, images, settings, recall, bank, interrupt, recall_first))
+                                       conv.stream(text, images, settings, recall, bank, interrupt, recall_first),
+                                       no_memory(bank, recall))
 
         req = Request("chat", run, s.id, text[:80])
         req.on_withdraw = lambda: self._record_unanswered(s, req)
@@ -335,14 +343,14 @@ class Service(SessionService):
                     yield Notice("decoding is greedy (sampling is off under Decoding): the same conversation and "
                                  "settings give the same answer; turn sampling on for another")
                 bank = yield from self.recall_bank(s, question)
-                yield from self._noted(s, conv.regenerate(settings, recall, bank, interrupt))
+                yield from self._noted(s, conv.regenerate(settings, recall, bank, interrupt), no_memory(bank, recall))
 
         return self._start(s, Request("regenerate", run, s.id, "regenerate"))
 
     @staticmethod
-    def _noted(s: Session, events: Iterator[Any]) -> Iterator[Any]:
+    def _noted(s: Session, events: Iterator[Any], missed: str = "") -> Iterator[Any]:
         """Forward a turn's events; note its speed, and the picture of how it was decoded (entropy over
-        layers, or the mixture's α* per token)."""
+        layers, or the mixture's α* per token); `missed` when the model looked for a memory and read none."""
         s.last_plot, s.last_note = None, ""  # a failed turn shows nothing of the one before
         for event in events:
             if isinstance(event, DoneEvent):
@@ -350,7 +358,7 @@ class Service(SessionService):
                 if result.decode_seconds > 0:
                     s.last_speed = len(result.new_tokens[0]) / result.decode_seconds
                 if result.missed_recall and result.missed_recall[0]:
-                    yield Notice(NO_MEMORY)
+                    yield Notice(missed)
                 tokens = lambda: [s.conv.lm.tokenizer.decode([t]) for t in result.new_tokens[0].tolist()]  # noqa: E731
                 trace = result.entropy
                 if trace is not None and trace.normalised_entropies.shape[1]:

@@ -255,7 +255,11 @@ def test_a_fact_question_with_no_bank_is_answered_without_recall_junk(default_ap
     """With no bank the model answers from what it knows (no `<recall>`, no `:::` of the recall tokens' text); a
     question only a memory could answer makes it look for one, and the answer carries a notice that none fits (a
     question it knows the answer to may or may not: the shipped adapter no longer asks after "Who wrote ...?")."""
-    from chat.service import NO_MEMORY
+    from chat.service import no_memory
+    from decoding.settings import RecallSettings
+
+    NO_MEMORY = no_memory(None, RecallSettings())  # (it said "no bank, none close enough ..., or recall is off")
+    assert NO_MEMORY == "the model looked for a memory, but there is no bank to read: it answered from what it knows"
 
     for question, value, looks in [("Who wrote Romeo and Juliet?", "Shakespeare", None),
                                    ("Who keeps the lighthouse of Port Avel?", None, True)]:

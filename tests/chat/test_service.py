@@ -766,3 +766,14 @@ def test_a_messages_embedding_is_made_on_another_thread_while_its_prompt_is_read
         assert [e["text"] for e in svc.personal(s).entries()] == ["The user's sister is called Lena."]
     finally:
         svc.close()
+
+
+def test_the_no_memory_notice_names_the_reason_that_holds(bank):
+    """(It listed every reason, "no bank, none close enough ..., or recall is off", with a bank loaded.)"""
+    from chat.service import no_memory
+
+    assert no_memory(bank, RecallSettings(enabled=False)).endswith("but recall is off: it answered from what it knows")
+    assert "but there is no bank to read" in no_memory(None, RecallSettings())
+    assert "none is close enough to the question (memory min score 0.9)" in no_memory(bank, RecallSettings(
+        min_score=0.9))
+
