@@ -280,7 +280,7 @@ class Banks:
                 s.own_bank, s.own_label = self.empty(self._model()), "your own bank (written here)"
             else:
                 s.own_bank = shared.copy()
-                s.own_label = f"your copy of {self.label(s)}"
+                s.own_label = f"your copy of {self.label(s).removesuffix(' (shared)')}"  # (it is no longer shared)
             s.bank_use = "own"
         return s.own_bank
 

@@ -143,6 +143,7 @@ def test_writes_skip_the_lines_of_a_shared_bank_and_stay_all_or_nothing(service,
     known = example.text(0)
     done = result(service.banks.write(s, f"{known}\nA new fact about the harbour."))
     assert done == [len(example)] and done.skipped == 1 and s.bank_use == "own"
+    assert service.banks.label(s) == "your copy of the example bank"  # (it said "... bank (shared)", and "own")
     assert service.banks.of(s).texts().count(known) == 1 and len(example) == 36  # the shared bank is untouched
     other = service.new_session()  # every line known: nothing to copy, the session keeps the shared bank
     service.banks.use(other, "example")
