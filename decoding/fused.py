@@ -69,10 +69,6 @@ def fuse_projections(model: nn.Module) -> int:
     return joined
 
 
-def fused(model: nn.Module) -> bool:
-    return any(isinstance(m, FusedPart) for m in model.modules())
-
-
 class SameProducts(CustomGraphPass):
     """Inductor's post-grad pass that keeps one of identical pure nodes (the same op on the same inputs): a fused
     group's products, and their views and transposes. Only ops without side effects are merged."""
