@@ -240,8 +240,9 @@ class Service(SessionService):
                 yield from self._window(conv)
                 yield from self._read_ahead(conv, text, images, settings, recall_first, interrupt)
                 reply = None  # the app's own answer: what a "forget ..." forgot (the model, asked, would guess)
-                try:
-                    if changed := self.remember(s, decision := self.people.decide(conv.lm, text)):
+                try:  # (a message stopped before here changes no memory: the stop came before its answer began)
+                    if not interrupt.is_set() and (changed := self.remember(s, decision := self.people.decide(
+                            conv.lm, text))):
                         s.last_change = changed if changed.written or changed.forgotten else None
                         yield changed
                         reply = changed.describe() if decision.forget and changed.forgotten else None

@@ -452,6 +452,33 @@ def test_a_forget_is_answered_with_what_it_forgot_and_the_conversation_goes_on_a
         svc.close()
 
 
+@pytest.mark.parametrize("message", ["Forget my dog.", "Remember that my cat is called Tom."])
+def test_a_message_stopped_before_its_answer_began_changes_no_memory(tiny_llama, tmp_path, monkeypatch, message):
+    """(A "forget ..." stopped while its prompt was read still forgot, and the page said "stopped before it
+    started".) The stop comes where a long prompt is read, before the write decision: nothing is written or
+    forgotten, and the answer ends stopped."""
+    from decoding.events import FinishEvent
+
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    s = svc.new_session("ada")
+    try:
+        drain(svc.chat(s, "Remember that my dog is called Rex.", [], SHORT, RECALL).request)
+        before = svc.run(my_memories, s)
+        window = svc._window
+
+        def stopped_meanwhile(conv):
+            svc.stop(s)
+            yield from window(conv)
+
+        monkeypatch.setattr(svc, "_window", stopped_meanwhile)
+        events = drain(svc.chat(s, message, [], SHORT, RECALL).request)
+        assert not [e for e in events if isinstance(e, Remembered)] and s.last_change is None
+        assert [e.reason for e in events if isinstance(e, FinishEvent)] == ["interrupted"]
+        assert svc.run(my_memories, s) == before and len(before) == 1
+    finally:
+        svc.close()
+
+
 def test_with_remember_off_a_forget_is_told_it_changed_nothing(tiny_llama, tmp_path):
     """(The model answered "Forget about my sister." with "Your sister is called Lena.", and nothing said that
     messages change no memory with `memory.remember: off`.)"""
