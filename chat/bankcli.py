@@ -122,7 +122,18 @@ def cmd_build(args: argparse.Namespace) -> None:
               f"{', '.join(map(str, again[:10]))}{' ...' if len(again) > 10 else ''}")
         texts, numbers = [texts[i] for i in keep], [numbers[i] for i in keep]
         metadata = None if metadata is None else [metadata[i] for i in keep]
-    loaded = _load_model(args, args.values, args.layer, args.pooling)
+    asked = {"--layer": args.layer, "--pooling": args.pooling}
+    loaded = _load_model(args, args.values, -1 if args.layer is None else args.layer, args.pooling or "last")
+    encoder = loaded.encoder
+    given = [f"{flag} {value}" for flag, value in asked.items() if value is not None]
+    if given and encoder.values.keyed:  # (they were ignored: the values were the adapter's tokens)
+        raise ValueError(f"{' '.join(given)}: these choose the hidden state of state values, and these memories are "
+                         f"{encoder.values} values with keys of their own (--values {args.values}): drop them, or "
+                         "build state values (--values state, with --adapter none for a model's own hidden states)")
+    mine = {"--layer": encoder.spec.layer, "--pooling": encoder.spec.pooling}
+    if other := [f"{flag} {asked[flag]}" for flag in mine if asked[flag] not in (None, mine[flag])]:
+        raise ValueError(f"{' '.join(other)}: the recall adapter's encoder reads layer {encoder.spec.layer}, "
+                         f"{encoder.spec.pooling} pooling; drop them, or pass --adapter none")
     if Path(args.out).suffix.lower() == ".npy" and loaded.encoder.values.keyed:  # (refused at the save: after the work)
         raise ValueError(f"{Path(args.out).name}: a .npy bank holds one vector a memory, and these memories have "
                          f"values of their own (memory.values {loaded.encoder.values}): save as .pt or .safetensors")
@@ -223,8 +234,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--values", default="auto", help="what a memory's value is: auto (the model's), tokens, "
                    "chunks:N, mean, hidden:L or state")
     b.add_argument("--value-dtype", choices=("float16", "float32"), default="float16")
-    b.add_argument("--layer", type=int, default=-1, help="hidden-state index (-1 = final layer) of state values")
-    b.add_argument("--pooling", choices=("last", "mean"), default="last")
+    b.add_argument("--layer", type=int, help="hidden-state index of state values (default -1, the final layer)")
+    b.add_argument("--pooling", choices=("last", "mean"), help="of state values' hidden states (default last)")
     b.add_argument("--batch-size", type=_at_least(1), default=8)
     b.add_argument("--max-slots", type=_at_least(1), default=MemoryConfig.max_slots,
                    help="the most value slots a memory may have: the app's memory.max_slots (default %(default)s)")

@@ -201,6 +201,23 @@ def test_cli_with_embedded_smollm2(tmp_path, smollm2_dir):
     assert '"model": "SmolLM2-135M-Instruct + recall-smollm2"' in shown.stdout  # the shipped adapter's encoder
 
 
+@pytest.mark.slow
+def test_layer_and_pooling_the_encoder_would_ignore_are_refused_and_nothing_is_written(tmp_path, tiny_dir, capsys):
+    """(`--layer 3 --pooling mean` built a bank of the shipped adapter's token values as if they were not given.)
+    They choose the hidden state of state values: with values of another kind, or with the recall adapter's own
+    layer and pooling, they are refused by name; with state values of a plain model they are written."""
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(MEMORIES) + "\n")
+    bank = tmp_path / "b.pt"
+    code, _, err = run(capsys, "build", src, bank, "--model", tiny_dir, "--pooling", "mean")
+    assert code == 2 and ("error: --pooling mean: these choose the hidden state of state values, and these memories "
+                          "are tokens values with keys of their own (--values auto)") in err
+    code, _, err = run(capsys, "build", src, bank, "--layer", "3", "--values", "state")  # (the embedded model)
+    assert code == 2 and "--layer 3: the recall adapter's encoder reads layer" in err and not bank.exists()
+    code, out, _ = run(capsys, "build", src, bank, "--model", tiny_dir, "--values", "state", "--layer", "1")
+    assert code == 0 and MemoryVectorDB.load(bank).info["layer"] == 1
+
+
 def test_build_reads_one_memory_a_line_refuses_questions_and_checks_the_output_first(tmp_path, tiny_dir, capsys):
     """A form feed or U+2028 inside a line split it in two (and shifted the line numbers of errors); a line of
     zero-width or control characters was a memory; a question was a memory that a search for the same question read
