@@ -103,7 +103,8 @@ FORGETS = {
 }
 # requests about an attribute of a relative or pet whose name was told: "other", about an attribute never told of it
 # (`forget_cases` adds one a person, drawn apart from the rest: the sets above draw as before); "told", a memory of
-# one attribute more ({town} {job} {month} {n}) and a request for it, or one for the name beside it
+# one attribute more ({town} {job} {month} {n}) and a request for it, or one for the name beside it; "all", a request
+# for both
 ATTRIBUTE_FORGETS = {
     "dev": {"other": {"relative": ["Forget my {r}'s birthday.", "Forget my {r}'s address.", "Forget my {r}'s job.",
                                    "Forget my {r}'s age.", "Forget where my {r} lives.", "Forget my {r}'s hobby."],
@@ -111,7 +112,8 @@ ATTRIBUTE_FORGETS = {
             "told": {"relative": [("My {r} lives in {town}.", ["Forget where my {r} lives.", "Forget my {r}'s address."]),
                                   ("My {r} works as a {job}.", ["Forget my {r}'s job."]),
                                   ("My {r}'s birthday is in {month}.", ["Forget my {r}'s birthday."])],
-                     "pet": [("My {r} is {n} years old.", ["Forget my {r}'s age."])]}},
+                     "pet": [("My {r} is {n} years old.", ["Forget my {r}'s age."])]},
+            "all": "Forget about my {r}."},
     "eval": {"other": {"relative": ["Forget the birthday of my {r}.", "Forget my {r}'s home town.",
                                     "Forget what my {r} does for a living.", "Forget the age of my {r}.",
                                     "Forget my {r}'s allergy.", "Forget my {r}'s favourite colour."],
@@ -122,7 +124,8 @@ ATTRIBUTE_FORGETS = {
                                    ("My {r} is a {job}.", ["Forget what my {r} does for a living.",
                                                            "Forget my {r}'s profession."]),
                                    ("My {r} was born in {month}.", ["Forget the birthday of my {r}."])],
-                      "pet": [("My {r} is {n} years old.", ["Forget the age of my {r}."])]}},
+                      "pet": [("My {r} is {n} years old.", ["Forget the age of my {r}."])]},
+             "all": "Forget what I told you about my {r}."},
 }
 # requests to the assistant, held out (no training data of the write decision holds these): {given} {town} {town2}
 # {pet} {rel} {species} {job} {food} {hobby} {day}
@@ -143,8 +146,8 @@ REQUESTS = [
 ]
 
 
-def forget_cases(split: str, people: int, seed: int) -> list[tuple[list[str], str, int | None]]:
-    """(a person's memories, a forget request, the index of the memory it means or None) of `split`'s templates."""
+def forget_cases(split: str, people: int, seed: int) -> list[tuple[list[str], str, tuple[int, ...]]]:
+    """(a person's memories, a forget request, the indices of the memories it means, none) of `split`'s templates."""
     from training.facts import COLOURS, JOBS, RELATIVES, SPECIES
     from training.personal import FOODS, SPORTS, PeopleNames, person
 
@@ -165,18 +168,19 @@ def forget_cases(split: str, people: int, seed: int) -> list[tuple[list[str], st
                         colour2=rng.choice([c for c in COLOURS if c != t.value]),
                         food2=rng.choice([f for f in FOODS if f != t.value]),
                         sport2=rng.choice([s for s in SPORTS if s != t.value]))
-            out.append((memories, rng.choice(forms["about"][kind]).format(**fill), i))
+            out.append((memories, rng.choice(forms["about"][kind]).format(**fill), (i,)))
             other = rng.choice(forms["other"][kind]).format(**fill)
             if not any(w in " ".join(memories) for w in (fill["v2"], fill["town2"], fill["pet2"])):
-                out.append((memories, other, None))
+                out.append((memories, other, ()))
         untold = [k for k in forms["untold"] if k and k not in kinds] + ["", ""]
-        out.append((memories, rng.choice(forms["untold"][rng.choice(untold)]), None))
+        out.append((memories, rng.choice(forms["untold"][rng.choice(untold)]), ()))
     return out
 
 
-def attribute_cases(split: str, people: int, seed: int) -> list[tuple[list[str], str, int | None]]:
-    """(memories, a forget request, the memory it means or None) about an attribute of a relative or pet told by
-    name (`ATTRIBUTE_FORGETS`): one never told (None), one told in a memory more, or the name beside that one."""
+def attribute_cases(split: str, people: int, seed: int) -> list[tuple[list[str], str, tuple[int, ...]]]:
+    """(memories, a forget request, the memories it means) about an attribute of a relative or pet told by name
+    (`ATTRIBUTE_FORGETS`): one never told (none), one told in a memory more, the name beside that one, or both ("all":
+    "Forget about my sister.")."""
     from models.remember import about_the_user
     from training.facts import JOBS, MONTHS
     from training.personal import PeopleNames, person
@@ -192,13 +196,14 @@ def attribute_cases(split: str, people: int, seed: int) -> list[tuple[list[str],
         t = rng.choice(things)
         kind, _, r = t.kind.partition(":")
         memories = [x.memory for x in things]
-        out.append((memories, rng.choice(forms["other"][kind]).format(r=r), None))
+        out.append((memories, rng.choice(forms["other"][kind]).format(r=r), ()))
         told_, asks = rng.choice(forms["told"][kind])
         more = about_the_user(told_.format(r=r, town=names.town(), job=rng.choice(JOBS), month=rng.choice(MONTHS),
                                            n=rng.randint(2, 15)))
-        out.append((memories + [more], rng.choice(asks).format(r=r), len(memories)))
+        out.append((memories + [more], rng.choice(asks).format(r=r), (len(memories),)))
         name = rng.choice(["Forget my {r}'s name.", "Forget the name of my {r}."]).format(r=r)
-        out.append((memories + [more], name, things.index(t)))
+        out.append((memories + [more], name, (things.index(t),)))
+        out.append((memories + [more], forms["all"].format(r=r), (things.index(t), len(memories))))  # (no draw)
     return out
 
 
@@ -230,17 +235,17 @@ def read_forgets(cases, keys, check) -> list[dict]:
 
 
 def forget_rules(threshold: float) -> dict:
-    """Each rule: a row -> the index of the memory it forgets, or None."""
+    """Each rule: a row -> the indices of the memories it forgets."""
     from chat.decision import FORGET_ALONE, FORGET_FLOOR, to_forget
 
     def top(row):
         return max(range(len(row["scores"])), key=row["scores"].__getitem__)
 
     return {
-        "top-1 at 0.5 (before)": lambda r: top(r) if r["scores"][top(r)] >= 0.5 else None,
-        f"top-1 at {FORGET_ALONE}": lambda r: top(r) if r["scores"][top(r)] >= FORGET_ALONE else None,
-        f"top-1 at {FORGET_FLOOR}, fit check": lambda r: top(r) if (r["scores"][top(r)] >= FORGET_FLOOR
-                                                                      and r["fits"][top(r)] >= threshold) else None,
+        "top-1 at 0.5 (before)": lambda r: [top(r)] if r["scores"][top(r)] >= 0.5 else [],
+        f"top-1 at {FORGET_ALONE}": lambda r: [top(r)] if r["scores"][top(r)] >= FORGET_ALONE else [],
+        f"top-1 at {FORGET_FLOOR}, fit check": lambda r: [top(r)] if (r["scores"][top(r)] >= FORGET_FLOOR
+                                                                        and r["fits"][top(r)] >= threshold) else [],
         "words + fit check (now: `to_forget`)": lambda r: to_forget(r["what"], r["memories"], r["scores"], r["fits"],
                                                                     threshold),
         f"words + top-1 at {FORGET_ALONE} (no fit check)": lambda r: to_forget(r["what"], r["memories"], r["scores"],
@@ -249,19 +254,22 @@ def forget_rules(threshold: float) -> dict:
 
 
 def forget_table(rows: list[dict], threshold: float) -> dict:
+    """Each rule's recall (the memories meant forgotten, no other), "another memory forgotten" (one not meant, of a
+    request about told things), false forgets (any, of a request about nothing told) and precision."""
     out = {}
-    about = [r for r in rows if r["meant"] is not None]
-    other = [r for r in rows if r["meant"] is None]
+    about = [r for r in rows if r["meant"]]
+    other = [r for r in rows if not r["meant"]]
     for name, rule in forget_rules(threshold).items():
-        picks = [rule(r) for r in rows]
-        right = sum(p == r["meant"] for p, r in zip(picks, rows) if r["meant"] is not None)
-        wrong = sum(p is not None and p != r["meant"] for p, r in zip(picks, rows) if r["meant"] is not None)
-        false = sum(p is not None for p, r in zip(picks, rows) if r["meant"] is None)
-        forgot = sum(p is not None for p in picks)
+        picks = [set(rule(r)) for r in rows]
+        right = sum(p == set(r["meant"]) for p, r in zip(picks, rows) if r["meant"])
+        wrong = sum(bool(p - set(r["meant"])) for p, r in zip(picks, rows) if r["meant"])
+        false = sum(bool(p) for p, r in zip(picks, rows) if not r["meant"])
+        forgot = sum(bool(p) for p in picks)
         out[name] = {"recall": right / len(about), "wrong memory": wrong / len(about),
-                     "false forgets": false / len(other), "precision": right / forgot if forgot else None, "n_about": len(about), "n_other": len(other),
+                     "false forgets": false / len(other), "precision": right / forgot if forgot else None,
+                     "n_about": len(about), "n_other": len(other),
                      "misses": [rows[i]["request"] + " | " + " / ".join(rows[i]["memories"])
-                                for i, p in enumerate(picks) if p != rows[i]["meant"]]}
+                                for i, p in enumerate(picks) if p != set(rows[i]["meant"])]}
     return out
 
 

@@ -173,23 +173,26 @@ def forget_reading(what: str, memory: str) -> tuple[bool, bool]:
 
 
 def to_forget(what: str, texts: Sequence[str], scores: Sequence[float], fits: Sequence[float] | None,
-              admits: float = 0.5) -> int | None:
+              admits: float = 0.5) -> list[int]:
     """Which of a person's memories (their `texts`, the key similarity of each to "forget `what`", `scores`, and the
     fit check's probability that each answers a question about `what`, `fits`, None without one) "forget `what`"
-    means, or None: only a memory no word of `what` speaks against (`forget_reading`: not the sister for "my
-    brother", not the baker for "my job as a pilot", not the cat for "my hamster") that `what` names (a word of it
-    in the memory: "Forget about Whiskers.") or that the fit check admits at a key similarity of `FORGET_FLOOR` or
-    more ("Forget where I work." for "The user works as a baker."; the similarity alone at `FORGET_ALONE` without a
-    fit check); the best of them by similarity times fit."""
+    means, none when no memory is. Only memories no word of `what` speaks against (`forget_reading`: not the sister
+    for "my brother", not the baker for "my job as a pilot", not the cat for "my hamster"): every one `what` names (a
+    word of it in the memory: "Forget about my sister." forgets her name and where she lives, "Forget my sister's
+    name." the name alone); when it names none, the one the fit check admits at a key similarity of `FORGET_FLOOR`
+    or more and fits best by similarity times fit ("Forget where I work." for "The user works as a baker."; the
+    similarity alone at `FORGET_ALONE` without a fit check)."""
     if not _content(what):  # "forget it", "forget everything": nothing says which
-        return None
-    best, chosen = None, -1.0
+        return []
+    named, best, chosen = [], None, -1.0
     for i, (text, score) in enumerate(zip(texts, scores)):
-        consistent, named = forget_reading(what, text)
+        consistent, names = forget_reading(what, text)
         fit = 1.0 if fits is None else float(fits[i])
-        if not consistent or not (named or (score >= FORGET_FLOOR and fit >= admits if fits is not None
-                                            else score >= FORGET_ALONE)):
+        if not consistent:
             continue
-        if score * fit > chosen:
+        if names:
+            named.append(i)
+        elif (score >= FORGET_FLOOR and fit >= admits if fits is not None else score >= FORGET_ALONE) \
+                and score * fit > chosen:
             best, chosen = i, score * fit
-    return best
+    return named or ([] if best is None else [best])

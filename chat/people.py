@@ -266,7 +266,7 @@ class People:
         return n
 
     def forget(self, lm: LoadedModel, user: str, what: str) -> Remembered:
-        """Remove the memory of `user` that "forget `what`" is about (`to_forget`: none when no memory is)."""
+        """Remove the memories of `user` that "forget `what`" is about (`to_forget`: none when no memory is)."""
         memory = self.of(lm, user)
         if not len(memory):
             return Remembered(note="Nothing to forget: you have not told me anything to remember yet")
@@ -282,12 +282,12 @@ class People:
             query = lm.encoder.message_query(what)
             vectors = torch.nn.functional.normalize(torch.stack([bank.vector(e["index"]) for _, e in found]), dim=-1)
             fits = check.probability(query.reshape(1, -1).expand_as(vectors), vectors).tolist()
-        pick = to_forget(what, [e["text"] for _, e in found], [sc for sc, _ in found], fits,
-                         check.threshold if check is not None else 0.5)
-        if pick is None:
-            if EVERYTHING.match(what):  # (one memory at a time here: all of them is a button, and a confirmation)
-                return Remembered(note="Nothing forgotten: a message forgets one memory; to forget all of yours, "
+        picked = to_forget(what, [e["text"] for _, e in found], [sc for sc, _ in found], fits,
+                           check.threshold if check is not None else 0.5)
+        if not picked:
+            if EVERYTHING.match(what):  # (what a message names here: all of them is a button, and a confirmation)
+                return Remembered(note="Nothing forgotten: a message forgets what it names; to forget all of yours, "
                                        "use Forget everything under About you (or DELETE /v1/memories)")
             shown = what if len(what) <= 80 else what[:80] + "…"  # (a whole long message said back is noise)
             return Remembered(note=f"Nothing to forget: no memory of yours is about {shown!r}")
-        return Remembered(forgotten=tuple(memory.remove([found[pick][1]["id"]])))
+        return Remembered(forgotten=tuple(memory.remove([found[i][1]["id"] for i in picked])))
