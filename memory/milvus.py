@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -104,10 +105,16 @@ class MilvusBank(BankShape):
         except ImportError:
             raise StoreError(f"memory.milvus_uri={uri!r} needs pymilvus and milvus-lite: "
                              'pip install -e ".[scale]"') from None
+        caught = _Caught()  # (Milvus Lite logs a failed start with its traceback, and pymilvus says "Open local
+        lite = logging.getLogger("milvus_lite.server_manager")  # milvus failed": the cause is said here, once)
+        lite.addFilter(caught)
         try:
             return MilvusClient(uri)
         except Exception as e:  # noqa: BLE001 - pymilvus raises several kinds; all mean the same here
-            raise StoreError(f"the memory store at memory.milvus_uri={uri!r} is unreachable: {_message(e)}") from None
+            why = caught.cause or _message(e)
+            raise StoreError(f"the memory store at memory.milvus_uri={uri!r} is unreachable: {why}") from None
+        finally:
+            lite.removeFilter(caught)
 
     @classmethod
     def open(cls, uri: str, name: str = "memories", *, create: StoreLayout | None = None, index: str = "flat",
@@ -374,6 +381,19 @@ class MilvusBank(BankShape):
 
 def _field(described: dict, name: str) -> dict:
     return next(f for f in described["fields"] if f["name"] == name)
+
+
+class _Caught(logging.Filter):
+    """Keeps what a logged failure says (the message of its exception: "another process holds the lock on
+    'memories.db'") and drops the record."""
+
+    cause: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.exc_info and record.exc_info[1] is not None:
+            self.cause = _message(record.exc_info[1])
+            return False
+        return True
 
 
 def _message(e: Exception) -> str:

@@ -144,3 +144,27 @@ def test_the_cli_loads_a_file_into_a_collection_and_exports_it(tmp_path, uri, ca
     assert all(torch.equal(back.values(i), db.values(i)) for i in range(3))
     assert main(["export", "http://127.0.0.1:9", str(tmp_path / "x.pt")]) == 2
     assert "unreachable" in capsys.readouterr().err
+
+
+def test_a_store_another_process_holds_is_named_with_its_cause_and_no_traceback(uri, capfd):
+    """(`recall-memory export` while the app held the Milvus Lite file printed Milvus Lite's traceback, then "is
+    unreachable: Open local milvus failed".) The cause is the message, once."""
+    import subprocess
+    import sys
+
+    MilvusBank.open(uri, "m", create=StoreLayout(8)).add(torch.eye(8), None)
+    from milvus_lite.server_manager import server_manager_instance
+
+    server_manager_instance.release_server(uri)  # (this process lets the file go; another takes it)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pymilvus import MilvusClient; "
+                               f"c = MilvusClient({uri!r}); print('held', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        capfd.readouterr()
+        with pytest.raises(StoreError, match=r"is unreachable: another process holds the lock on '.*bank.db'"):
+            MilvusBank.open(uri, "m")
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        holder.communicate("", timeout=60)
+    assert len(MilvusBank.open(uri, "m")) == 8  # (free again: the filter is gone, and nothing was lost)
