@@ -356,8 +356,8 @@ class Service(SessionService):
         for event in events:
             if isinstance(event, DoneEvent):
                 result = event.result
-                if result.decode_seconds > 0:
-                    s.last_speed = len(result.new_tokens[0]) / result.decode_seconds
+                secs = result.decode_seconds  # (none for the app's own answer: no speed of the model's to show)
+                s.last_speed = len(result.new_tokens[0]) / secs if secs > 0 else None
                 if result.missed_recall and result.missed_recall[0]:
                     yield Notice(missed)
                 tokens = lambda: [s.conv.lm.tokenizer.decode([t]) for t in result.new_tokens[0].tolist()]  # noqa: E731

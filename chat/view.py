@@ -165,7 +165,8 @@ def status_line(state: SessionState, extra: str = "") -> str:
         words = f"bank: unreachable ({bank.use})"
     else:
         words = f"bank: {bank.size} memories ({bank.use})" if bank.size else "bank: none"
-    speed = f"last answer {state.speed:.1f} tokens/s" if state.speed else "no answer yet"
+    speed = (f"last answer {state.speed:.1f} tokens/s" if state.speed else
+             "" if any(m.role == "assistant" for m in state.messages) else "no answer yet")
     model = f"**{state.model}**" if state.model else ""
     return " · ".join(filter(None, [model, *state.model_notes, words, speed, state.note, state.where, extra]))
 

@@ -412,6 +412,7 @@ def test_a_forget_is_answered_with_what_it_forgot_and_the_conversation_goes_on_a
     conversation exactly: the next answer equals one of the same conversation read whole from its file. A "forget
     ..." that forgot nothing ("Forget it, tell me a joke.") is answered by the model, as any message."""
     from chat.session import Conversation
+    from chat.view import status_line
     from chat.worker import Notice
     from decoding.events import FinishEvent, TokenEvent
 
@@ -425,6 +426,8 @@ def test_a_forget_is_answered_with_what_it_forgot_and_the_conversation_goes_on_a
         events = drain(svc.chat(s, "Forget my dog.", [], whole, RECALL).request)
         reply = "Forgot: The user's dog is called Rex."
         assert answered(events) == (reply, ["stop"]) and not [e for e in events if isinstance(e, Notice)]
+        shown = status_line(svc.state(s))  # (the model's speed of the answer before stayed on the line)
+        assert svc.state(s).speed is None and "tokens/s" not in shown and "no answer yet" not in shown
         assert [(m.role, m.text) for m in s.conv.messages[-2:]] == [("user", "Forget my dog."), ("assistant", reply)]
         assert s.conv.ids[s.conv.messages[-1].start:] == tok(reply)["input_ids"] + [tok.eos_token_id]
         assert svc.run(my_memories, s) == []
