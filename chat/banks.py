@@ -10,6 +10,7 @@ a bank from another encoder is refused.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -36,6 +37,8 @@ MAX_WRITE = 500  # the most memories one write of the page adds (it holds the mo
 
 
 MAX_ID = 2 ** 62
+
+log = logging.getLogger(__name__)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -97,6 +100,17 @@ def texts_in(bank: MemoryVectorDB | MilvusBank, lines: Sequence[str]) -> set[str
     return wanted.intersection(bank.texts())
 
 
+def unstamped_note(lm: LoadedModel, db: MemoryVectorDB) -> str:
+    """Why this model may recall the wrong memories from `db`, or "": a bank of bare vectors (key = value) that
+    records no encoder, on a model whose memories have values and keys of their own (the embedded model reads token
+    values found by text keys: a state vector is neither, and nothing says what wrote it)."""
+    if db.has_values or db.info.get("encoder") is not None or not lm.encoder.values.keyed:
+        return ""
+    return (f"this bank holds bare vectors (key = value) with no record of what wrote them, and {lm.name} reads "
+            f"memories of {lm.encoder.values} values found by text keys: it may recall the wrong ones; build a bank "
+            "from texts with Write to bank or recall-memory build")
+
+
 def dimension_note(lm: LoadedModel, e: DimensionError) -> str:
     """What a dimension refusal adds: the model's hidden size, and where vectors of its key encoder's size go."""
     key_dim = lm.bank_check().key_dim
@@ -136,6 +150,8 @@ class Banks:
         except (BankError, FileNotFoundError) as e:
             raise ServiceError(f"memory.bank {str(path)!r} cannot be loaded: {describe(e)}") from None
         self.shared_note = Path(path).name
+        if note := unstamped_note(lm, self.shared):
+            log.warning("memory.bank %s: %s", path, note)
 
     def _open_store(self, lm: LoadedModel) -> MilvusBank:
         """The shared bank in Milvus: the collection as it is, or made for this model's encoder (and filled from
@@ -166,8 +182,9 @@ class Banks:
             return "the example bank (shared)"
         return f"the shared bank ({self.shared_note})" if self.cfg.memory.bank or self.shared is not None else "none"
 
-    def upload(self, s: Session, path: str | Path) -> MemoryVectorDB:
-        """Make an uploaded file this session's bank; on any problem raise and keep the current one."""
+    def upload(self, s: Session, path: str | Path) -> str:
+        """Make an uploaded file this session's bank; on any problem raise and keep the current one. What the page
+        says of it: how many memories, and `unstamped_note`."""
         lm = self._wait_model()
         name = Path(path).name
         if Path(path).suffix.lower() not in BANK_TYPES:
@@ -184,7 +201,8 @@ class Banks:
                                f"got {len(db)}; the current bank is kept")
         s.own_bank, s.own_label, s.bank_use = db, f"your upload {name}", "own"
         s.bank_chosen += 1
-        return db
+        note = unstamped_note(lm, db)
+        return f"bank uploaded: {name}, {len(db)} memories" + (f" · ⚠ {note}" if note else "")
 
     def use(self, s: Session, which: str) -> None:
         if which not in ("shared", "example", "own"):

@@ -228,9 +228,10 @@ def delete_memories(svc: ModelSide, s: Session, ids: str) -> Request:
 
 
 @operation(files=("path",))
-def upload_bank(svc: ModelSide, s: Session, path: str | Path) -> int:
-    """Make a bank file the session's own bank; how many memories it holds."""
-    return len(svc.banks.upload(s, path))
+def upload_bank(svc: ModelSide, s: Session, path: str | Path) -> str:
+    """Make a bank file the session's own bank; what the page says of it (its size, and a warning when the model
+    may recall the wrong memories from it)."""
+    return svc.banks.upload(s, path)
 
 
 @operation()

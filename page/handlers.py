@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -184,8 +183,7 @@ class Handlers:
         if not path:
             return *self.bank_view(s), gr.skip()
         try:
-            self.service.run(ops.upload_bank, s, path)
-            return *self.bank_view(s, f"bank uploaded: {os.path.basename(path)}"), gr.skip()
+            return *self.bank_view(s, self.service.run(ops.upload_bank, s, path)), gr.skip()
         except ValueError as e:
             return *self.bank_view(s, _warn(e)), None
         finally:

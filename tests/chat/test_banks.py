@@ -127,7 +127,8 @@ def test_a_write_is_refused_whole_when_too_big_a_question_or_its_bank_was_replac
     service.worker.submit(Request("hold", lambda _: held.set() or go.wait(30), None))  # (the write waits behind it)
     assert held.wait(30)
     waiting = service.banks.write(s, "The ferry leaves at seven.")
-    uploaded = service.banks.upload(s, bank_file(tmp_path / "up.pt", 64))
+    service.banks.upload(s, bank_file(tmp_path / "up.pt", 64))
+    uploaded = service.banks.of(s)
     go.set()
     with pytest.raises(ServiceError, match="bank changed while the memories waited to be written .* nothing was "
                                            "written"):

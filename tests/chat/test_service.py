@@ -436,7 +436,9 @@ def test_a_bank_of_another_layout_beside_your_memories_still_answers_from_yours(
         assert result(svc.run(ops.remember, s, "My dog is called Pocket.")).written
         np.save(tmp_path / "states.npy", np.random.default_rng(0).standard_normal((5, default_lm.hidden_size),
                                                                                  dtype=np.float32))
-        ops.upload_bank(svc, s, tmp_path / "states.npy")
+        said = ops.upload_bank(svc, s, tmp_path / "states.npy")  # (it recalled the wrong memories, unsaid)
+        assert said.startswith("bank uploaded: states.npy, 5 memories · ⚠ this bank holds bare vectors (key = value) "
+                               "with no record of what wrote them") and "it may recall the wrong ones" in said
         events = drain(svc.chat(s, "What is my dog's name?", [], GREEDY, RecallSettings()).request)
         notices = [e.text for e in events if isinstance(e, Notice)]
         assert any("expected a bank of the same layout" in n and "reads your own memories alone" in n
@@ -544,8 +546,9 @@ def test_upload_bank_and_refusals_keep_the_current_bank(tmp_path, tiny_llama, te
     try:
         s = svc.new_session()
         for ext in (".pt", ".safetensors", ".npy"):
-            db = svc.banks.upload(s, bank_file(tmp_path / f"good{ext}", 64))
-            assert len(db) == 3 and svc.banks.of(s) is db and s.bank_use == "own"
+            said = svc.banks.upload(s, bank_file(tmp_path / f"good{ext}", 64))
+            assert said.startswith(f"bank uploaded: good{ext}, 3 memories")
+            assert len(svc.banks.of(s)) == 3 and s.bank_use == "own" and s.own_label == f"your upload good{ext}"
         current = svc.banks.of(s)
         marker = tmp_path / "pwned"
         torch.save({"embeddings": Evil(marker)}, tmp_path / "evil.pt")
@@ -777,3 +780,22 @@ def test_the_no_memory_notice_names_the_reason_that_holds(bank):
     assert "none is close enough to the question (memory min score 0.9)" in no_memory(bank, RecallSettings(
         min_score=0.9))
 
+
+
+def test_a_bank_the_models_own_encoder_wrote_is_uploaded_without_a_warning_and_a_bare_shared_one_is_logged(
+        tmp_path, default_lm, caplog):
+    """The warning of a bare-vector bank (`unstamped_note`) is for banks that record no encoder, on a model whose
+    memories have keys of their own: one the model's encoder wrote (tokens values with text keys) is taken as it is;
+    a bare one as the shared bank is said in the log at the start."""
+    svc = Service(config(), default_lm)
+    try:
+        s = svc.new_session()
+        result(svc.run(ops.write_memories, s, "The ferry leaves at seven.\nThe bakery opens at six.", []))
+        svc.banks.of(s).save(tmp_path / "written.pt")
+        assert svc.run(ops.upload_bank, s, tmp_path / "written.pt") == "bank uploaded: written.pt, 2 memories"
+    finally:
+        svc.close()
+    bare = bank_file(tmp_path / "bare.pt", default_lm.hidden_size)
+    with caplog.at_level("WARNING", logger="chat.banks"):
+        Service(config(f"memory.bank={bare}"), default_lm).close()
+    assert any("bare.pt: this bank holds bare vectors" in r.getMessage() for r in caplog.records)
