@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from chat import transcript
 from chat.banks import Banks
 from chat.config import Config
 from chat.inputs import read_upload_text
@@ -181,7 +182,7 @@ def save_conversation(svc: ModelSide, s: Session) -> Path:
     with s.lock:
         if s.conv is None or not s.conv.messages:
             raise ServiceError("there is no conversation to save yet")
-        text = s.conv.to_json()
+        text = transcript.save(s.conv)
     path = s.files / f"conversation-{s.id}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     atomic_write(path, lambda fh: fh.write(text.encode()))
     return path
@@ -200,7 +201,7 @@ def load_conversation(svc: ModelSide, s: Session, path: str | Path) -> None:
     with s.lock:
         conv = s.conv or Conversation(lm)
         try:
-            conv.load_json(text, s.files)
+            transcript.load(conv, text, s.files)
         except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
             raise ServiceError(f"{name} is not a conversation this model can continue: {describe(e)}") from None
         s.conv, s.last_plot, s.last_note = conv, None, ""

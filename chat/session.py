@@ -12,18 +12,14 @@ A `Session` is what one browser tab (or API request) holds: its conversation, it
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
-import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
-from pydantic import ValidationError
 
-from chat.inputs import FORMAT, ConversationFile, check_conversation, decode_image, describe, encode_image, encode_vector
 from chat.reading import recall_context
 from chat.worker import Request
 from chat.users import LOCAL
@@ -372,58 +368,6 @@ class Conversation:
                 user = self.messages.pop() if self.messages and self.messages[-1].role == "user" else None
                 self._truncate(user.start if user else prompt_len)
                 self.cache = None
-
-    # ----------------------------------------------------------------- saving
-
-    def to_json(self) -> str:
-        """The conversation as a self-contained file: exact ids, memory vectors, images inline."""
-        messages = [{**asdict(m), "images": [encode_image(p) for p in m.images]} for m in self.messages]
-        earlier = [{"role": m.role, "text": m.text, "images": [encode_image(p) for p in m.images],
-                    "finish_reason": m.finish_reason} for m, _ in self.earlier]
-        return json.dumps({"format": FORMAT, "model": self.lm.name, "system_prompt": self.system_prompt,
-                           "messages": messages, "ids": self.ids,
-                           "memory": {str(p): encode_vector(v) for p, v in sorted(self.memory.items())},
-                           **({"earlier": earlier} if earlier else {})})
-
-    def load_json(self, text: str, image_dir: Path) -> None:
-        """Replace this conversation by a saved one, after every check has passed (else nothing changes).
-
-        Images come from the file itself and are written into `image_dir`; no path in a file is opened.
-        """
-        try:
-            data = ConversationFile.model_validate_json(text)
-        except ValidationError as e:
-            raise ValueError(describe(e)) from None
-        tok = self.lm.tokenizer
-        memory = check_conversation(data, vocab=len(tok), context=self.lm.spec.context,
-                                    memory_pad=self.lm.tokens.memory_pad,
-                                    hidden=self.lm.hidden_size, decode=tok.decode)
-        images = [[decode_image(b, f"messages.{i}.images.{k}") for k, b in enumerate(m.images)]
-                  for i, m in enumerate(data.messages)]
-        if any(images) and not self.lm.is_vision:
-            raise TextOnlyModelError(f"the conversation has images but {self.lm.name} reads text only")
-        def written(raws: list[bytes]) -> list[str]:
-            paths = [Path(image_dir) / f"image-{uuid.uuid4().hex}.png" for _ in raws]
-            for path, raw in zip(paths, raws):
-                path.write_bytes(raw)
-            return [str(p) for p in paths]
-
-        messages, pixels = [], []
-        for m, raws in zip(data.messages, images):
-            paths = written(raws)
-            for path in paths:
-                enc = encode_with_images(tok, self.lm.image_processor, IMAGE_PAD, [path])
-                pixels.append((enc["pixel_values"], enc["image_grid_thw"]))
-            messages.append(Message(m.role, m.text, paths, [RecallEvent(**r.model_dump()) for r in m.recalls],
-                                    m.finish_reason, m.start, m.said))
-        earlier = [(Message(m.role, m.text, written([decode_image(b, f"earlier.{i}.images.{k}")
-                                                     for k, b in enumerate(m.images)]), [], m.finish_reason),
-                    (m.text,) if m.role == "assistant" and m.text else ())  # (shown only, never read by the model)
-                   for i, m in enumerate(data.earlier)]
-        self.clear()
-        self.system_prompt = data.system_prompt
-        self.messages, self.ids, self.memory, self.pixels = messages, list(data.ids), memory, pixels
-        self.earlier = earlier
 
 
 @dataclass(eq=False)

@@ -22,6 +22,7 @@ from typing import Any
 
 from chat.config import Config
 from chat.operations import OPERATIONS, Operation
+from chat import transcript
 from chat.session import Session
 from chat.state import SessionState
 from chat.users import LOCAL
@@ -36,7 +37,7 @@ class Record:
     """A session as the front door keeps it: enough to show it, and to rebuild it on any replica."""
 
     version: int = 0  # counts the calls that ended on it; a replica with another version rebuilds
-    conversation: str | None = None  # Conversation.to_json(), None while empty
+    conversation: str | None = None  # chat.transcript.save, None while empty
     bank_use: str = "shared"
     state: SessionState | None = None  # what the page shows; None before the first call
     replica: str = ""  # the replica that wrote it (Ray Serve's replica id)
@@ -119,7 +120,7 @@ class ChatReplica:
             with s.lock:
                 s.conv = None
                 if record.conversation is not None:
-                    svc.conversation(s).load_json(record.conversation, s.files)
+                    transcript.load(svc.conversation(s), record.conversation, s.files)
                     why = ("was freed here after being idle" if record.replica == self.id else
                            "moved to another model replica (its replica stopped or was removed, or replicas were "
                            "added)")
@@ -147,7 +148,7 @@ class ChatReplica:
             self.sessions[key] = (s, version)
         conv = s.conv
         with s.lock:
-            text = conv.to_json() if conv is not None and conv.messages else None
+            text = transcript.save(conv) if conv is not None and conv.messages else None
         return Record(version, text, s.bank_use, self.service.state(s, details=True), self.id,
                       len(self.service.worker.running), user=s.user)
 

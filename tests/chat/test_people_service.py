@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from chat import transcript
 from chat.config import load_config
 from chat.operations import (edit_memory, forget_all_memories, forget_memories, my_memories, remember,
                              undo_memory_change)
@@ -445,7 +446,7 @@ def test_a_forget_is_answered_with_what_it_forgot_and_the_conversation_goes_on_a
         assert answered(events) == (cut, ["length"]) and s.conv.messages[-1].text == cut
 
         whole_conv = Conversation(tiny_llama)
-        whole_conv.load_json(s.conv.to_json(), tmp_path)
+        transcript.load(whole_conv, transcript.save(s.conv), tmp_path)
         assert whole_conv.ids == s.conv.ids and [m.said for m in whole_conv.messages] == [
             m.said for m in s.conv.messages]
         drain(svc.chat(s, "Hello there.", [], SHORT, RECALL).request)

@@ -6,6 +6,7 @@ import torch
 from decoding.request import Controls, Prompt
 from decoding.memory import Recall
 
+from chat import transcript
 from chat.session import Conversation, TextOnlyModelError
 from tests_helpers import returned
 from decoding import DoneEvent, GenerationSettings, RecallEvent, RecallSettings, TokenEvent, generate
@@ -121,16 +122,16 @@ def test_regenerate_and_save_load(tiny_llama, bank, tmp_path):
     list(conv.regenerate(GREEDY, RecallSettings(), memory_db=bank))
     assert conv.messages[-1].text == answer and conv.ids == ids  # greedy: the same answer again
 
-    saved = conv.to_json()
+    saved = transcript.save(conv)
     other = Conversation(lm)
-    other.load_json(saved, tmp_path)
+    transcript.load(other, saved, tmp_path)
     assert other.ids == conv.ids and other.memory.keys() == conv.memory.keys()
     assert [m.text for m in other.messages] == [m.text for m in conv.messages]
     run(conv, "Continue", settings=GREEDY, memory_db=bank)
     run(other, "Continue", settings=GREEDY, memory_db=bank)  # no cache: full prefill with vectors placed
     assert other.ids == conv.ids
     with pytest.raises(ValueError, match="format: Input should be 'recall-chat/conversation-2'"):
-        other.load_json('{"format": "something else"}', tmp_path)
+        transcript.load(other, '{"format": "something else"}', tmp_path)
 
 
 def test_a_turn_out_of_the_models_reading_is_still_shown_and_saved_but_never_read(tiny_llama, bank, tmp_path):
@@ -153,7 +154,7 @@ def test_a_turn_out_of_the_models_reading_is_still_shown_and_saved_but_never_rea
     assert conv.ids == alone.ids
     # a saved file keeps the earlier turn, shown again when loaded, and still not read
     other = Conversation(tiny_llama)
-    other.load_json(conv.to_json(), tmp_path)
+    transcript.load(other, transcript.save(conv), tmp_path)
     assert [m.text for m in message_states(other)] == [m.text for m in message_states(conv)]
     assert other.ids == conv.ids and [m.text for m in other.messages] == [m.text for m in conv.messages]
     other.clear()
@@ -250,9 +251,9 @@ def test_a_model_never_trained_reads_the_memory_at_the_end_of_the_message(tiny_l
     assert answer.recalls == [recall] and lm.tokens.recall not in conv.ids[answer.start:]
     # the file keeps the span; another conversation continues it exactly
     path = tmp_path / "c.json"
-    path.write_text(conv.to_json())
+    path.write_text(transcript.save(conv))
     again = Conversation(lm)
-    again.load_json(path.read_text(), tmp_path)
+    transcript.load(again, path.read_text(), tmp_path)
     assert again.ids == conv.ids and again.messages[-1].recalls == [recall] and sorted(again.memory) == sorted(conv.memory)
     run(again, "And the ferry?", settings=GREEDY, memory_db=bank, recall_first=True)
     second = again.messages[-1].recalls[0]
@@ -263,8 +264,8 @@ def test_a_model_never_trained_reads_the_memory_at_the_end_of_the_message(tiny_l
     assert kept.length == second.length and again.ids[kept.position:kept.position + kept.length] == \
         [lm.tokens.memory_pad] * kept.length
     torch.testing.assert_close(again.memory[kept.position], embedded(lm, bank.values(1))[0])
-    path.write_text(again.to_json())
-    Conversation(lm).load_json(path.read_text(), tmp_path)  # still a valid file
+    path.write_text(transcript.save(again))
+    transcript.load(Conversation(lm), path.read_text(), tmp_path)  # still a valid file
 
 
 def test_a_trained_model_reads_the_memory_between_recall_and_its_close(tiny_llama, text_keys):
@@ -286,12 +287,12 @@ def test_a_conversation_file_from_before_key_value_memories_loads(tiny_llama, ba
     conv = Conversation(tiny_llama)
     run(conv, "Who am I?", settings=GREEDY, recall=RecallSettings(), memory_db=bank, recall_first=True)
     import json
-    data = json.loads(conv.to_json())
+    data = json.loads(transcript.save(conv))
     for m in data["messages"]:
         for r in m["recalls"]:
             del r["length"]  # files written before had no length: one slot
     again = Conversation(tiny_llama)
-    again.load_json(json.dumps(data), tmp_path)
+    transcript.load(again, json.dumps(data), tmp_path)
     assert again.messages[-1].recalls == conv.messages[-1].recalls and again.ids == conv.ids
 
 
