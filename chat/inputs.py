@@ -71,7 +71,7 @@ def read_upload_text(path: str | Path, max_mb: int) -> str:
         raise ValueError(f"could not read {name}: {e}") from None
 
 
-# --------------------------------------------------------------------------- conversation files
+# --------------------------------------------------------------------------- schemas and images
 
 def describe(error: ValidationError, whole: str = "the file") -> str:
     """The first problem of a pydantic error as one line: field (`whole` for the whole input), what was expected,
