@@ -92,25 +92,48 @@ allergies allergic sport sports play plays playing pet pets birthday age hobby h
 family""".split())
 
 
+_WORD = r"[a-z0-9]+(?:-[a-z0-9]+)*(?:'[a-z]+)?"  # ("brother-in-law" is one word, not "brother")
+
+
 def _content(text: str) -> list[str]:
-    words = re.findall(r"[a-z0-9]+(?:'[a-z]+)?", text.lower().replace("\u2019", "'"))
+    words = re.findall(_WORD, text.lower().replace("\u2019", "'"))
     return [w for w in (re.sub(r"'s?$", "", w) for w in words) if w and w not in _NOT_CONTENT]
+
+
+def _proper(text: str, sentence: bool = True) -> set[str]:
+    """The words of `text` written capitalised (past its first word when it is a `sentence`), lower-cased: names
+    ("Lena", "Paris"), which are one word in one form only."""
+    words = re.findall(r"[\w'’-]+", text)
+    return {re.sub(r"['’]s?$", "", w).lower() for w in words[sentence:] if w[:1].isupper()}
 
 
 def _stem(word: str) -> str:
     for end in ("ing", "ed", "es", "s"):
-        if word.endswith(end) and len(word) - len(end) >= 3:
-            return word[:-len(end)]
+        if word.endswith(end) and len(word) - len(end) >= 3 and (end != "es" or re.search(r"(?:[sxz]|[cs]h)es$", word)):
+            return word[:-len(end)]  # (not "times" -> "tim": "es" after a hissing sound only, "boxes", "wishes")
     return word
 
 
-def _same_word(a: str, b: str) -> bool:
+def _same_word(a: str, b: str, names: set[str] = frozenset()) -> bool:
     """One word in two forms: "work" / "works", "cat" / "cats", "allergy" / "allergic" (not "teal" / "team",
-    "grandmother" / "grandfather")."""
-    if a == b or _stem(a) == _stem(b):
+    "grandmother" / "grandfather", "brother" / "brother-in-law"). A name (`names`) in one form only: "Tim" is not
+    "times", "Andrea" not "Andrew", "Paris" not "parish"."""
+    if a == b:
+        return True
+    if a in names or b in names or "-" in a + b:
+        return False
+    if _stem(a) == _stem(b):
         return True
     common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return common >= max(5, min(len(a), len(b)) - 2)
+
+
+def _someone_elses(word: str, memory: str) -> bool:
+    """Whether a memory gives `word` to someone other than the user: "The user's brother has a dog called Max." for
+    "my dog" ("brother has a dog", "Lena's dog"), not "The user's dog is called Rex." or "The user has a dog."."""
+    owners = re.findall(rf"([\w-]+)(?:'s|’s| has| owns| keeps)(?: (?:a|an|the|two|three|\w+))?(?: \w+)? {word}s?\b",
+                        memory.lower())
+    return any(o != "user" for o in owners)
 
 
 # what a kind word says of a person or thing the memory names ("my sister's birthday"), and the words of a memory
@@ -131,14 +154,17 @@ _ATTRIBUTES = [
     ("family".split(), []),
 ]
 _PLACE = frozenset("in at to from near since on until of by".split())  # (a capitalised word after these: a place)
+_DATES = frozenset("""january february march april may june july august september october november december monday
+tuesday wednesday thursday friday saturday sunday""".split())
 
 
 def _names(memory: str) -> bool:
-    """Whether a memory says a name: a capitalised word but "The" that follows neither a capitalised word nor `_PLACE`
-    ("Lena is the user's sister.", "... called Lena."; not "... lives in Buenos Aires since May.")."""
+    """Whether a memory says a name: a capitalised word but "The", a month or a day, that follows neither a
+    capitalised word nor `_PLACE` ("Lena is the user's sister.", "... called Lena."; not "... lives in Buenos Aires
+    since May.", "... moved to Oslo last May.")."""
     words = re.findall(r"[\w']+", memory)
-    return any(w[:1].isupper() and w != "The" and (i == 0 or not (words[i - 1][:1].isupper() or
-                                                                 words[i - 1].lower() in _PLACE))
+    return any(w[:1].isupper() and w != "The" and w.lower() not in _DATES
+               and (i == 0 or not (words[i - 1][:1].isupper() or words[i - 1].lower() in _PLACE))
                for i, w in enumerate(words))
 
 
@@ -165,7 +191,10 @@ def forget_reading(what: str, memory: str) -> tuple[bool, bool]:
     (`_ATTRIBUTES`): "my sister's name" is in "The user's sister is called Lena.", "my sister's birthday" and "where
     my sister lives" are not (they forgot it)."""
     words, theirs = _content(_OF.sub(r"\2 \3's \1", what)), _content(memory)
-    found = [any(_same_word(w, t) for t in theirs) for w in words]
+    names = _proper(what, sentence=False) | _proper(memory)  # (`what` follows "forget (about)")
+    found = [any(_same_word(w, t, names) for t in theirs) for w in words]
+    mine = set(re.findall(rf"\bmy ({_WORD})", what.lower().replace("\u2019", "'")))  # ("my dog": the user's own)
+    found = [f and not (w in mine and _someone_elses(w, memory)) for w, f in zip(words, found)]
     named = [f and w not in _KIND_WORDS for w, f in zip(words, found)]
     consistent = all(f or (w in _KIND_WORDS and not (any(named[:i]) and not _says(w, memory, theirs)))
                      for i, (w, f) in enumerate(zip(words, found)))

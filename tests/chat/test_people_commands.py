@@ -86,6 +86,29 @@ def test_a_forget_takes_every_memory_it_names_and_no_other(smollm2, told, said, 
     assert texts(told, smollm2) == sorted({CAT, BAKER, SISTER, "The user's sister lives in Oslo."} - set(gone))
 
 
+@pytest.mark.parametrize("what,memory", [
+    ("Tim", "The user goes swimming three times a week."), ("tim", "The user goes swimming three times a week."),
+    ("Andrea", "The user's son is called Andrew."), ("Paris", "The user lives in a small parish."),
+    ("Daniel", "The user's friend is called Danielle."), ("james", "The user loves jam."),
+    ("my car", "The user cares about the climate."), ("my brother", "The user's brother-in-law is called Sam."),
+    ("my dog", "The user's brother has a dog called Max."), ("my dog", "Lena's dog is called Max."),
+    ("my sister's name", "The user's sister moved to Oslo last May.")])
+def test_a_forget_names_no_memory_by_a_like_word_or_someone_elses_thing(what, memory):
+    """(Each forgot its memory: "times" stemmed to "tim", "Andrea" and "Andrew" shared 5 letters, "brother-in-law"
+    held "brother", "my dog" took the brother's dog, "last May" was a name.) A name is one word in one form, a
+    hyphenated word is one word, "my X" is the user's own X."""
+    assert forget_reading(what, memory) != (True, True) and to_forget(what, [memory], [0.9], [1.0]) == []
+
+
+@pytest.mark.parametrize("what,memory", [
+    ("my dog", "The user's dog is called Rex."), ("my dog", "The user has a dog called Rex."),
+    ("my little dog", "The user's little dog is called Rex."), ("my cats", "The user's cat is called Whiskers."),
+    ("Whiskers", "The user's cat is called Whiskers."), ("Paris", "The user lives in Paris."),
+    ("my boxes", "The user keeps old box files."), ("my sister's name", "The user's sister is called Lena.")])
+def test_a_forget_still_names_the_users_own_memory_in_another_form(what, memory):
+    assert forget_reading(what, memory) == (True, True) and to_forget(what, [memory], [0.9], [1.0]) == [0]
+
+
 @pytest.mark.parametrize("what,memory,means", [
     ("my mother's birthday", "The user's mother is called Ann.", False),
     ("my boss's birthday", "The user's boss is called Greg.", False),
