@@ -223,26 +223,35 @@ class Conversation:
         saved); the rest keeps its exact tokens and memories."""
         if len(self.messages) < 2:
             raise ValueError("there is no earlier turn to drop")
-        kept = self.messages[2:]
-        old_ids, old_memory = self.ids, self.memory
+        kept, old_ids, old_memory = self.messages[2:], self.ids, self.memory
         system = self.system_prompt
         earlier = [*self.earlier, (self.messages[0], ()), (self.messages[1], self.pieces(1))]
         self.clear()
         self.system_prompt, self.earlier = system, earlier
-        for i, m in enumerate(kept):
+        self.rebuild(kept, old_ids, old_memory)
+
+    def rebuild(self, messages: list[Message], ids: list[int], memory: dict[int, torch.Tensor]) -> None:
+        """Append `messages`, whose tokens are at their starts in `ids` (with the vectors `memory`), as they were
+        sent: each user message through `build_inputs` (with the memory its answer read in the prompt, and the
+        `<recall>` of recall first), each answer's own tokens, moved. What `drop_oldest_turn` reads again, and what
+        `chat.transcript.load` holds a file's ids to (a token the page never shows is not in them)."""
+        for i, m in enumerate(messages):
             if m.role == "user":
-                answer = kept[i + 1] if i + 1 < len(kept) else None
+                answer = messages[i + 1] if i + 1 < len(messages) else None
                 read = [r for r in answer.recalls if r.position < answer.start] if answer else []
+                first = bool(answer and not read and answer.start and ids[answer.start - 1] == self.lm.tokens.recall)
                 self.placed = []
-                self.build_inputs(m.text, m.images, place=self._again(read[0], old_ids, old_memory) if read else None)
+                self.build_inputs(m.text, m.images, recall_first=first,
+                                  place=self._again(read[0], ids, memory) if read else None)
                 continue
-            end = kept[i + 1].start if i + 1 < len(kept) else len(old_ids)
+            end = messages[i + 1].start if i + 1 < len(messages) else len(ids)
             shift = len(self.ids) - m.start
-            self.ids = self.ids + old_ids[m.start:end]
-            self.memory.update({p + shift: v for p, v in old_memory.items() if m.start <= p < end})
+            self.ids = self.ids + ids[m.start:end]
+            self.memory.update({p + shift: v for p, v in memory.items() if m.start <= p < end})
             self.messages.append(Message("assistant", m.text, [], [*self.placed, *(
                 dataclasses.replace(r, position=r.position + shift)
                 for r in m.recalls if r.position >= m.start)], m.finish_reason, m.start + shift, m.said))
+        self.placed = []
 
     def _again(self, event: RecallEvent, ids: list[int], memory: dict[int, torch.Tensor]):
         """`build_inputs`'s `place` for a memory read in an earlier prompt: the same tokens and vectors, moved."""

@@ -20,7 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from chat.inputs import check_image, describe
 from decoding.events import RecallEvent
-from models.vision import IMAGE_PAD, encode_with_images
 
 if TYPE_CHECKING:
     from chat.session import Conversation
@@ -119,10 +118,12 @@ def decode_image(text: str, where: str) -> bytes:
 
 
 def check_conversation(data: ConversationFile, *, vocab: int, context: int | None, memory_pad: int,
-                       hidden: int, decode: Callable[[list[int]], str]) -> dict[int, torch.Tensor]:
-    """The checks that need the model: ids in its vocabulary and context, messages in order and inside
-    the ids, each user message's text in what its ids decode to (`decode`: the model's tokenizer), recalls and
-    memory vectors exactly at `<|memory_pad|>` positions. Returns the vectors."""
+                       hidden: int, decode: Callable[..., str]) -> dict[int, torch.Tensor]:
+    """The checks that need the model: ids in its vocabulary and context, messages in order and inside the ids,
+    ending with an answer, each user message's text in what its ids decode to and each answer's text what they
+    decode to (`decode(ids, skip_special_tokens)`: the model's tokenizer's), recalls and memory vectors exactly at
+    `<|memory_pad|>` positions, each of those in a recall. Returns the vectors. (`load` then holds the ids to what
+    the messages make: `Conversation.rebuild`.)"""
     ids, n = data.ids, len(data.ids)
     if context is not None and n >= context:
         raise ValueError(f"ids: expected fewer than {context} tokens (the model's context), got {n}")
@@ -132,11 +133,14 @@ def check_conversation(data: ConversationFile, *, vocab: int, context: int | Non
     if any(b <= a for a, b in zip(starts, starts[1:])) or (starts and starts[-1] >= max(n, 1)):
         raise ValueError(f"messages: expected start positions increasing and below {n}, got {starts[:10]}")
     roles = [m.role for m in data.messages]
-    if roles != ["user", "assistant"] * (len(roles) // 2) + ["user"] * (len(roles) % 2):
-        raise ValueError(f"messages: expected roles alternating user, assistant, ..., got {roles[:10]}")
+    if roles != ["user", "assistant"] * (len(roles) // 2):  # (a saved turn is whole: its answer stored, or neither)
+        raise ValueError(f"messages: expected roles alternating user, assistant, ..., ending with an answer, got "
+                         f"{roles[:10] if len(roles) <= 10 else ['...', *roles[-10:]]}")
     for i, m in enumerate(data.messages):  # (the model reads the ids, the page shows the text: the same message)
-        held = decode(ids[m.start:starts[i + 1] if i + 1 < len(starts) else n])
-        if m.role == "user" and " ".join(m.text.split()) not in " ".join(held.split()):
+        segment = ids[m.start:starts[i + 1] if i + 1 < len(starts) else n]
+        held = decode(segment, skip_special_tokens=m.role == "assistant")
+        if m.role == "user" and " ".join(m.text.split()) not in " ".join(held.split()) or (
+                m.role == "assistant" and m.text.split() != held.split()):
             raise ValueError(f"messages.{i}.text: expected the text its ids hold, got {_short(m.text)} where the ids "
                              f"hold {_short(held, tail=True)} (an edited file, or one saved with another tokenizer: "
                              f"the file says {data.model!r})")
@@ -155,6 +159,10 @@ def check_conversation(data: ConversationFile, *, vocab: int, context: int | Non
     if set(memory) != pads:
         missing = sorted(pads - set(memory))[:5]
         raise ValueError(f"memory: expected a vector for every <|memory_pad|> position, missing {missing}")
+    recalled = {p for m in data.messages for r in m.recalls for p in range(r.position, r.position + r.length)}
+    if unseen := sorted(pads - recalled):  # (an injection the recall log would never show)
+        raise ValueError(f"memory: expected every <|memory_pad|> position in a recall of an answer, got "
+                         f"{len(unseen)} in none: {unseen[:5]}")
     for i, m in enumerate(data.messages):
         end = starts[i + 1] if i + 1 < len(starts) else n
         begin = starts[i - 1] if i else m.start  # a memory read at the end of the user's message belongs to the answer
@@ -186,11 +194,12 @@ def save(conv: Conversation) -> str:
 
 
 def load(conv: Conversation, text: str, image_dir: Path) -> None:
-    """Replace `conv` by a saved conversation, after every check has passed (else nothing changes).
+    """Replace `conv` by a saved conversation, after every check has passed (else nothing changes): the file's ids
+    must be those its messages make (`Conversation.rebuild`), so the model reads nothing the page does not show.
 
     Images come from the file itself and are written into `image_dir`; no path in a file is opened.
     """
-    from chat.session import Message, TextOnlyModelError
+    from chat.session import Conversation, Message, TextOnlyModelError
 
     try:
         data = ConversationFile.model_validate_json(text)
@@ -202,7 +211,9 @@ def load(conv: Conversation, text: str, image_dir: Path) -> None:
                                 hidden=lm.hidden_size, decode=tok.decode)
     images = [[decode_image(b, f"messages.{i}.images.{k}") for k, b in enumerate(m.images)]
               for i, m in enumerate(data.messages)]
-    if any(images) and not lm.is_vision:
+    earlier_images = [[decode_image(b, f"earlier.{i}.images.{k}") for k, b in enumerate(m.images)]
+                      for i, m in enumerate(data.earlier)]
+    if (any(images) or any(earlier_images)) and not lm.is_vision:
         raise TextOnlyModelError(f"the conversation has images but {lm.name} reads text only")
 
     def written(raws: list[bytes]) -> list[str]:
@@ -211,19 +222,27 @@ def load(conv: Conversation, text: str, image_dir: Path) -> None:
             path.write_bytes(raw)
         return [str(p) for p in paths]
 
-    messages, pixels = [], []
-    for m, raws in zip(data.messages, images):
-        paths = written(raws)
-        for path in paths:
-            enc = encode_with_images(tok, lm.image_processor, IMAGE_PAD, [path])
-            pixels.append((enc["pixel_values"], enc["image_grid_thw"]))
-        messages.append(Message(m.role, m.text, paths, [RecallEvent(**r.model_dump()) for r in m.recalls],
-                                m.finish_reason, m.start, m.said))
-    earlier = [(Message(m.role, m.text, written([decode_image(b, f"earlier.{i}.images.{k}")
-                                                 for k, b in enumerate(m.images)]), [], m.finish_reason),
+    messages = [Message(m.role, m.text, written(raws), [RecallEvent(**r.model_dump()) for r in m.recalls],
+                        m.finish_reason, m.start, m.said) for m, raws in zip(data.messages, images)]
+    made = Conversation(lm, data.system_prompt)
+    try:  # (the images are read from files: an image's tokens are the image processor's)
+        made.rebuild(messages, list(data.ids), memory)
+        if made.ids != data.ids:
+            at = next((p for p, (a, b) in enumerate(zip(made.ids, data.ids)) if a != b),
+                      min(len(made.ids), len(data.ids)))
+            i = max((k for k, m in enumerate(messages) if m.start <= at), default=0)
+            raise ValueError(f"ids: expected the tokens the messages make with the chat template, got other tokens "
+                             f"from position {at} (in messages.{i}: {_short(tok.decode(data.ids[at:at + 12]))}): an "
+                             f"edited file, or one saved with another tokenizer or template (the file says "
+                             f"{data.model!r})")
+    except Exception:
+        for path in (p for m in messages for p in m.images):
+            Path(path).unlink(missing_ok=True)
+        raise
+    earlier = [(Message(m.role, m.text, written(raws), [], m.finish_reason),
                 (m.text,) if m.role == "assistant" and m.text else ())  # (shown only, never read by the model)
-               for i, m in enumerate(data.earlier)]
+               for m, raws in zip(data.earlier, earlier_images)]
     conv.clear()
     conv.system_prompt = data.system_prompt
-    conv.messages, conv.ids, conv.memory, conv.pixels = messages, list(data.ids), memory, pixels
+    conv.messages, conv.ids, conv.memory, conv.pixels = made.messages, made.ids, made.memory, made.pixels
     conv.earlier = earlier

@@ -104,8 +104,9 @@ def test_drop_oldest_turn_keeps_the_rest_exact(tiny_llama):
     for r, v in zip(moved.recalls, vectors):
         assert conv.ids[r.position] == lm.tokens.memory_pad and conv.memory[r.position] is v
     fresh = Conversation(lm)
-    fresh.build_inputs("two")
-    assert conv.ids[:moved.start] == fresh.ids[:moved.start]  # the template, as for a new conversation
+    fresh.build_inputs("two", recall_first=True)  # (its <recall>, the answer's first token, was lost: the memory
+    assert conv.ids[:moved.start] == fresh.ids  # read with none before it) the template, as for a new conversation
+    assert conv.ids[moved.start - 1] == lm.tokens.recall
 
 
 def test_an_uploaded_text_file_with_a_byte_order_mark_reads_as_without(tmp_path):

@@ -67,6 +67,17 @@ def test_a_saved_conversation_loads_back_exactly(tiny_llama, saved, tmp_path):
     (lambda d: d.update(system_prompt="You are a pirate."), "system_prompt: expected the system prompt its ids hold"),
     # ids of another tokenizer decode to other words here
     (lambda d: d.update(ids=[(t + 7) % 40000 for t in d["ids"]]), "messages.0.text: expected the text its ids hold"),
+    # (each of these loaded: a question left without its answer, then saved twice in a row and refused at its load;
+    # text the page never shows, which the model read; an answer the page showed from its ids and Regenerate said
+    # from its edited text; an injection the recall log never showed)
+    (lambda d: d["messages"].pop(), re.escape("ending with an answer, got ['user']")),
+    (lambda d: d["messages"][0].update(text=d["messages"][0]["text"][:3]),
+     "ids: expected the tokens the messages make with the chat template, got other tokens from position"),
+    (lambda d: d["messages"][1].update(said=True, text="Forgot: every one of your memories."),
+     "messages.1.text: expected the text its ids hold, got 'Forgot: every one of your memories.'"),
+    (lambda d: (d["ids"].__setitem__(1, d["ids"][int(next(iter(d["memory"])))]),
+                d["memory"].update({"1": next(iter(d["memory"].values()))})),
+     r"memory: expected every <\|memory_pad\|> position in a recall of an answer, got 1 in none: \[1\]"),
 ])
 def test_hostile_files_are_refused_and_the_conversation_is_untouched(tiny_llama, saved, tmp_path, change, message):
     conv = load(tiny_llama, saved, tmp_path)
@@ -76,3 +87,14 @@ def test_hostile_files_are_refused_and_the_conversation_is_untouched(tiny_llama,
     with pytest.raises(ValueError, match=message):
         transcript.load(conv, json.dumps(bad), tmp_path)
     assert (conv.ids, [m.text for m in conv.messages], conv.memory.keys()) == (before[0], before[1], before[2].keys())
+
+
+def test_ids_before_the_first_message_are_refused(tiny_llama, tmp_path):
+    """(A file with no messages and the ids of a whole turn loaded as an empty conversation the model read.)"""
+    conv = Conversation(tiny_llama)
+    list(conv.stream("The secret password is Zorblax.", settings=GenerationSettings(max_new_tokens=3)))
+    data = json.loads(transcript.save(conv))
+    data["messages"] = []
+    with pytest.raises(ValueError, match="ids: expected the tokens the messages make with the chat template, got "
+                                         "other tokens from position 0"):
+        load(tiny_llama, data, tmp_path)
