@@ -178,11 +178,16 @@ def clear(svc: ModelSide, s: Session) -> None:
 
 @operation(returns_file=True)
 def save_conversation(svc: ModelSide, s: Session) -> Path:
-    """The conversation as a file of the session's folder (exact ids, memory vectors, images inline)."""
-    with s.lock:
+    """The conversation as a file of the session's folder (exact ids, memory vectors, images inline); refused while
+    an answer is being written (the turn holds the conversation: a save waited for its end, silently)."""
+    if not s.lock.acquire(timeout=1):
+        raise ServiceError("an answer is being written: save once it has ended, or Stop it first")
+    try:
         if s.conv is None or not s.conv.messages:
             raise ServiceError("there is no conversation to save yet")
         text = transcript.save(s.conv)
+    finally:
+        s.lock.release()
     path = s.files / f"conversation-{s.id}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     atomic_write(path, lambda fh: fh.write(text.encode()))
     return path

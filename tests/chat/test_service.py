@@ -362,6 +362,9 @@ def test_clear_and_save_load_conversation(service, tmp_path):
     with pytest.raises(ServiceError, match="not a conversation this model can continue: format"):
         service.run(ops.load_conversation, other, bad)
     assert len(other.conv.messages) == 2  # untouched
+    with s.lock:  # (an answer being written: a save waited for its end, silently)
+        with pytest.raises(ServiceError, match="an answer is being written: save once it has ended, or Stop it"):
+            service.run(ops.save_conversation, s)
     service.run(ops.clear, s)
     assert s.conv.messages == [] and s.conv.ids == []
 
