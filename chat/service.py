@@ -293,7 +293,7 @@ class Service(SessionService):
         try:
             return Joined([("yours", Newest(mine)), (self.banks.label(s), bank)])
         except ValueError as e:  # the session's bank is of another layout (an upload of bare vectors): no answer came
-            yield Notice(f"{e}: this message reads your own memories alone")
+            yield Notice(f"{e}: the two cannot be searched as one, so this message reads your own memories alone")
             return Newest(mine)
 
     def personal(self, s: Session) -> Personal:

@@ -463,10 +463,12 @@ class Joined(BankShape):
             raise ValueError("expected at least one bank with memories to join, got none")
         first = self.parts[0][1]
         shape = lambda b: (b.dim, b.value_dim, b.token_values)  # noqa: E731
+        layout = lambda b: f"{b.dim}-d keys, " + ("token values" if b.token_values else  # noqa: E731
+                                                  f"{b.value_dim}-d values" if b.has_values else "no values (key = value)")
         for label, bank in self.parts[1:]:
             if shape(bank) != shape(first):
-                raise ValueError(f"{label}: expected a bank of the same layout as {self.parts[0][0]} (keys, values, "
-                                 f"token ids {shape(first)}), got {shape(bank)}")
+                raise ValueError(f"{label}: expected a bank of the same layout as {self.parts[0][0]} "
+                                 f"({layout(first)}), got {layout(bank)}")
         self._dim, self._kind = first.dim, "joined"
         self._value_dim, self._tokens = first._value_dim, first.token_values
         self.info = first.info

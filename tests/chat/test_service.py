@@ -444,7 +444,9 @@ def test_a_bank_of_another_layout_beside_your_memories_still_answers_from_yours(
                                "with no record of what wrote them") and "it may recall the wrong ones" in said
         events = drain(svc.chat(s, "What is my dog's name?", [], GREEDY, RecallSettings()).request)
         notices = [e.text for e in events if isinstance(e, Notice)]
-        assert any("expected a bank of the same layout" in n and "reads your own memories alone" in n
+        assert any("expected a bank of the same layout as yours (384-d keys, token values), got 576-d keys, no values "
+                   "(key = value): the two cannot be searched as one, so this message reads your own memories alone"
+                   in n
                    for n in notices), notices
         assert not any(isinstance(e, Failed) for e in events) and isinstance(events[-1], DoneEvent)
         assert [r.text for r in events if isinstance(r, RecallEvent)] == ["The user's dog is called Pocket."]
