@@ -201,6 +201,13 @@ def forget_reading(what: str, memory: str) -> tuple[bool, bool]:
     return consistent, any(named)
 
 
+def things(what: str) -> list[str]:
+    """The things "forget `what`" names, each its own request: "my sister and my dog" is "my sister" and "my dog"
+    (only parts that each start with "my": "my sister and I" is one)."""
+    parts = re.split(r"\s*(?:,\s*(?:and\s+)?|\s+and\s+)(?=my\b)", what.strip(), flags=re.I)
+    return parts if len(parts) > 1 and all(re.match(r"my\b", p, re.I) for p in parts) else [what]
+
+
 def to_forget(what: str, texts: Sequence[str], scores: Sequence[float], fits: Sequence[float] | None,
               admits: float = 0.5) -> list[int]:
     """Which of a person's memories (their `texts`, the key similarity of each to "forget `what`", `scores`, and the

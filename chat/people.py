@@ -43,7 +43,7 @@ from memory.milvus import MilvusBank
 from memory.personal import CLOSEST, Personal, PersonalMemory, Similar, twin
 from memory.personal_milvus import MilvusPersonal, open_people
 from models import LoadedModel
-from chat.decision import FORGET_CANDIDATES, Decision, decide, forget_reading, to_forget
+from chat.decision import FORGET_CANDIDATES, Decision, decide, forget_reading, things, to_forget
 from models.remember import WriteDecision, about_the_user
 
 CARRIED = ".carried.json"  # in a user's folder: {memory file: the earlier model's file it was filled from}
@@ -266,10 +266,23 @@ class People:
         return n
 
     def forget(self, lm: LoadedModel, user: str, what: str) -> Remembered:
-        """Remove the memories of `user` that "forget `what`" is about (`to_forget`: none when no memory is)."""
+        """Remove the memories of `user` that "forget `what`" is about (`to_forget`: none when no memory is), of
+        each thing it names ("my sister and my dog": `things`), at once."""
         memory = self.of(lm, user)
         if not len(memory):
             return Remembered(note="Nothing to forget: you have not told me anything to remember yet")
+        ids = list(dict.fromkeys(i for part in things(what) for i in self._meant(lm, memory, part)))
+        if not ids:
+            if EVERYTHING.match(what):  # (what a message names here: all of them is a button, and a confirmation)
+                return Remembered(note="Nothing forgotten: a message forgets what it names; to forget all of yours, "
+                                       "use Forget everything under About you (or DELETE /v1/memories)")
+            shown = what if len(what) <= 80 else what[:80] + "…"  # (a whole long message said back is noise)
+            return Remembered(note=f"Nothing to forget: no memory of yours is about {shown!r}")
+        return Remembered(forgotten=tuple(memory.remove(ids)))
+
+    @staticmethod
+    def _meant(lm: LoadedModel, memory: Personal, what: str) -> list[str]:
+        """The ids of the memories "forget `what`" means (`to_forget`), among the closest `FORGET_CANDIDATES`."""
         keys, _ = lm.encoder.encode(lm.model, lm.tokenizer, [about_the_user(what)], batch_size=1, progress=False)
         bank = memory.bank
         scores, ids = bank.topk(keys[0], min(len(bank), FORGET_CANDIDATES))
@@ -284,10 +297,4 @@ class People:
             fits = check.probability(query.reshape(1, -1).expand_as(vectors), vectors).tolist()
         picked = to_forget(what, [e["text"] for _, e in found], [sc for sc, _ in found], fits,
                            check.threshold if check is not None else 0.5)
-        if not picked:
-            if EVERYTHING.match(what):  # (what a message names here: all of them is a button, and a confirmation)
-                return Remembered(note="Nothing forgotten: a message forgets what it names; to forget all of yours, "
-                                       "use Forget everything under About you (or DELETE /v1/memories)")
-            shown = what if len(what) <= 80 else what[:80] + "…"  # (a whole long message said back is noise)
-            return Remembered(note=f"Nothing to forget: no memory of yours is about {shown!r}")
-        return Remembered(forgotten=tuple(memory.remove([found[i][1]["id"] for i in picked])))
+        return [found[i][1]["id"] for i in picked]

@@ -76,10 +76,13 @@ def test_forgetting_something_told_forgets_that_memory(smollm2, told, said, gone
 @pytest.mark.slow
 @pytest.mark.parametrize("said,gone", [("Forget about my sister.", [SISTER, "The user's sister lives in Oslo."]),
                                        ("Forget my sister's name.", [SISTER]),
-                                       ("Forget where my sister lives.", ["The user's sister lives in Oslo."])])
+                                       ("Forget where my sister lives.", ["The user's sister lives in Oslo."]),
+                                       ("Forget about my sister and my cat.",
+                                        [SISTER, "The user's sister lives in Oslo.", CAT])])
 def test_a_forget_takes_every_memory_it_names_and_no_other(smollm2, told, said, gone):
-    """("Forget about my sister." with her name and her town told forgot one of them: the closest.) Every memory the
-    request names and no word of it speaks against is forgotten; an attribute, the memory that says it."""
+    """("Forget about my sister." with her name and her town told forgot one of them: the closest; "... my sister and
+    my cat." forgot neither.) Every memory the request names and no word of it speaks against is forgotten; an
+    attribute, the memory that says it; of each thing named."""
     assert told.write(smollm2, "ada", "The user's sister lives in Oslo.").written
     done = told.forget(smollm2, "ada", decide(said, "explicit").forget)
     assert sorted(e["text"] for e in done.forgotten) == sorted(gone)
