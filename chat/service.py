@@ -267,7 +267,7 @@ class Service(SessionService):
                 if not interrupt.is_set() and (dropped := self._fit(conv, text, images, settings, recall_first)):
                     yield Notice(f"the conversation outgrew its limit: its {dropped} oldest turn(s) are no longer "
                                  "read (still shown)")
-                yield from self._noted(s, conv.say(text, images, reply, settings) if reply is not None else
+                yield from self._noted(s, conv.say(text, images, reply, settings, interrupt) if reply is not None else
                                        conv.stream(text, images, settings, recall, bank, interrupt, recall_first),
                                        no_memory(bank, recall))
 

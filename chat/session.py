@@ -300,21 +300,29 @@ class Conversation:
         yield from self.placed
         yield from self._run(inputs, len(self.ids), settings, context, interrupt_event, missed)
 
-    def say(self, text: str, images: Sequence[str], reply: str, settings: GenerationSettings) -> Iterator[Event]:
+    def say(self, text: str, images: Sequence[str], reply: str, settings: GenerationSettings,
+            interrupt_event=None) -> Iterator[Event]:
         """Add a user message and an answer the app gives itself (the reply to a command, which the model is not
-        asked to write), streamed as the model's answers are: its tokens (at most `settings.max_new_tokens`), then
-        the end of turn. The KV cache still covers a prefix of the conversation; the next turn reads the rest."""
+        asked to write), streamed as the model's answers are: its tokens (at most `settings.max_new_tokens`, up to a
+        stop), then the end of turn. The KV cache still covers a prefix of the conversation; the next turn reads
+        the rest."""
         self._settle()
         self.placed = []
         self.build_inputs(text, images)
-        yield from self._said(reply, settings)
+        yield from self._said(reply, settings, interrupt_event)
 
-    def _said(self, reply: str, settings: GenerationSettings) -> Iterator[Event]:
+    def _said(self, reply: str, settings: GenerationSettings, interrupt_event=None) -> Iterator[Event]:
         prompt_len, tok = len(self.ids), self.lm.tokenizer
         ids = tok(reply, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         reason = "length" if len(ids) > settings.max_new_tokens else "stop"
-        ids, detok = ids[:settings.max_new_tokens], Detokenizer(tok)
-        yield from (TokenEvent(0, t, prompt_len + i, detok.push(t)) for i, t in enumerate(ids))
+        ids, detok, said = ids[:settings.max_new_tokens], Detokenizer(tok), []
+        for i, t in enumerate(ids):
+            if interrupt_event is not None and interrupt_event.is_set():  # (a stop ends it as it ends the model's)
+                reason = "interrupted"
+                break
+            said.append(t)
+            yield TokenEvent(0, t, prompt_len + i, detok.push(t))
+        ids = said
         yield FinishEvent(0, reason)
         self.ids = self.ids + ids + [tok.eos_token_id]
         text = tok.decode(ids, skip_special_tokens=True)
@@ -328,7 +336,7 @@ class Conversation:
         answer = self.messages.pop()
         self._truncate(answer.start)
         if answer.said:  # the app's own answer to a command (done already): said again, the model is not asked
-            yield from self._said(answer.text, settings)
+            yield from self._said(answer.text, settings, interrupt_event)
             return
         self.placed = [r for r in answer.recalls if r.position < answer.start]  # read in the prompt: kept
         yield from self.placed

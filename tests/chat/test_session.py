@@ -467,3 +467,23 @@ def test_on_llama_cpp_recall_first_with_nothing_that_fits_answers_from_what_it_k
                  recall_first=True)
     assert not any(isinstance(e, RecallEvent) for e in events) and "Paris" in conv.messages[-1].text
     assert events[-1].result.missed_recall == [True] and conv.memory == {}
+
+
+def test_a_stop_ends_the_apps_own_answer_as_it_ends_the_models(tiny_llama, tmp_path):
+    """(A forget's answer went on to its end after a stop: the page said "stopped after 12 tokens", the answer
+    "done".) It ends at the stop, "interrupted", and the turn is kept as far as it went."""
+    from decoding.events import FinishEvent
+
+    conv, stop = Conversation(tiny_llama), threading.Event()
+    events = []
+    for event in conv.say("Forget my dog.", [], "Forgot: The user's dog is called Rex.",
+                          GenerationSettings(max_new_tokens=32), stop):
+        events.append(event)
+        if isinstance(event, TokenEvent) and len(events) == 2:
+            stop.set()
+    said = [e for e in events if isinstance(e, TokenEvent)]
+    assert len(said) == 2 and [e.reason for e in events if isinstance(e, FinishEvent)] == ["interrupted"]
+    assert conv.messages[-1].finish_reason == "interrupted" and conv.messages[-1].text == "".join(e.text for e in said)
+    again = Conversation(tiny_llama)
+    transcript.load(again, transcript.save(conv), tmp_path)  # (a whole turn: saved and loaded)
+    assert again.ids == conv.ids
