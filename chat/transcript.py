@@ -24,7 +24,7 @@ from decoding.events import RecallEvent
 if TYPE_CHECKING:
     from chat.session import Conversation
 
-FORMAT = "recall-chat/conversation-2"
+FORMAT = "recall-chat/conversation-3"  # (-2: the same without `earlier.pieces`, read as well)
 MAX_FILE_MESSAGES = 2_000
 
 Text = Annotated[str, Field(max_length=100_000)]
@@ -63,6 +63,7 @@ class EarlierRecord(BaseModel):
     text: Text
     images: list[str] = Field(default_factory=list, max_length=8)  # base64 PNG/JPEG bytes
     finish_reason: Literal["stop", "length", "interrupted", "tool_call"] | None = None
+    pieces: list[Text | RecallRecord] = Field(default_factory=list, max_length=10_000)  # an answer: text and recalls
 
 
 class ConversationFile(BaseModel):
@@ -70,7 +71,7 @@ class ConversationFile(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    format: Literal["recall-chat/conversation-2"]
+    format: Literal["recall-chat/conversation-2", "recall-chat/conversation-3"]
     model: Text
     system_prompt: Text | None = None
     messages: list[MessageRecord] = Field(max_length=MAX_FILE_MESSAGES)
@@ -168,7 +169,8 @@ def check_conversation(data: ConversationFile, *, vocab: int, context: int | Non
         begin = starts[i - 1] if i else m.start  # a memory read at the end of the user's message belongs to the answer
         for r in m.recalls:
             slots = range(r.position, r.position + r.length)
-            if not (m.role == "assistant" and begin <= r.position and slots[-1] < end and all(p in pads for p in slots)):
+            inside = begin <= r.position and slots[-1] < end and all(p in pads for p in slots)
+            if not (m.role == "assistant" and inside):
                 raise ValueError(f"messages.{i}.recalls: expected {r.length} <|memory_pad|> position(s) from "
                                  f"{r.position} inside the turn ({begin}..{end - 1})")
         if not all(math.isfinite(r.score) for r in m.recalls):
@@ -186,7 +188,9 @@ def save(conv: Conversation) -> str:
     """The conversation as a self-contained file: exact ids, memory vectors, images inline."""
     messages = [{**asdict(m), "images": [encode_image(p) for p in m.images]} for m in conv.messages]
     earlier = [{"role": m.role, "text": m.text, "images": [encode_image(p) for p in m.images],
-                "finish_reason": m.finish_reason} for m, _ in conv.earlier]
+                "finish_reason": m.finish_reason,
+                **({"pieces": [p if isinstance(p, str) else asdict(p) for p in pieces]} if m.role == "assistant" else {})}
+               for m, pieces in conv.earlier]
     return json.dumps({"format": FORMAT, "model": conv.lm.name, "system_prompt": conv.system_prompt,
                        "messages": messages, "ids": conv.ids,
                        "memory": {str(p): encode_vector(v) for p, v in sorted(conv.memory.items())},
@@ -239,10 +243,19 @@ def load(conv: Conversation, text: str, image_dir: Path) -> None:
         for path in (p for m in messages for p in m.images):
             Path(path).unlink(missing_ok=True)
         raise
-    earlier = [(Message(m.role, m.text, written(raws), [], m.finish_reason),
-                (m.text,) if m.role == "assistant" and m.text else ())  # (shown only, never read by the model)
+    earlier = [(Message(m.role, m.text, written(raws), [], m.finish_reason), _pieces(m))  # (shown, never read)
                for m, raws in zip(data.earlier, earlier_images)]
     conv.clear()
     conv.system_prompt = data.system_prompt
     conv.messages, conv.ids, conv.memory, conv.pixels = made.messages, made.ids, made.memory, made.pixels
     conv.earlier = earlier
+
+
+def _pieces(m: EarlierRecord) -> tuple[str | RecallEvent, ...]:
+    """An earlier answer as the page shows it: its text with each recall where it was (a file of format -2 has the
+    text alone)."""
+    if m.role != "assistant":
+        return ()
+    if m.pieces:
+        return tuple(p if isinstance(p, str) else RecallEvent(**p.model_dump()) for p in m.pieces)
+    return (m.text,) if m.text else ()
