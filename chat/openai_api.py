@@ -90,7 +90,7 @@ class OpenAIRoutes:
             if body.model not in (self.model_id, ALIAS):  # (the alias is what /v1/models says while loading)
                 raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_id!r}",
                                param="model", code="model_not_found")
-            session, turn = self.start(body, user)
+            session, turn = await asyncio.to_thread(self.start, body, user)  # (its history is read: off the loop)
             if body.stream:
                 return StreamingResponse(self.chunks(request, session, turn, body), media_type="text/event-stream")
             return await self.whole(request, session, turn, body)
@@ -136,7 +136,7 @@ class OpenAIRoutes:
             raise APIError.shutting_down(e) from None
         except (ValueError, ServiceError) as e:
             svc.end_session(s)
-            raise APIError(400, str(e)) from None
+            raise APIError(400, getattr(e, "api", None) or str(e)) from None
 
     # ------------------------------------------------------------------ the caller's own memory
 
@@ -159,7 +159,7 @@ class OpenAIRoutes:
         except (ValueError, ServiceError) as e:
             raise APIError(400, str(e)) from None
         finally:
-            svc.end_session(s)
+            await asyncio.to_thread(svc.end_session, s)
 
     async def list_memories(self, request: Request):
         try:
@@ -217,7 +217,8 @@ class OpenAIRoutes:
         finally:
             if not req.done.is_set():
                 self.service.withdraw(req)
-            self.service.end_session(session)
+            await asyncio.to_thread(self.service.end_session, session)  # (it waits for the answer's end: a client
+            # gone mid-answer held every other caller of this event loop until then)
 
     async def chunks(self, request: Request, session: Session, turn, body: ChatRequest) -> AsyncIterator[str]:
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -22,7 +22,7 @@ from chat.janitor import Janitor
 from chat.operations import operation_of
 from chat.decision import FORGET, Decision
 from chat.people import People, Remembered
-from chat.session import Conversation, Session, text_only_message
+from chat.session import Conversation, Message, Session, text_only_message
 from chat.state import SessionState, bank_state, message_states
 from chat.textsearch import TextSearch
 from chat.warmup import WarmUp
@@ -148,16 +148,41 @@ class Service(SessionService):
         s.conv.batch = self.worker.batch if self.cfg.app.batching else None
         return s.conv
 
-    def add_history(self, s: Session, role: str, text: str, images: Sequence[str] = ()) -> None:
-        """An earlier message of a conversation its client keeps (the OpenAI API's `messages`): the system
-        prompt, a user message, or an answer given as text."""
+    def add_history(self, s: Session, history: Sequence[tuple[str, str, Sequence[str]]], text: str,
+                    settings: GenerationSettings) -> int:
+        """The earlier messages of a conversation its client keeps (the OpenAI API's `messages`: role, text, image
+        paths), before its new message `text`: the system prompt, user messages, answers given as text. Only those
+        the model can read are read: past the window (`history_turns`), and past the budget by their text alone (a
+        lower bound: refused at once, or with `context_overflow: drop_oldest` left out), the older turns are kept
+        as shown, never read, as `_window` and `_fit` would move them (499 long messages read one by one, then
+        dropped a turn at a time, held the model for many minutes). Returns how many messages are not read."""
         conv = self.conversation(s)
-        if role == "system":
-            conv.system_prompt = text
-        elif role == "user":
-            conv.build_inputs(text, images)
-        else:
-            conv.add_answer_text(text)
+        for role, past, _ in history:
+            if role == "system":
+                conv.system_prompt = past
+        turns = [(role, past, images) for role, past, images in history if role != "system"]
+        cut = len(turns) - 2 * (self.history_turns // 2) if len(turns) > 2 * self.history_turns > 0 else 0
+        tok, budget = conv.lm.tokenizer, self._budget(settings)[0]
+        need, fits = len(tok(text, add_special_tokens=False)["input_ids"]), len(turns)
+        for j in range(len(turns) - 1, cut - 1, -1):  # (newest first, until the budget is past: its text alone)
+            need += len(tok(turns[j][1], add_special_tokens=False)["input_ids"])
+            if need > budget:
+                break
+            fits = j
+        if fits > cut and need > budget:
+            if self.cfg.app.context_overflow != "drop_oldest":
+                raise self._too_long(need, settings, at_least=True)
+            cut = fits
+        while cut < len(turns) and turns[cut][0] != "user":  # (what is read starts with a user's message)
+            cut += 1
+        conv.earlier += [(Message(role, past, list(images)), (past,) if role == "assistant" and past else ())
+                         for role, past, images in turns[:cut]]
+        for role, past, images in turns[cut:]:
+            if role == "user":
+                conv.build_inputs(past, images)
+            else:
+                conv.add_answer_text(past)
+        return cut
 
     def _budget(self, settings: GenerationSettings) -> tuple[int, int]:
         """(the most tokens a conversation may have before its answer, the model's context)."""
@@ -193,8 +218,7 @@ class Service(SessionService):
         first time in a conversation, a notice says so."""
         if self.history_turns and len(conv.messages) > 2 * self.history_turns:
             first = not conv.earlier
-            while len(conv.messages) > 2 * (self.history_turns // 2):
-                conv.drop_oldest_turn()
+            conv.drop_oldest_turns((len(conv.messages) - 2 * (self.history_turns // 2) + 1) // 2)
             if first:
                 yield Notice(f"from here the model reads at most your last {self.history_turns} turns "
                              "(app.history_turns); the earlier ones stay in the conversation, and what you told "
@@ -204,34 +228,49 @@ class Service(SessionService):
              recall_first: bool) -> int:
         """Make the conversation fit the limits with this message (drop the oldest turns when configured);
         returns how many turns were dropped, or raises naming the limit and the size."""
-        budget, context = self._budget(settings)
+        budget = self._budget(settings)[0]
         dropped = 0
         while (need := conv.length_with(text, images, recall_first)) > budget:
-            if self.cfg.app.context_overflow != "drop_oldest" or len(conv.messages) < 2:
-                if budget == self.limits.max_input_tokens:  # the configured cap, under the model's context
-                    why, api = "app.max_input_tokens", "the server's app.max_input_tokens"
-                else:
-                    why = f"the model's context of {context} tokens less max_new_tokens={settings.max_new_tokens}"
-                    api = (f"the model's context of {context} tokens less the {settings.max_new_tokens} kept for "
-                           "the answer, max_tokens")
-                raise ServiceError(f"the conversation would have {need} tokens with this message, over the limit of "
-                                   f"{budget} ({why}): clear the conversation or send less",
-                                   api=f"messages: expected at most {budget} tokens ({api}), got {need}")
-            conv.drop_oldest_turn()
-            dropped += 1
+            turns = len(conv.messages) // 2
+            if self.cfg.app.context_overflow != "drop_oldest" or not turns:
+                raise self._too_long(need, settings)
+            starts = [m.start for m in conv.messages[2::2]] + [len(conv.ids)]  # (where each turn after the first
+            over = need - budget  # starts: the turns to drop, at once, whose tokens cover what is over; read again)
+            k = next((k for k in range(1, turns + 1) if starts[k - 1] >= over), turns)
+            conv.drop_oldest_turns(k)
+            dropped += k
         return dropped
+
+    def _too_long(self, need: int, settings: GenerationSettings, at_least: bool = False) -> ServiceError:
+        """The refusal of a conversation of `need` tokens with its new message (`at_least`: counted by its texts)."""
+        budget, context = self._budget(settings)
+        if budget == self.limits.max_input_tokens:  # the configured cap, under the model's context
+            why, api = "app.max_input_tokens", "the server's app.max_input_tokens"
+        else:
+            why = f"the model's context of {context} tokens less max_new_tokens={settings.max_new_tokens}"
+            api = (f"the model's context of {context} tokens less the {settings.max_new_tokens} kept for the answer, "
+                   "max_tokens")
+        got = f"at least {need}" if at_least else f"{need}"
+        return ServiceError(f"the conversation would have {got} tokens with this message, over the limit of {budget} "
+                            f"({why}): clear the conversation or send less",
+                            api=f"messages: expected at most {budget} tokens ({api}), got {got}")
 
     # ----------------------------------------------------------------- answers
 
     def answer(self, s: Session, text: str, images: Sequence[str], settings: GenerationSettings,
-               recall: RecallSettings, recall_first: bool = False) -> Request:
-        """Queue an answer to a new user message, checked already (`checked`)."""
+               recall: RecallSettings, recall_first: bool = False, unread: int = 0) -> Request:
+        """Queue an answer to a new user message, checked already (`checked`); `unread`: how many earlier messages
+        its client sent that the model does not read (`add_history`)."""
         def run(interrupt: threading.Event) -> Iterator[Any]:
             nonlocal recall_first, images
             with s.lock:
                 conv = self.conversation(s)
                 _check_tokens(conv, settings)
                 s.last_change = None
+                if unread:
+                    yield Notice(f"the model reads the last {len(conv.messages)} of the {unread + len(conv.messages)} "
+                                 f"earlier messages (app.history_turns: {self.history_turns}, and the limit of "
+                                 f"{self._budget(settings)[0]} tokens)")
                 if s.expired is not None:
                     yield Notice(f"this page was idle for {_span(s.expired)} (app.session_ttl_s: "
                                  f"{self.cfg.app.session_ttl_s} s), so its conversation and its bank were let go: "

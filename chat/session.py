@@ -82,7 +82,7 @@ class Conversation:
         self.pixels: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pixel_values, grid [1, 3]) per image
         self.cache = None  # KV cache over self.ids[:-1]
         self.ahead: list[int] | None = None  # the ids the cache covers after `read_ahead`, until `_settle`
-        # turns the model no longer reads (`drop_oldest_turn`), oldest first: shown and saved, not in `ids`; an
+        # turns the model no longer reads (`drop_oldest_turns`), oldest first: shown and saved, not in `ids`; an
         # answer with its pieces (`pieces`) as they were when it left
         self.earlier: list[tuple[Message, tuple[str | RecallEvent, ...]]] = []
 
@@ -218,14 +218,17 @@ class Conversation:
             pieces.append(text)
         return tuple(pieces)
 
-    def drop_oldest_turn(self) -> None:
-        """Move the oldest user message and its answer out of what the model reads (to `earlier`, still shown and
-        saved); the rest keeps its exact tokens and memories."""
-        if len(self.messages) < 2:
-            raise ValueError("there is no earlier turn to drop")
-        kept, old_ids, old_memory = self.messages[2:], self.ids, self.memory
+    def drop_oldest_turns(self, turns: int = 1) -> None:
+        """Move the oldest `turns` user messages and their answers out of what the model reads (to `earlier`, still
+        shown and saved); the rest keeps its exact tokens and memories, read again once (a turn at a time, a history
+        of 161 long messages held the model for minutes)."""
+        if not 1 <= turns <= len(self.messages) // 2:
+            raise ValueError(f"expected 1 to {len(self.messages) // 2} earlier turns to drop, got {turns}")
+        gone = 2 * turns
+        kept, old_ids, old_memory = self.messages[gone:], self.ids, self.memory
         system = self.system_prompt
-        earlier = [*self.earlier, (self.messages[0], ()), (self.messages[1], self.pieces(1))]
+        earlier = [*self.earlier, *((m, self.pieces(i) if m.role == "assistant" else ())
+                                    for i, m in enumerate(self.messages[:gone]))]
         self.clear()
         self.system_prompt, self.earlier = system, earlier
         self.rebuild(kept, old_ids, old_memory)
@@ -233,7 +236,7 @@ class Conversation:
     def rebuild(self, messages: list[Message], ids: list[int], memory: dict[int, torch.Tensor]) -> None:
         """Append `messages`, whose tokens are at their starts in `ids` (with the vectors `memory`), as they were
         sent: each user message through `build_inputs` (with the memory its answer read in the prompt, and the
-        `<recall>` of recall first), each answer's own tokens, moved. What `drop_oldest_turn` reads again, and what
+        `<recall>` of recall first), each answer's own tokens, moved. What `drop_oldest_turns` reads again, and what
         `chat.transcript.load` holds a file's ids to (a token the page never shows is not in them)."""
         for i, m in enumerate(messages):
             if m.role == "user":

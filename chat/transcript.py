@@ -187,9 +187,9 @@ def _short(text: str, width: int = 60, tail: bool = False) -> str:
 def save(conv: Conversation) -> str:
     """The conversation as a self-contained file: exact ids, memory vectors, images inline."""
     messages = [{**asdict(m), "images": [encode_image(p) for p in m.images]} for m in conv.messages]
+    shown = lambda pieces: [p if isinstance(p, str) else asdict(p) for p in pieces]  # noqa: E731
     earlier = [{"role": m.role, "text": m.text, "images": [encode_image(p) for p in m.images],
-                "finish_reason": m.finish_reason,
-                **({"pieces": [p if isinstance(p, str) else asdict(p) for p in pieces]} if m.role == "assistant" else {})}
+                "finish_reason": m.finish_reason, **({"pieces": shown(pieces)} if m.role == "assistant" else {})}
                for m, pieces in conv.earlier]
     return json.dumps({"format": FORMAT, "model": conv.lm.name, "system_prompt": conv.system_prompt,
                        "messages": messages, "ids": conv.ids,

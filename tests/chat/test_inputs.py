@@ -87,7 +87,7 @@ def test_clear_resets_the_system_prompt(tiny_llama):
     assert conv.system_prompt is None and conv.ids == []
 
 
-def test_drop_oldest_turn_keeps_the_rest_exact(tiny_llama):
+def test_drop_oldest_turns_keeps_the_rest_exact(tiny_llama):
     lm = tiny_llama
     bank = MemoryVectorDB(lm.hidden_size)
     bank.add(np.random.default_rng(1).normal(size=(3, lm.hidden_size)).astype(np.float32), ["a", "b", "c"])
@@ -97,7 +97,7 @@ def test_drop_oldest_turn_keeps_the_rest_exact(tiny_llama):
     answer = conv.messages[3]
     body = conv.ids[answer.start:conv.messages[4].start]
     vectors = [conv.memory[r.position] for r in answer.recalls]
-    conv.drop_oldest_turn()
+    conv.drop_oldest_turns()
     assert [m.text for m in conv.messages][0] == "two" and len(conv.messages) == 4
     moved = conv.messages[1]
     assert conv.ids[moved.start:conv.messages[2].start] == body
@@ -116,3 +116,25 @@ def test_an_uploaded_text_file_with_a_byte_order_mark_reads_as_without(tmp_path)
     path = tmp_path / "conversation.json"
     path.write_bytes(b"\xef\xbb\xbf" + b'{"format": "x"}')
     assert read_upload_text(path, max_mb=1) == '{"format": "x"}'
+
+
+def test_dropping_turns_at_once_equals_dropping_them_one_by_one(tiny_llama):
+    """(`_window` and `_fit` dropped a turn at a time, each reading the rest again.)"""
+    import copy
+
+    lm = tiny_llama
+    bank = MemoryVectorDB(lm.hidden_size)
+    bank.add(np.random.default_rng(2).normal(size=(3, lm.hidden_size)).astype(np.float32), ["a", "b", "c"])
+    conv = Conversation(lm)
+    for text, first in (("one", False), ("two", True), ("three", False), ("four", True), ("five", False)):
+        list(conv.stream(text, settings=GenerationSettings(max_new_tokens=3), memory_db=bank, recall_first=first))
+    once, twice = copy.copy(conv), copy.copy(conv)
+    once.drop_oldest_turns(3)
+    for _ in range(3):
+        twice.drop_oldest_turns()
+    assert once.ids == twice.ids and once.memory.keys() == twice.memory.keys()
+    shown = lambda c: [(m.role, m.text, [p if isinstance(p, str) else (p.memory_index, p.length) for p in pieces])
+                       for m, pieces in c.earlier]  # noqa: E731 (their positions: in ids no longer read)
+    assert once.messages == twice.messages and shown(once) == shown(twice) and len(once.earlier) == 6
+    with pytest.raises(ValueError, match="expected 1 to 2 earlier turns to drop, got 3"):
+        once.drop_oldest_turns(3)

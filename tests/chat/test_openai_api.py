@@ -131,8 +131,10 @@ def test_a_recall_event_travels_in_the_chunks(api):
     (dict(extra_body={"diversity_penalty": 0.5, "num_beam_groups": 2}), openai.BadRequestError,
      "num_beam_groups is 2: must be 1, because beam search is not offered in a streaming recall chat"),
     # found while answering (a refusal, not a failure: 400, not 500), worded for the API
-    (dict(messages=[{"role": "user", "content": "hello " * 3300}] * 3), openai.BadRequestError,
-     "messages: expected at most 4096 tokens (the server's app.max_input_tokens), got 99"),
+    (dict(messages=[{"role": "user", "content": "hello " * 3300}] * 3), openai.BadRequestError,  # (by the texts alone,
+     "messages: expected at most 4096 tokens (the server's app.max_input_tokens), got at least 66"),  # at once)
+    (dict(messages=[{"role": "user", "content": "a " * 4200}]), openai.BadRequestError,
+     "messages: expected at most 4096 tokens (the server's app.max_input_tokens), got 42"),
     (dict(messages=[{"role": "user", "content": [PNG]}]), openai.BadRequestError,
      "reads text only), got 1 image(s) and no text"),
     # OpenAI's fields the server does not do are refused by name, not ignored; the extensions are checked too
@@ -354,3 +356,27 @@ def test_what_the_backend_cannot_run_is_a_400_naming_it(default_api, settings, w
     assert words in info.value.message and info.value.body["param"] is None
     with pytest.raises(openai.APIError, match=words):
         list(default_api.chat.completions.create(**kw, stream=True))
+
+
+def test_a_client_gone_while_its_session_is_busy_leaves_the_server_answering_others(server, monkeypatch):
+    """(A client that left while the worker held its session froze every other caller: the event loop waited on the
+    session there, until the worker let it go, a minute later.) The stream's client goes while its turn holds the
+    session; /v1/models answers meanwhile; the turn then ends."""
+    svc = server.service
+    holding, go = threading.Event(), threading.Event()
+    window = svc._window
+
+    def held(conv):  # (what a long history's window held: the session's lock, on the worker)
+        holding.set()
+        go.wait(120)
+        yield from window(conv)
+
+    monkeypatch.setattr(svc, "_window", held)
+    body = {"model": "recall-chat", "messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 4}
+    try:
+        with httpx.stream("POST", server.url + "v1/chat/completions", json=body, timeout=60):
+            assert holding.wait(60)
+        time.sleep(1.5)  # (the server sees the client gone at its next half-second look)
+        assert httpx.get(server.url + "v1/models", timeout=20).status_code == 200
+    finally:
+        go.set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 import threading
 import time
 
@@ -804,3 +805,32 @@ def test_a_bank_the_models_own_encoder_wrote_is_uploaded_without_a_warning_and_a
     with caplog.at_level("WARNING", logger="chat.banks"):
         Service(config(f"memory.bank={bare}"), default_lm).close()
     assert any("bare.pt: this bank holds bare vectors" in r.getMessage() for r in caplog.records)
+
+
+def test_a_long_history_is_refused_by_its_texts_at_once_or_read_from_its_newest_turns(tiny_llama, text_search):
+    """(499 messages of 20,000 characters were read one by one, then dropped a turn at a time: many minutes of the
+    model for a refusal.) Past the budget by their texts alone, a history is refused before anything is read; with
+    `context_overflow: drop_oldest` only its newest turns that fit are read, and the answer says so; the conversation
+    then is the one those turns alone make."""
+    long = [("user" if i % 2 == 0 else "assistant", "lorem ipsum dolor " * 200, []) for i in range(160)]
+    svc = Service(config("app.history_turns=0"), tiny_llama, text_search=text_search)
+    try:
+        with pytest.raises(ServiceError, match=r"would have at least \d+ tokens with this message, over the limit"):
+            svc.chat(svc.new_session(), "Hi", [], GREEDY, NO_RECALL, False, long)
+    finally:
+        svc.close()
+    short = [("user" if i % 2 == 0 else "assistant", f"turn {i} " + "word " * 40, []) for i in range(40)]
+    svc = Service(config("app.history_turns=0", "app.context_overflow=drop_oldest"), tiny_llama,
+                  text_search=text_search)
+    try:
+        s = svc.new_session()
+        events = drain(svc.chat(s, "Hi", [], GREEDY, NO_RECALL, False, short).request)
+        read = len(s.conv.messages) - 2
+        assert 0 < read < 40 and s.conv.messages[0].text == short[40 - read][1]
+        assert any(re.match(r"the model reads the last \d+ of the 40 earlier messages", e.text)
+                   for e in events if isinstance(e, Notice))
+        alone = svc.new_session()
+        drain(svc.chat(alone, "Hi", [], GREEDY, NO_RECALL, False, short[40 - read:]).request)
+        assert alone.conv.ids == s.conv.ids
+    finally:
+        svc.close()

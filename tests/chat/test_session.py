@@ -143,7 +143,7 @@ def test_a_turn_out_of_the_models_reading_is_still_shown_and_saved_but_never_rea
     run(conv, "Again", settings=GREEDY, memory_db=bank)
     shown = message_states(conv)
     first_ids = tiny_llama.tokenizer("Hello", add_special_tokens=False)["input_ids"]
-    conv.drop_oldest_turn()
+    conv.drop_oldest_turns()
     assert [m.text for m in conv.messages] == ["Again", shown[3].text]  # what the model reads
     assert message_states(conv) == shown  # what the page shows: every turn, the first answer's memory marker too
     assert shown[1].recalls and not any(conv.ids[i:i + len(first_ids)] == first_ids for i in range(len(conv.ids)))
@@ -260,7 +260,7 @@ def test_a_model_never_trained_reads_the_memory_at_the_end_of_the_message(tiny_l
     second = again.messages[-1].recalls[0]
     assert second.memory_index == 1 and again.ids[second.position - 1] == lm.tokens.recall
     # dropping the first turn moves the second turn's memory with it
-    again.drop_oldest_turn()
+    again.drop_oldest_turns()
     kept = again.messages[-1].recalls[0]
     assert kept.length == second.length and again.ids[kept.position:kept.position + kept.length] == \
         [lm.tokens.memory_pad] * kept.length

@@ -159,8 +159,8 @@ def test_sessions_get_the_in_process_answers_and_stay_on_one_replica(front, loca
         model="recall-chat", messages=history, max_tokens=8, temperature=0, stream=True) if c.choices)
     # the API's history is text: the in-process server given the same messages
     s = local.new_session()
-    local.add_history(s, "user", "Hello there")
-    local.add_history(s, "assistant", want[1]["content"])
+    local.add_history(s, [("user", "Hello there", []), ("assistant", want[1]["content"], [])], "And then?",
+                      local.cfg.generation)
     with replica_threads():
         result(local.chat(s, "And then?", [], local.cfg.generation, OFF).request)
     assert whole.choices[0].message.content == streamed == s.conv.messages[-1].text
