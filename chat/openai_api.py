@@ -136,7 +136,9 @@ class OpenAIRoutes:
             raise APIError.shutting_down(e) from None
         except (ValueError, ServiceError) as e:
             svc.end_session(s)
-            raise APIError(400, getattr(e, "api", None) or str(e)) from None
+            if getattr(e, "api", None):
+                raise APIError(400, e.api) from None
+            raise settings_error(e, body) from None
 
     # ------------------------------------------------------------------ the caller's own memory
 

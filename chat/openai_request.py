@@ -175,6 +175,9 @@ def parse(model: type[M], raw: bytes) -> M:
         raise APIError(400, describe(e, "the request body"), param=_param(e)) from None
 
 
+SERVER_FILES = frozenset({"mixture.target", "mixture.gguf", "mixture.head"})  # settings that name a file
+
+
 def overrides(body: ChatRequest, cfg: Config) -> dict[str, Any]:
     """The configuration keys the request sets (`chat.config.request_settings` checks their values): its fields,
     then its `settings`; the answer's length is `generation.max_new_tokens` unless the request gives one. A sampling
@@ -202,26 +205,36 @@ def overrides(body: ChatRequest, cfg: Config) -> dict[str, Any]:
         gen["generation.sequence_bias"] = [[[_token_id(k)], _bias(k, v)] for k, v in body.logit_bias.items()]
     for key, value in body.settings.items():
         try:
-            setting_value(cfg, key)
+            configured = setting_value(cfg, key)
         except ConfigError as e:
             raise APIError(400, f"settings: {e}", param="settings") from None
+        if key in SERVER_FILES and value != configured:  # (a caller loaded any model folder of the server, each kept)
+            raise APIError(400, f"settings[{key!r}]: a file of the server, set by its configuration (generation.{key}: "
+                                f"{configured!r}), not by a request; got {value!r}", param="settings")
         if key in gen and (key != "generation.max_new_tokens" or body.max_tokens or body.max_completion_tokens):
             raise APIError(400, f"settings: {key!r} is set by a field of the request too; expected one of them",
                            param="settings")
     return {**implied, **gen, **body.settings}
 
 
+FIELDS = {"sequence_bias": "logit_bias", "stop_strings": "stop", "max_new_tokens": "max_tokens"}  # setting: field
+
+
 def settings_error(error: ValueError | str, body: ChatRequest) -> APIError:
     """A setting's refusal (its message opens with the field's name: "top_p is 0.0: ...", "sequence_bias: expected
-    ...") as a 400 that names what the request sent: the key of `settings` that set it, or `logit_bias` (which
-    becomes `sequence_bias`)."""
+    ...", "mixture alpha is -0.1: ...") as a 400 that names what the request sent: the key of `settings` that set
+    it, or its field of the request by the request's name (`logit_bias` for `sequence_bias`, `stop`, `max_tokens`)."""
     message = str(error)
-    field = message.split(" ", 1)[0].rstrip(":")
+    words = message.split(" ", 2)
+    field = words[0].rstrip(":")
+    if field == "mixture" and len(words) > 1:  # ("mixture alpha is ...": the mixture's own checks)
+        field = words[1].rstrip(":")
     keys = [key for key in body.settings if key.rsplit(".", 1)[-1] == field]
     if len(keys) == 1:
         return APIError(400, f"settings[{keys[0]!r}]: {message}", param="settings")
-    if field == "sequence_bias" and body.logit_bias and not keys:
-        return APIError(400, f"logit_bias{message[len(field):]}", param="logit_bias")
+    name = FIELDS.get(field, field)
+    if not keys and getattr(body, name, None) is not None:
+        return APIError(400, name + message[len(field):] if message.startswith(field) else message, param=name)
     return APIError(400, message)
 
 

@@ -119,7 +119,7 @@ def test_a_recall_event_travels_in_the_chunks(api):
 @pytest.mark.parametrize("kw, error, words", [
     (dict(model="gpt-4"), openai.NotFoundError, "does not exist"),
     (dict(temperature=5), openai.BadRequestError, "temperature"),
-    (dict(max_tokens=5000), openai.BadRequestError, "max_new_tokens: expected at most 1024"),
+    (dict(max_tokens=5000), openai.BadRequestError, "max_tokens: expected at most 1024"),
     (dict(max_tokens=True), openai.BadRequestError, "max_tokens: Input should be a valid integer"),  # (it was 1)
     (dict(max_tokens=5, max_completion_tokens=1000), openai.BadRequestError,  # (1000 was used without a word)
      "max_tokens and max_completion_tokens: expected one of them (or the same value), got 5 and 1000"),
@@ -178,6 +178,25 @@ def test_bad_requests_get_openai_style_errors(api, kw, error, words):
     assert words in info.value.message and info.value.body["type"] in ("invalid_request_error",)
     assert "object at 0x" not in info.value.message
     assert greedy(api, "Say hi.").choices[0].message.content  # and the server answers the next one
+
+
+@pytest.mark.parametrize("kw,param,words", [
+    (dict(max_tokens=100_000), "max_tokens", "max_tokens: expected at most"),
+    (dict(stop=[f"s{i}" for i in range(17)]), "stop",
+     "stop is '17 strings of up to 3 characters': must be at most 16 strings of at most 100 characters"),
+    (dict(extra_body={"settings": {"mixture.alpha": -0.1}}), "settings", "settings['mixture.alpha']: mixture alpha"),
+    (dict(extra_body={"settings": {"mixture.enabled": True, "mixture.target": "/tmp"}}), "settings",
+     "settings['mixture.target']: a file of the server, set by its configuration (generation.mixture.target: None), "
+     "not by a request; got '/tmp'"),
+    (dict(extra_body={"settings": {"mixture.gguf": "/etc/passwd"}}), "settings", "settings['mixture.gguf']: a file")])
+def test_a_refusal_names_the_field_the_request_sent(api, kw, param, words):
+    """(These came with no field, or the engine's name for it: "max_new_tokens", "mixture"; a mixture target, draft
+    GGUF or head of any path of the server was loaded, each kept: 600 MB a spelling of one folder, or a 500 that
+    told whether a file exists.)"""
+    args = dict(model=model_id(api), messages=[{"role": "user", "content": "hi"}], max_tokens=4) | kw
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(**args)
+    assert words in info.value.message and info.value.body["param"] == param
 
 
 def test_an_api_key_is_checked_when_set(smollm2):
