@@ -74,6 +74,21 @@ class OpenAIRoutes:
                            code="invalid_api_key")
         return user
 
+    async def body(self, request: Request) -> bytes:
+        """The request's body, at most `memory.max_upload_mb` (a 100 MB body was read and parsed whole); 413 past it,
+        read no further."""
+        limit = self.service.cfg.memory.max_upload_mb * 2 ** 20
+        told = request.headers.get("content-length", "")
+        if told.isascii() and told.isdigit() and int(told) > limit:
+            raise APIError(413, f"the request body: expected at most {limit} bytes (memory.max_upload_mb), got {told}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body: expected at most {limit} bytes (memory.max_upload_mb), got more")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def models(self, request: Request):
         try:
             await self.user_of(request)
@@ -85,7 +100,7 @@ class OpenAIRoutes:
     async def completions(self, request: Request):
         try:
             user = await self.user_of(request)
-            body = parse(ChatRequest, await request.body())
+            body = parse(ChatRequest, await self.body(request))
             await self.loaded()
             if body.model not in (self.model_id, ALIAS):  # (the alias is what /v1/models says while loading)
                 raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_id!r}",
@@ -171,7 +186,7 @@ class OpenAIRoutes:
 
     async def add_memory(self, request: Request):
         try:
-            body = parse(MemoryRequest, await request.body())
+            body = parse(MemoryRequest, await self.body(request))
             done = await self._on_memory(request, ops.remember, body.text)
             if done.written:
                 return JSONResponse(dict(public(done.written[0]), object="memory",

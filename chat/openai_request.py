@@ -84,21 +84,21 @@ class ChatRequest(BaseModel):
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1, max_length=500)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)  # (0: only the most likely token, as OpenAI and the page take it)
+    temperature: float | None = Field(None, ge=0, le=2, strict=True)  # (strict: `true` is not 1.0)
+    top_p: float | None = Field(None, ge=0, le=1, strict=True)  # (0: the most likely token, as OpenAI and the page)
     max_tokens: int | None = Field(None, ge=1, strict=True)  # (strict: `true` is not 1)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     stop: str | list[str] | None = None
     stream_options: StreamOptions | None = None  # include_usage: a last chunk with the usage
     seed: int | None = Field(None, ge=0, le=MAX_SEED, strict=True)
-    stream: bool = False
+    stream: bool = Field(False, strict=True)  # (strict: "yes" and 1 are not true)
     n: int = Field(1, ge=1, le=1, strict=True)
-    logit_bias: dict[str, float] | None = None  # token id -> -100..100, added to its logit
+    logit_bias: dict[str, Annotated[float, Field(strict=True)]] | None = None  # token id -> -100..100, to its logit
     # extensions (with the `openai` client, pass them in `extra_body`), named as vLLM names them
     top_k: int | None = Field(None, ge=0, strict=True)
-    min_p: float | None = Field(None, ge=0, le=1)
-    typical_p: float | None = Field(None, gt=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = Field(None, ge=0, le=1, strict=True)
+    typical_p: float | None = Field(None, gt=0, le=1, strict=True)
+    repetition_penalty: float | None = Field(None, gt=0, strict=True, allow_inf_nan=False)
     recall_first: bool = False  # start the answer with <recall>
     settings: dict[str, Any] = {}  # any `generation.*`, `mixture.*` or `recall.*` setting, by its configuration key
     num_beams: int | None = None  # beam search's settings: passed on so the settings refuse them by name
@@ -239,7 +239,7 @@ def settings_error(error: ValueError | str, body: ChatRequest) -> APIError:
 
 
 def _token_id(key: str) -> int:
-    if not key.isdigit():
+    if not (key.isascii() and key.isdigit()):  # ("１２" is not token 12)
         raise APIError(400, f"logit_bias: expected token ids as keys (strings of digits), got {key!r}",
                        param="logit_bias")
     return int(key)

@@ -188,7 +188,11 @@ def test_bad_requests_get_openai_style_errors(api, kw, error, words):
     (dict(extra_body={"settings": {"mixture.enabled": True, "mixture.target": "/tmp"}}), "settings",
      "settings['mixture.target']: a file of the server, set by its configuration (generation.mixture.target: None), "
      "not by a request; got '/tmp'"),
-    (dict(extra_body={"settings": {"mixture.gguf": "/etc/passwd"}}), "settings", "settings['mixture.gguf']: a file")])
+    (dict(extra_body={"settings": {"mixture.gguf": "/etc/passwd"}}), "settings", "settings['mixture.gguf']: a file"),
+    # (accepted as numbers or true: lax types; a full-width "１２" as token 12; infinity, refused later by no field)
+    (dict(temperature=True), "temperature", "temperature: Input should be a valid number"),
+    (dict(extra_body={"stream": "yes"}), "stream", "stream: Input should be a valid boolean"),
+    (dict(logit_bias={"１２": 5}), "logit_bias", "logit_bias: expected token ids as keys")])
 def test_a_refusal_names_the_field_the_request_sent(api, kw, param, words):
     """(These came with no field, or the engine's name for it: "max_new_tokens", "mixture"; a mixture target, draft
     GGUF or head of any path of the server was loaded, each kept: 600 MB a spelling of one folder, or a 500 that
@@ -399,3 +403,23 @@ def test_a_client_gone_while_its_session_is_busy_leaves_the_server_answering_oth
         assert httpx.get(server.url + "v1/models", timeout=20).status_code == 200
     finally:
         go.set()
+
+
+def test_a_body_past_the_upload_limit_or_an_infinite_number_is_refused_by_name(server):
+    """(A 100 MB body was read and parsed whole; an infinite penalty was taken, then refused naming no field.)"""
+    limit = server.cfg.memory.max_upload_mb * 2 ** 20
+    sent = httpx.post(server.url + "v1/chat/completions", content=b" " * (limit + 1),
+                      headers={"content-type": "application/json"}, timeout=120)
+    assert sent.status_code == 413 and "expected at most" in sent.json()["error"]["message"]
+
+    def chunks():  # (no length told: read up to the limit, no further)
+        for _ in range(limit // 2 ** 20 + 2):
+            yield b" " * 2 ** 20
+
+    streamed = httpx.post(server.url + "v1/chat/completions", content=chunks(), timeout=120)
+    assert streamed.status_code == 413 and "got more" in streamed.json()["error"]["message"]
+
+    infinite = httpx.post(server.url + "v1/chat/completions", timeout=60, headers={"content-type": "application/json"},
+                          content=b'{"model": "recall-chat", "messages": [{"role": "user", "content": "hi"}], '
+                                  b'"repetition_penalty": Infinity}')
+    assert infinite.status_code == 400 and infinite.json()["error"]["param"] == "repetition_penalty"
