@@ -87,7 +87,7 @@ class Detokenizer:
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             delta = after[len(before):]
-            self.tail = (self.tail + delta)[-64:]
+            self.tail = (self.tail + delta)[-128:]  # (the longest stop string, `settings.MAX_STOP_CHARS`, and more)
             return delta
         return ""
 
@@ -248,7 +248,7 @@ class Request:
         if self.settings.early_stop_on_tool_call and self._closes_tool_call(row, token):
             out.append(rows.finish(row, "tool_call"))
         elif not still:
-            out.append(rows.finish(row, self._reason(token)))
+            out.append(rows.finish(row, self._reason(row, token)))
         return out
 
     def _closes_tool_call(self, row: int, token: int) -> bool:
@@ -257,9 +257,12 @@ class Request:
         detok = self.rows.detok
         return detok is not None and (token == self.tool_call_end or TOOL_CALL_END in detok[row].tail)
 
-    def _reason(self, token: int) -> str:
+    def _reason(self, row: int, token: int) -> str:
         if token in self.eos:
             return "stop"
+        detok = self.rows.detok
+        if detok is not None and any(detok[row].tail.endswith(s) for s in self.settings.stop_strings):
+            return "stop"  # (also on the last token allowed: its text is cut there, so it said "length")
         late = self.settings.max_time is not None and time.perf_counter() - self.t0 > self.settings.max_time
         return "length" if self.rows.cur >= self.limit or late else "stop"  # else a stop string or a criterion
 

@@ -436,6 +436,10 @@ def test_max_new_tokens_gives_length_and_stop_strings_stop(tiny_llama):
         tokenizer=tiny_llama.tokenizer,
     )
     assert res2.finish_reasons == ["stop"] and res2.new_tokens.shape[1] == 4
+    last = tiny_llama.tokenizer.decode(res.new_tokens[0, 3:5])  # (a stop string ending on the last token allowed:
+    res3 = generate(tiny_llama.model, inputs, GenerationSettings(max_new_tokens=5, stop_strings=(last,)),  # "length")
+                    tokenizer=tiny_llama.tokenizer)
+    assert res3.finish_reasons == ["stop"] and res3.new_tokens.shape[1] == 5
 
 
 def test_early_stop_on_tool_call(smollm2):
