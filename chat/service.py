@@ -22,10 +22,11 @@ from chat.janitor import Janitor
 from chat.operations import operation_of
 from chat.decision import FORGET, Decision
 from chat.people import People, Remembered
-from chat.session import Conversation, Message, Session, text_only_message
+from chat.session import Conversation, Session, text_only_message
 from chat.state import SessionState, bank_state, message_states
 from chat.textsearch import TextSearch
 from chat.warmup import WarmUp
+from chat.window import Window
 from chat.worker import Notice, Request, ServiceError, Worker
 from decoding.events import DoneEvent
 from decoding.mixture import MixtureResult
@@ -70,6 +71,9 @@ class Service(SessionService):
         self._embedder = futures.ThreadPoolExecutor(1, thread_name_prefix="embed")  # `_read_ahead`
         self.banks = Banks(cfg, self.worker, self._model, self.wait_model, self.files, text_search)
         self.people = People(cfg)
+        turns = cfg.app.history_turns
+        self.window = Window(cfg.app, self.limits, (EMBEDDED_HISTORY_TURNS if cfg.model.path is None else 0)
+                             if turns == "auto" else turns)  # what the model reads of a conversation
         if lm is not None:
             try:
                 self.banks.load_shared(lm)
@@ -150,44 +154,9 @@ class Service(SessionService):
 
     def add_history(self, s: Session, history: Sequence[tuple[str, str, Sequence[str]]], text: str,
                     settings: GenerationSettings) -> int:
-        """The earlier messages of a conversation its client keeps (the OpenAI API's `messages`: role, text, image
-        paths), before its new message `text`: the system prompt, user messages, answers given as text. Only those
-        the model can read are read: past the window (`history_turns`), and past the budget by their text alone (a
-        lower bound: refused at once, or with `context_overflow: drop_oldest` left out), the older turns are kept
-        as shown, never read, as `_window` and `_fit` would move them (499 long messages read one by one, then
-        dropped a turn at a time, held the model for many minutes). Returns how many messages are not read."""
-        conv = self.conversation(s)
-        for role, past, _ in history:
-            if role == "system":
-                conv.system_prompt = past
-        turns = [(role, past, images) for role, past, images in history if role != "system"]
-        cut = len(turns) - 2 * (self.history_turns // 2) if len(turns) > 2 * self.history_turns > 0 else 0
-        tok, budget = conv.lm.tokenizer, self._budget(settings)[0]
-        need, fits = len(tok(text, add_special_tokens=False)["input_ids"]), len(turns)
-        for j in range(len(turns) - 1, cut - 1, -1):  # (newest first, until the budget is past: its text alone)
-            need += len(tok(turns[j][1], add_special_tokens=False)["input_ids"])
-            if need > budget:
-                break
-            fits = j
-        if fits > cut and need > budget:
-            if self.cfg.app.context_overflow != "drop_oldest":
-                raise self._too_long(need, settings, at_least=True)
-            cut = fits
-        while cut < len(turns) and turns[cut][0] != "user":  # (what is read starts with a user's message)
-            cut += 1
-        conv.earlier += [(Message(role, past, list(images)), (past,) if role == "assistant" and past else ())
-                         for role, past, images in turns[:cut]]
-        for role, past, images in turns[cut:]:
-            if role == "user":
-                conv.build_inputs(past, images)
-            else:
-                conv.add_answer_text(past)
-        return cut
-
-    def _budget(self, settings: GenerationSettings) -> tuple[int, int]:
-        """(the most tokens a conversation may have before its answer, the model's context)."""
-        context = self._model().spec.context or 2 ** 31
-        return min(self.limits.max_input_tokens, context - settings.max_new_tokens), context
+        """The earlier messages of a conversation its client keeps (the OpenAI API's), before its new message
+        (`Window.read`): how many of them the model does not read."""
+        return self.window.read(self.conversation(s), history, text, settings)
 
     def _read_ahead(self, conv: Conversation, text: str, images: Sequence[str], settings: GenerationSettings,
                     recall_first: bool, interrupt: threading.Event) -> Iterator[Any]:
@@ -198,62 +167,13 @@ class Service(SessionService):
         the plain loop, without recall first, whose prompt fits the limits; anything else runs in turn."""
         encoder = conv.lm.encoder
         if (encoder.keys is None or images or recall_first or settings.mixture.enabled or interrupt.is_set()
-                or conv.length_with(text) > self._budget(settings)[0]):
+                or conv.length_with(text) > self.window.budget(conv, settings)[0]):
             return
         embedded = self._embedder.submit(encoder.message_query, text)
         try:
             yield from conv.read_ahead(text, interrupt)  # (its chunks' events: the worker serves others between)
         finally:
             futures.wait([embedded])  # (an error there comes again from the write decision or the recall)
-
-    @property
-    def history_turns(self) -> int:
-        """The earlier turns the model reads with a new message (`app.history_turns`; 0: all)."""
-        turns = self.cfg.app.history_turns
-        return (EMBEDDED_HISTORY_TURNS if self.cfg.model.path is None else 0) if turns == "auto" else turns
-
-    def _window(self, conv: Conversation) -> Iterator[Notice]:
-        """Past `history_turns` earlier turns, move the oldest out of what the model reads (the page still shows them)
-        down to half of them: the turns kept are read again (their positions move), so once every few turns. The
-        first time in a conversation, a notice says so."""
-        if self.history_turns and len(conv.messages) > 2 * self.history_turns:
-            first = not conv.earlier
-            conv.drop_oldest_turns((len(conv.messages) - 2 * (self.history_turns // 2) + 1) // 2)
-            if first:
-                yield Notice(f"from here the model reads at most your last {self.history_turns} turns "
-                             "(app.history_turns); the earlier ones stay in the conversation, and what you told "
-                             "it stays in your memory")
-
-    def _fit(self, conv: Conversation, text: str, images: Sequence[str], settings: GenerationSettings,
-             recall_first: bool) -> int:
-        """Make the conversation fit the limits with this message (drop the oldest turns when configured);
-        returns how many turns were dropped, or raises naming the limit and the size."""
-        budget = self._budget(settings)[0]
-        dropped = 0
-        while (need := conv.length_with(text, images, recall_first)) > budget:
-            turns = len(conv.messages) // 2
-            if self.cfg.app.context_overflow != "drop_oldest" or not turns:
-                raise self._too_long(need, settings)
-            starts = [m.start for m in conv.messages[2::2]] + [len(conv.ids)]  # (where each turn after the first
-            over = need - budget  # starts: the turns to drop, at once, whose tokens cover what is over; read again)
-            k = next((k for k in range(1, turns + 1) if starts[k - 1] >= over), turns)
-            conv.drop_oldest_turns(k)
-            dropped += k
-        return dropped
-
-    def _too_long(self, need: int, settings: GenerationSettings, at_least: bool = False) -> ServiceError:
-        """The refusal of a conversation of `need` tokens with its new message (`at_least`: counted by its texts)."""
-        budget, context = self._budget(settings)
-        if budget == self.limits.max_input_tokens:  # the configured cap, under the model's context
-            why, api = "app.max_input_tokens", "the server's app.max_input_tokens"
-        else:
-            why = f"the model's context of {context} tokens less max_new_tokens={settings.max_new_tokens}"
-            api = (f"the model's context of {context} tokens less the {settings.max_new_tokens} kept for the answer, "
-                   "max_tokens")
-        got = f"at least {need}" if at_least else f"{need}"
-        return ServiceError(f"the conversation would have {got} tokens with this message, over the limit of {budget} "
-                            f"({why}): clear the conversation or send less",
-                            api=f"messages: expected at most {budget} tokens ({api}), got {got}")
 
     # ----------------------------------------------------------------- answers
 
@@ -269,14 +189,14 @@ class Service(SessionService):
                 s.last_change = None
                 if unread:
                     yield Notice(f"the model reads the last {len(conv.messages)} of the {unread + len(conv.messages)} "
-                                 f"earlier messages (app.history_turns: {self.history_turns}, and the limit of "
-                                 f"{self._budget(settings)[0]} tokens)")
+                                 f"earlier messages (app.history_turns: {self.window.turns}, and the limit of "
+                                 f"{self.window.budget(conv, settings)[0]} tokens)")
                 if s.expired is not None:
                     yield Notice(f"this page was idle for {_span(s.expired)} (app.session_ttl_s: "
                                  f"{self.cfg.app.session_ttl_s} s), so its conversation and its bank were let go: "
                                  "this message starts a new conversation")
                     s.expired = None
-                yield from self._window(conv)
+                yield from self.window.slide(conv)
                 yield from self._read_ahead(conv, text, images, settings, recall_first, interrupt)
                 reply = None  # the app's own answer: what a "forget ..." forgot (the model, asked, would guess)
                 try:  # (a message stopped before here changes no memory: the stop came before its answer began)
@@ -303,7 +223,7 @@ class Service(SessionService):
                     if reply is None:
                         yield Notice("recall first needs a memory bank and recall enabled; answering without")
                     recall_first = False
-                if not interrupt.is_set() and (dropped := self._fit(conv, text, images, settings, recall_first)):
+                if not interrupt.is_set() and (dropped := self.window.fit(conv, text, images, settings, recall_first)):
                     yield Notice(f"the conversation outgrew its limit: its {dropped} oldest turn(s) are no longer "
                                  "read (still shown)")
                 yield from self._noted(s, conv.say(text, images, reply, settings, interrupt) if reply is not None else

@@ -119,7 +119,7 @@ def test_an_uploaded_text_file_with_a_byte_order_mark_reads_as_without(tmp_path)
 
 
 def test_dropping_turns_at_once_equals_dropping_them_one_by_one(tiny_llama):
-    """(`_window` and `_fit` dropped a turn at a time, each reading the rest again.)"""
+    """(`Window.slide` and `Window.fit` dropped a turn at a time, each reading the rest again.)"""
     import copy
 
     lm = tiny_llama

@@ -387,14 +387,14 @@ def test_a_client_gone_while_its_session_is_busy_leaves_the_server_answering_oth
     session; /v1/models answers meanwhile; the turn then ends."""
     svc = server.service
     holding, go = threading.Event(), threading.Event()
-    window = svc._window
+    window = svc.window.slide
 
     def held(conv):  # (what a long history's window held: the session's lock, on the worker)
         holding.set()
         go.wait(120)
         yield from window(conv)
 
-    monkeypatch.setattr(svc, "_window", held)
+    monkeypatch.setattr(svc.window, "slide", held)
     body = {"model": "recall-chat", "messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 4}
     try:
         with httpx.stream("POST", server.url + "v1/chat/completions", json=body, timeout=60):

@@ -468,13 +468,13 @@ def test_a_message_stopped_before_its_answer_began_changes_no_memory(tiny_llama,
     try:
         drain(svc.chat(s, "Remember that my dog is called Rex.", [], SHORT, RECALL).request)
         before = svc.run(my_memories, s)
-        window = svc._window
+        window = svc.window.slide
 
         def stopped_meanwhile(conv):
             svc.stop(s)
             yield from window(conv)
 
-        monkeypatch.setattr(svc, "_window", stopped_meanwhile)
+        monkeypatch.setattr(svc.window, "slide", stopped_meanwhile)
         events = drain(svc.chat(s, message, [], SHORT, RECALL).request)
         assert not [e for e in events if isinstance(e, Remembered)] and s.last_change is None
         assert [e.reason for e in events if isinstance(e, FinishEvent)] == ["interrupted"]

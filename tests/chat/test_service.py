@@ -342,7 +342,7 @@ def test_the_model_reads_the_last_history_turns_and_the_page_shows_every_turn(ti
         svc.close()
     for overrides, turns in (((), 3), ((f"model.path={tmp_path}",), 0)):  # auto: 3 on the embedded model, else all
         svc = Service(config(*overrides), tiny_llama, text_search=text_search)
-        assert svc.history_turns == turns
+        assert svc.window.turns == turns
         svc.close()
     with pytest.raises(ValueError, match="history_turns is -1; allowed: auto, or a whole number of turns"):
         config("app.history_turns=-1")
