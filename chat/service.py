@@ -189,8 +189,8 @@ class Service(SessionService):
                 s.last_change = None
                 if unread:
                     yield Notice(f"the model reads the last {len(conv.messages)} of the {unread + len(conv.messages)} "
-                                 f"earlier messages (app.history_turns: {self.window.turns}, and the limit of "
-                                 f"{self.window.budget(conv, settings)[0]} tokens)")
+                                 f"earlier messages: from a user's message, at most {self.window.turns or 'all'} "
+                                 f"turns (app.history_turns) of {self.window.budget(conv, settings)[0]} tokens")
                 if s.expired is not None:
                     yield Notice(f"this page was idle for {_span(s.expired)} (app.session_ttl_s: "
                                  f"{self.cfg.app.session_ttl_s} s), so its conversation and its bank were let go: "

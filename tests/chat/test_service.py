@@ -834,3 +834,19 @@ def test_a_long_history_is_refused_by_its_texts_at_once_or_read_from_its_newest_
         assert alone.conv.ids == s.conv.ids
     finally:
         svc.close()
+
+
+def test_a_history_that_opens_with_the_assistants_greeting_is_answered_from_its_first_users_message(
+        tiny_llama, text_search):
+    """(An OpenAI client's history often opens with the assistant's greeting: it was refused, "an assistant message
+    must follow a user message".) The model reads from the first user's message on, and a notice says so."""
+    svc = Service(config(), tiny_llama, text_search=text_search)
+    try:
+        s = svc.new_session()
+        history = [("assistant", "Hello! How can I help?", []), ("user", "Hi.", []), ("assistant", "Hello.", [])]
+        events = drain(svc.chat(s, "What is bread?", [], GREEDY, NO_RECALL, False, history).request)
+        assert [m.text for m in s.conv.messages[:2]] == ["Hi.", "Hello."] and isinstance(events[-1], DoneEvent)
+        assert any(e.text.startswith("the model reads the last 2 of the 3 earlier messages: from a user's message")
+                   for e in events if isinstance(e, Notice))
+    finally:
+        svc.close()
