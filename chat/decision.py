@@ -131,8 +131,7 @@ def _same_word(a: str, b: str, names: set[str] = frozenset()) -> bool:
 def _someone_elses(word: str, memory: str) -> bool:
     """Whether a memory gives `word` to someone other than the user: "The user's brother has a dog called Max." for
     "my dog" ("brother has a dog", "Lena's dog"), not "The user's dog is called Rex." or "The user has a dog."."""
-    owners = re.findall(rf"([\w-]+)(?:'s|’s| has| owns| keeps)(?: (?:a|an|the|two|three|\w+))?(?: \w+)? {word}s?\b",
-                        memory.lower())
+    owners = re.findall(rf"([\w-]+)(?:'s|’s| has| owns| keeps)(?: \w+){{0,2}} {word}s?\b", memory.lower())
     return any(o != "user" for o in owners)
 
 

@@ -78,14 +78,18 @@ class OpenAIRoutes:
         """The request's body, at most `memory.max_upload_mb` (a 100 MB body was read and parsed whole); 413 past it,
         read no further."""
         limit = self.service.cfg.memory.max_upload_mb * 2 ** 20
+
+        def over(got: str) -> APIError:
+            return APIError(413, f"the request body: expected at most {limit} bytes (memory.max_upload_mb), got {got}")
+
         told = request.headers.get("content-length", "")
         if told.isascii() and told.isdigit() and int(told) > limit:
-            raise APIError(413, f"the request body: expected at most {limit} bytes (memory.max_upload_mb), got {told}")
+            raise over(told)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise APIError(413, f"the request body: expected at most {limit} bytes (memory.max_upload_mb), got more")
+                raise over("more")
             chunks.append(chunk)
         return b"".join(chunks)
 
