@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import threading
 import time
+import traceback
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -53,10 +57,41 @@ def page(tmp_path):
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1150})
         page.set_default_timeout(60_000)
-        page.requests = []
+        page.requests, page.events = [], []
         page.on("request", lambda r: page.requests.append(r.url))
+        page.on("requestfailed", lambda r: page.events.append(f"request failed: {r.method} {r.url}: {r.failure}"))
+        page.on("console", lambda m: page.events.append(f"console {m.type}: {m.text}"))
+        page.on("pageerror", lambda e: page.events.append(f"page error: {e}"))
         yield page
         browser.close()
+
+
+def opened(page, url: str | None, model: str) -> None:
+    """Open the page (or, after a login, wait for it): its status line names the model once its load event has
+    run. A page that never says so fails with what the page, the browser and the server were doing."""
+    if url:
+        page.goto(url)
+    try:
+        page.wait_for_function(f"document.querySelector('#status')?.innerText.includes({model!r})")
+    except playwright.TimeoutError:
+        raise AssertionError(f"the page never named the model {model!r}:\n{diagnosis(page)}") from None
+
+
+def diagnosis(page) -> str:
+    """What a timed-out page shows (status, error toasts), what the browser logged and asked for, whether the
+    server answers, and where every thread of this process stands (a handler stuck on a lock shows here)."""
+    parts = [f"status: {page.inner_text('#status')!r}" if page.locator("#status").count() else "no #status",
+             f"toasts: {[t.inner_text() for t in page.locator('.toast-body').all()]!r}",
+             "browser: " + "\n  ".join(page.events[-40:]), "requests: " + "\n  ".join(page.requests[-40:])]
+    try:
+        with urllib.request.urlopen(urlparse(page.url)._replace(path="/health").geturl(), timeout=10) as r:
+            parts.append(f"/health: {r.status} {r.read(500)!r}")
+    except OSError as e:
+        parts.append(f"/health: {e!r}")
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)[-8:]))
+    return "\n".join(parts)
 
 
 def bot_text(page) -> str:
@@ -79,8 +114,7 @@ def stop(page) -> None:
 
 def test_chat_with_an_image_stream_stop_upload_and_recall(page, vl_page_server, tmp_path):
     service = vl_page_server.service
-    page.goto(vl_page_server.url)
-    page.wait_for_function("document.querySelector('#status')?.innerText.includes('tiny-qwen3vl')")
+    opened(page, vl_page_server.url, "tiny-qwen3vl")
 
     # upload a bank (64 = the tiny model's hidden size)
     bank = MemoryVectorDB(64)
@@ -154,8 +188,7 @@ def test_first_minute_with_the_trained_model(page, default_lm):
     llama.cpp): build the example bank, ask about Port Avel without "recall first"; the model recalls by itself,
     the memory it picks is the fact that answers the question, and both answers are read from that memory."""
     with serve(default_lm, "generation.max_new_tokens=32") as server:
-        page.goto(server.url)
-        page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
+        opened(page, server.url, "SmolLM2")
         page.locator("#build-example").click()
         page.wait_for_function("document.querySelector('#bank-info').innerText.includes('36 memories')")
         for question, memory, value in [
@@ -186,8 +219,7 @@ def test_entropy_and_mixture_pictures_show_in_the_page(page, smollm2):
     """Layer decoding (seed 002) draws entropy over layers; the mixture (seed 003) draws α* per token and
     the status line shows the speculative draft's acceptance."""
     with serve(smollm2, "generation.max_new_tokens=8") as server:
-        page.goto(server.url)
-        page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
+        opened(page, server.url, "SmolLM2")
         page.get_by_role("tab", name="Decoding").click()
         assert page.input_value("#seed textarea") == ""  # (a Number box showed, and sent, seed 0: `seed: null`)
         page.locator("#entropy-mode").get_by_label("trough").check()
@@ -216,7 +248,7 @@ def login(page, url: str, name: str, password: str) -> None:
     page.get_by_label("username").fill(name)
     page.get_by_label("password").fill(password)
     page.get_by_role("button", name="Login").click()
-    page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
+    opened(page, None, "SmolLM2")
 
 
 def say(page, text: str, until: str) -> str:
@@ -319,8 +351,7 @@ def test_an_idle_page_says_its_conversation_was_let_go(page, smollm2):
     """The janitor frees what an idle page's session holds; in a browser the next message said nothing (Gradio's own
     state time to live had replaced the session with an empty one) and was answered without the earlier turns."""
     with serve(smollm2, "app.session_ttl_s=2", "generation.max_new_tokens=4") as server:
-        page.goto(server.url)
-        page.wait_for_function("document.querySelector('#status')?.innerText.includes('SmolLM2')")
+        opened(page, server.url, "SmolLM2")
         for text, bots in (("My name is Oda.", 1), ("What is my name?", 2)):
             if bots == 2:  # (idle past the time to live: the janitor frees the session)
                 deadline = time.monotonic() + 30
