@@ -444,7 +444,7 @@ def write_table(keys, seed: int) -> dict:
     for name, texts in write_sets(seed).items():
         vectors = {t: torch.from_numpy(v) for t, v in zip(texts, keys.encode(texts))}
         before = [not is_question(t) and decision.score(vectors[t]) >= decision.threshold for t in texts]
-        now = [decide(t, "auto", lambda m: decision.wants(m, vectors[m])).write is not None for t in texts]
+        now = [decide(t, "auto", lambda m: decision.wants(m, vectors[m])).writes != () for t in texts]
         out[name] = {"n": len(texts), "written before": sum(before) / len(texts), "written now": sum(now) / len(texts),
                      "written before, examples": [t for t, w in zip(texts, before) if w][:8],
                      "written now, examples": [t for t, w in zip(texts, now) if w][:8]}

@@ -18,6 +18,11 @@ FORGET = re.compile(r"^\s*(?:(?:can|could|would|will) you\s+)?(?:please\s*,?\s+)
 # "Forget X" forgets the memory X is about, and none when no memory is (`to_forget`); measured on held-out requests
 # by bench/memory_commands.py (docs/benchmarks.md, "Forget"): the top-1 at 0.5 it replaces forgot a memory for about a
 # third of the requests about something never told ("Forget about my brother." forgot the sister)
+# a second command after the first, at a clause's end ("Forget my dog, and remember that my cat is Tom."): each part
+# its own command (a "forget" inside a statement, "Remember that I forget names.", is no clause of its own)
+_NEXT_COMMAND = re.compile(r"(?:\s*[,;.!]\s*(?:(?:and|but|then|and then)\s+)?|\s+(?:and|but|and then)\s+)"
+                           r"(?=(?:please\s*,?\s+)?(?:remember|forget|note|keep in mind|don['’]?t forget|do not forget)"
+                           r"\b)", re.I)
 FORGET_FLOOR = 0.3  # the least key similarity of a memory to X for the fit check to be asked whether it is about X
 FORGET_ALONE = 0.7  # with no fit check for this model's keys: the least key similarity alone
 FORGET_CANDIDATES = 1024  # the memories "forget X" is read against, closest first
@@ -27,15 +32,20 @@ FORGET_CANDIDATES = 1024  # the memories "forget X" is read against, closest fir
 class Decision:
     """What a message asks of its author's memory."""
 
-    write: str | None = None  # the memory to write (already about the user)
-    forget: str | None = None  # what to forget
+    writes: tuple[str, ...] = ()  # the memories to write (already about the user), in order
+    forget: str | None = None  # what to forget (first)
+
+    def __bool__(self) -> bool:
+        return bool(self.writes or self.forget)
 
 
 def refusal(what: str) -> str | None:
     """Why `what` (a message, or what follows its "remember (that)") is not a memory to write: a question, a request
-    to the assistant, a command to forget, a single word; None when it is one."""
+    to the assistant, a command to forget, more than one command, a single word; None when it is one."""
     if FORGET.match(what):
         return "a command to forget"
+    if len(_NEXT_COMMAND.split(what.strip())) > 1:
+        return "more than one command"
     if asks(what):
         return "a question"
     if is_request(what):
@@ -58,23 +68,37 @@ def to_remember(text: str) -> str:
     if why is not None:
         shown = what if len(what) <= 60 else what[:57] + "..."
         hint = {"a command to forget": " (say it in the chat, or delete the memory from the list)",
-                "a question": " (ask it in the chat)", "a request": " (ask it in the chat)"}.get(why, "")
+                "a question": " (ask it in the chat)", "a request": " (ask it in the chat)",
+                "more than one command": " (one memory at a time here; the chat takes several)"}.get(why, "")
         raise ValueError(f"expected a statement to remember, such as \"My dog is called Pocket.\", got {why}: "
                          f"{shown!r}{hint}; nothing was written")
     return about_the_user(what)
 
 
+def commands(text: str) -> list[str]:
+    """`text` cut where a second command begins ("Forget my dog, and remember that my cat is Tom." is two): its
+    parts when the first is a command too, else `[text]`."""
+    parts = [p for p in _NEXT_COMMAND.split(text.strip()) if p]
+    return parts if len(parts) > 1 and (FORGET.match(parts[0]) or REMEMBER.match(parts[0])) else [text]
+
+
 def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> Decision:
-    """The write decision of `memory.remember`: "forget ..." and "remember ..." always (unless `off`); with `auto`,
+    """The write decision of `memory.remember`: "forget ..." and "remember ..." always (unless `off`), also several
+    in one message ("Forget my dog, and remember that my cat is Tom.": at most one "forget", done first); with `auto`,
     any other message `wants` (the write decision model) says is worth keeping."""
     if mode == "off" or not text:
         return Decision()
+    if len(parts := commands(text)) > 1:
+        each = [decide(p, "explicit") for p in parts]
+        forgets = [d.forget for d in each if d.forget]
+        if all(each) and len(forgets) <= 1:  # (else read as one command, as before)
+            return Decision(tuple(w for d in each for w in d.writes), forgets[0] if forgets else None)
     if m := FORGET.match(text):
         return Decision(forget=m["what"].rstrip(".!?"))
     if (m := REMEMBER.match(text)) and refusal(m["what"]) is None:
-        return Decision(write=about_the_user(m["what"]))
+        return Decision((about_the_user(m["what"]),))
     if mode == "auto" and wants is not None and wants(text):
-        return Decision(write=about_the_user(text))
+        return Decision((about_the_user(text),))
     return Decision()
 
 

@@ -288,7 +288,7 @@ def remember(svc: ModelSide, s: Session, text: str, source: str = "api") -> Requ
         memory = to_remember(text)
     except ValueError as e:
         raise ServiceError(f"text: {e}") from None
-    return svc.worker.submit(Request("remember", lambda _: svc.remember(s, Decision(write=memory), source), s.id))
+    return svc.worker.submit(Request("remember", lambda _: svc.remember(s, Decision((memory,)), source), s.id))
 
 
 @operation(queued=True)
@@ -333,11 +333,11 @@ def edit_memory(svc: ModelSide, s: Session, memory_id: str, text: str) -> Reques
         old = mine.remove([memory_id])  # first: the new text may read as a duplicate of the one it replaces
         s.last_change = Remembered(forgotten=tuple(old))
         try:
-            done = svc.remember(s, Decision(write=memory), "edit")
+            done = svc.remember(s, Decision((memory,)), "edit")
         except BaseException:
             svc.undo_change(s)  # a failed write changes nothing: the old memory comes back as it was
             raise
-        s.last_change = Remembered(done.written, done.superseded, (*old, *done.forgotten), done.note)
+        s.last_change = Remembered(forgotten=tuple(old)) + done
         return s.last_change
 
     return svc.worker.submit(Request("edit_memory", run, s.id))

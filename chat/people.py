@@ -79,6 +79,15 @@ class Remembered:
     def __bool__(self) -> bool:
         return bool(self.written or self.forgotten or self.note or self.removed or self.restored)
 
+    def __add__(self, later: "Remembered") -> "Remembered":
+        """Two changes of one turn as one (an undo takes back both): a memory the first wrote and the second
+        superseded was never there before the turn ("my dog is Rex ..., and remember my dog is Max")."""
+        gone, mine = {e["id"] for e in later.superseded}, {e["id"] for e in self.written}
+        return Remembered(tuple(e for e in self.written if e["id"] not in gone) + later.written,
+                          self.superseded + tuple(e for e in later.superseded if e["id"] not in mine),
+                          self.forgotten + later.forgotten, " · ".join(filter(None, [self.note, later.note])),
+                          self.removed + later.removed, self.restored + later.restored)
+
     def describe(self) -> str:
         written, forgotten, parts = list(self.written), list(self.forgotten), []
         if written and forgotten and all(e.get("source") == "edit" for e in written):

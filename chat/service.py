@@ -264,13 +264,20 @@ class Service(SessionService):
         return self.people.forget_all(self.wait_model(), s.user)
 
     def remember(self, s: Session, decision: Decision, source: str = "chat") -> Remembered:
-        """Carry out a write decision on the session's user's memory (on the worker thread: it encodes)."""
+        """Carry out a write decision on the session's user's memory (on the worker thread: it encodes): its forget
+        first, then its writes, as one change (one undo); a write that fails takes back what the decision did."""
         lm = self._model()
-        if decision.forget:
-            return self.people.forget(lm, s.user, decision.forget)
-        if decision.write:
-            return self.people.write(lm, s.user, decision.write, source=source, conversation=f"session-{s.id}")
-        return Remembered()
+        done = Remembered()
+        try:
+            if decision.forget:
+                done = self.people.forget(lm, s.user, decision.forget)
+            for text in decision.writes:
+                done = done + self.people.write(lm, s.user, text, source=source, conversation=f"session-{s.id}")
+        except BaseException:
+            if done.written or done.forgotten:
+                self.people.undo(lm, s.user, done)
+            raise
+        return done
 
     def undo_change(self, s: Session) -> Remembered:
         """Undo the last message's change to the session's user's memory (on the worker thread: it encodes)."""

@@ -120,8 +120,8 @@ def test_without_a_users_file_there_is_one_local_user_and_the_shared_key_still_w
     ("Please do not forget: I work nights.", "The user works nights."),
 ])
 def test_remember_writes_what_follows_about_the_user(said, written):
-    assert decide(said, "explicit").write == written
-    assert decide(said, "off").write is None
+    assert decide(said, "explicit").writes == (written,)
+    assert decide(said, "off").writes == ()
 
 
 @pytest.mark.parametrize("said,written", [
@@ -184,17 +184,17 @@ def test_auto_writes_what_people_tell_on_held_out_messages_and_not_questions_or_
     from training.remember import messages
 
     texts, labels = messages("eval", 200)  # templates and names the decision never saw
-    wrote = [decide(t, "auto", writer).write is not None for t in texts]
+    wrote = [decide(t, "auto", writer).writes != () for t in texts]
     told = [w for w, y in zip(wrote, labels) if y]
     other = [w for w, y in zip(wrote, labels) if not y]
     assert sum(told) / len(told) >= 0.95  # measured 0.98 (the misses: "I really like the colour teal.")
     assert sum(other) / len(other) <= 0.03  # measured 0.00
     for text in ["I live in Porto.", "My sister is called Lena.", "We are moving to Lisbon next month."]:
-        assert decide(text, "auto", writer).write == about_the_user(text)
+        assert decide(text, "auto", writer).writes == (about_the_user(text),)
     for text in ["What is my sister's name?", "Who wrote Romeo and Juliet?", "Hello!", "Thanks, that helps!",
                  "Write a haiku about rain."]:
         assert decide(text, "auto", writer) == decide("", "auto"), text
-    assert decide("I live in Porto.", "explicit", writer).write is None  # explicit: only "remember ..."
+    assert decide("I live in Porto.", "explicit", writer).writes == ()  # explicit: only "remember ..."
 
 
 def test_a_turn_embeds_its_message_once_in_one_batch(default_lm, tmp_path, monkeypatch):
@@ -208,7 +208,7 @@ def test_a_turn_embeds_its_message_once_in_one_batch(default_lm, tmp_path, monke
     monkeypatch.setattr(lm.encoder.keys, "encode", lambda texts, **kw: calls.append(list(texts)) or encode(texts, **kw))
     people = People(load_config(overrides=[f"memory.user_dir={tmp_path}"], environ={}))
     text = "What is my grey parrot's name, the one from Oslo?"
-    assert people.decide(lm, text).write is None
+    assert people.decide(lm, text).writes == ()
     query = lm.encoder.message_query(text)  # the recall's query, after the decision
     assert calls == [[text, about_the_user(text)]]
     mine, about = (torch.from_numpy(encode([t])[0]) for t in (text, about_the_user(text)))

@@ -11,7 +11,7 @@ import pytest
 
 from chat.config import load_config
 from chat.operations import edit_memory, import_memories, my_memories, remember
-from chat.decision import decide, forget_reading, to_forget, to_remember
+from chat.decision import Decision, decide, forget_reading, to_forget, to_remember
 from chat.people import People
 from chat.service import Service
 from chat.worker import ServiceError
@@ -137,7 +137,8 @@ def test_an_attribute_of_a_person_or_pet_is_forgotten_only_from_a_memory_that_sa
                                        ("Where do I live", "a question"),
                                        ("Forget about my car.", "a command to forget"),
                                        ("Tell me about Port Avel's harbour.", "a request"), ("hello", "a single word"),
-                                       ("Remember that", "a single word")])
+                                       ("Remember that", "a single word"),
+                                       ("My cat is Tom, and forget my dog.", "more than one command")])
 def test_what_the_chat_would_not_write_is_refused_naming_what_was_expected(sent, kind):
     with pytest.raises(ValueError, match=rf"^expected a statement to remember, such as .*, got {kind}: .*nothing was "
                                          "written$"):
@@ -155,7 +156,7 @@ def test_what_the_chat_would_not_write_is_refused_naming_what_was_expected(sent,
 def test_the_remember_box_writes_what_remember_that_writes_in_the_chat(sent, memory):
     assert to_remember(sent) == memory
     said = sent if sent.lower().startswith("remember") else f"Remember that {sent}"
-    assert decide(said, "explicit").write == memory  # the chat's own "remember that ..."
+    assert decide(said, "explicit").writes == (memory,)  # the chat's own "remember that ..."
 
 
 def test_the_remember_box_and_an_import_refuse_a_question_or_a_command_and_write_nothing(tiny_llama, tmp_path):
@@ -198,3 +199,22 @@ def test_the_api_answers_a_question_sent_as_a_memory_with_a_400(tiny_llama):
         told = httpx.post(url, json={"text": "Remember that I hate olives."}, timeout=120)
         assert told.status_code == 201 and told.json()["text"] == "The user hates olives."
         assert [m["text"] for m in httpx.get(url, timeout=120).json()["data"]] == ["The user hates olives."]
+
+
+@pytest.mark.parametrize("said,writes,forget", [
+    ("Forget my dog, and remember that my cat is called Tom.", ("The user's cat is called Tom.",), "my dog"),
+    ("Remember that my cat is Tom; forget my dog.", ("The user's cat is Tom.",), "my dog"),
+    ("Please forget my dog. Remember that I live in Porto.", ("The user lives in Porto.",), "my dog"),
+    ("Forget my dog, but don't forget that my cat is Tom.", ("The user's cat is Tom.",), "my dog"),
+    ("Remember that my cat is Tom, and remember that my dog is Rex.",
+     ("The user's cat is Tom.", "The user's dog is Rex."), None),
+    # one command, as before: a "forget" inside a statement, a list of things to forget, a second part no command
+    ("Remember that I forget names easily.", ("The user forgets names easily.",), None),
+    ("Forget my sister and my dog.", (), "my sister and my dog"),
+    ("Forget my dog, and tell me a joke.", (), "my dog, and tell me a joke"),
+    ("I love my dog and remember him fondly.", (), None),
+])
+def test_a_message_of_several_commands_does_each(said, writes, forget):
+    """("Forget my dog, and remember that my cat is Tom." did neither: all of it was what to forget, which no memory
+    was; "Remember ... and remember ..." wrote one memory of both sentences, "... and remember the user's dog ...".)"""
+    assert decide(said, "explicit") == Decision(writes, forget)

@@ -199,6 +199,45 @@ def test_undo_takes_back_what_the_last_message_wrote_replaced_or_forgot(tiny_lla
         svc.close()
 
 
+def test_a_message_that_forgets_and_remembers_is_one_change_undone_at_once(tiny_llama, tmp_path, monkeypatch):
+    """("Forget my dog, and remember that my cat is called Tom." did neither.) The forget first, then the writes; the
+    answer says both; one Undo takes back both; a memory the same message wrote and then replaced was never there
+    before it; a write that fails takes back the message's forget."""
+    from decoding.events import TokenEvent
+
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    svc.people.similar = Similar(duplicate=0.999, supersede=0.9)  # (tiny keys: any two facts are close: a newer value)
+    s = svc.new_session("ada")
+    texts = lambda: [m["text"] for m in svc.run(my_memories, s)]  # noqa: E731
+    say = lambda text: drain(svc.chat(s, text, [], GenerationSettings(max_new_tokens=64), RECALL).request)  # noqa
+    try:
+        say("Remember that my dog is called Rex.")
+        rex = svc.run(my_memories, s)
+        events = say("Forget my dog, and remember that my cat is called Tom.")
+        reply = "Remembered: The user's cat is called Tom. · Forgot: The user's dog is called Rex."
+        assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == reply
+        assert texts() == ["The user's cat is called Tom."]
+        assert result(svc.run(undo_memory_change, s)).describe() == (
+            "Removed: The user's cat is called Tom. · Restored: The user's dog is called Rex.")
+        assert svc.run(my_memories, s) == rex
+
+        say("Remember that my dog is called Max, and remember that my dog is called Pocket.")  # (Pocket replaces both)
+        assert texts() == ["The user's dog is called Pocket."]
+        assert svc.state(s).change == ("Remembered: The user's dog is called Pocket. · "
+                                       "(replaces: The user's dog is called Rex.)")
+        result(svc.run(undo_memory_change, s))
+        assert svc.run(my_memories, s) == rex  # (Max, written and replaced by the same message, stays gone)
+
+        def fails(*args, **kwargs):
+            raise ServiceError("the disk is full")
+        monkeypatch.setattr(svc.people, "write", fails)
+        events = say("Forget my dog, and remember that my cat is called Tom.")
+        assert "the disk is full; answering without your memories" in [getattr(e, "text", "") for e in events]
+        assert svc.run(my_memories, s) == rex and svc.state(s).change == ""
+    finally:
+        svc.close()
+
+
 def test_an_edit_to_a_text_close_to_the_old_replaces_it_and_can_be_undone(tiny_llama, tmp_path):
     """(A near-duplicate of the memory it edits was refused as "already remembered" after the old one was deleted:
     the edit lost the memory.)"""

@@ -29,7 +29,7 @@ def test_a_request_that_scores_as_a_fact_is_not_written(decision, text):
     """(Both were written: "Tell the user about Port Avel's harbour.")"""
     shipped, score, wants = decision
     assert score(text) >= shipped.threshold  # the score alone would write it
-    assert is_request(text) and decide(text, "auto", wants).write is None
+    assert is_request(text) and decide(text, "auto", wants).writes == ()
 
 
 @pytest.mark.parametrize("text", ["Give me a recipe for pancakes.", "Help me write an email to my boss.",
@@ -41,7 +41,7 @@ def test_a_request_that_scores_as_a_fact_is_not_written(decision, text):
 def test_requests_and_questions_are_never_written(decision, text):
     _, _, wants = decision
     assert asks(text) or is_request(text)
-    assert decide(text, "auto", wants).write is None
+    assert decide(text, "auto", wants).writes == ()
 
 
 @pytest.mark.parametrize("text", ["I live in Porto.", "My sister is called Lena.",
@@ -60,7 +60,7 @@ def test_held_out_requests_are_not_written_and_held_out_facts_are(decision):
 
     _, _, wants = decision
     sets = write_sets(1)
-    written = {name: [decide(t, "auto", wants).write is not None for t in texts] for name, texts in sets.items()}
+    written = {name: [decide(t, "auto", wants).writes != () for t in texts] for name, texts in sets.items()}
     rate = {name: sum(w) / len(w) for name, w in written.items()}
     assert rate["held-out requests (false writes)"] == 0.0
     assert rate["user bench: told things (write recall)"] == 1.0  # measured 52/52, before and after
@@ -68,4 +68,4 @@ def test_held_out_requests_are_not_written_and_held_out_facts_are(decision):
     assert rate["training.remember eval: facts"] >= 0.97  # measured 0.975, before and after
     assert rate["training.remember eval: others"] == 0.0
     for text in ["I live in Porto.", "My sister is called Lena."]:
-        assert decide(text, "auto", wants).write == about_the_user(text)
+        assert decide(text, "auto", wants).writes == (about_the_user(text),)
