@@ -27,6 +27,7 @@ from chat import openai_api  # noqa: E402
 from chat.api import ChatService  # noqa: E402
 from chat.config import Config, ConfigError, load_config  # noqa: E402
 from chat.service import ASSETS, Service  # noqa: E402
+from page import logins  # noqa: E402
 from page.layout import CSS, THEME, build_demo  # noqa: E402
 
 
@@ -46,6 +47,7 @@ def launch(demo: gr.Blocks, service: ChatService, **kwargs: Any) -> Any:
     block = not kwargs.pop("prevent_thread_lock", False)
     out = demo.queue(default_concurrency_limit=8).launch(**{**options, **kwargs, "app_kwargs": app_kwargs,
                                                             "prevent_thread_lock": True})
+    logins.hold(demo, service.users)
     if block:  # until SIGTERM or Ctrl-C; the caller then closes (`close`)
         try:
             while demo.is_running:

@@ -111,6 +111,12 @@ class Users:
         users = self._read()["users"]
         return [User(name, users[name].get("created", 0.0)) for name in sorted(users)]
 
+    def added_after(self, name: str, since: float) -> bool:
+        """Whether the user `name` now is one added after `since` (a login made then was an earlier user's of that
+        name: removed and added again is another user, perhaps another person)."""
+        entry = self._read()["users"].get(name)
+        return entry is not None and entry.get("created", 0.0) > since
+
     def check_password(self, name: str, password: str) -> bool:
         """Whether `password` is `name`'s (Gradio's `auth` callback)."""
         entry = self._read()["users"].get(name)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +17,7 @@ from chat import operations as ops
 from chat.api import ChatService, Turn
 from chat.inputs import ImageRefused
 from chat.session import Session
+from chat.users import LOCAL
 from chat.state import MessageState, SessionState
 from chat.view import (
     TurnView, about_table, answer_figure, bank_sample, bank_summary, chat_messages, found_table, inline_text, recall_table,
@@ -43,6 +46,38 @@ def _view(state: SessionState, messages: Sequence[MessageState], live: TurnView 
         shown.append({"role": "assistant", "content": inline_text(live.segments) or "…"})
     return (shown, _highlight(live.segments if live else []), recall_table(messages, live),
             status_line(state, note or (live.state if live else "")))
+
+
+def owned(fn):
+    """An event handler over a session (its parameter `s`) that runs only for the login that opened the session
+    (`Handlers.bind`, before anything of it runs; its `request` is Gradio's). Every event with the session as an input
+    has one: a crafted session hash of another login's page is refused."""
+    sig = inspect.signature(fn)
+    if not {"s", "request"} <= sig.parameters.keys():
+        raise TypeError(f"{fn.__name__}: a handler over a session takes `s` and `request: gr.Request`")
+
+    def check(self, args, kwargs):
+        given = sig.bind_partial(self, *args, **kwargs).arguments
+        self.bind(given["s"], given.get("request"))
+
+    if inspect.isasyncgenfunction(fn):
+        @functools.wraps(fn)
+        async def handler(self, *args, **kwargs):
+            check(self, args, kwargs)
+            async for update in fn(self, *args, **kwargs):
+                yield update
+    elif inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def handler(self, *args, **kwargs):
+            check(self, args, kwargs)
+            return await fn(self, *args, **kwargs)
+    else:
+        @functools.wraps(fn)
+        def handler(self, *args, **kwargs):
+            check(self, args, kwargs)
+            return fn(self, *args, **kwargs)
+    handler.owned = True
+    return handler
 
 
 class Handlers:
@@ -78,16 +113,23 @@ class Handlers:
             yield chatbot, answer, log if fresh else gr.skip(), status, plot  # the log changes only with a recall
 
     def bind(self, s: Session, request: gr.Request | None) -> None:
-        """With a users file, the session is its login's: every event that reads or writes a memory says whose,
-        so a tab's answers are never another user's whatever Gradio does with its state."""
-        if self.service.users is not None and request is not None and request.username:
-            if request.username not in self.service.users.names():  # (removed since the login: `recall-users`)
-                raise gr.Error(f"the user {request.username!r} is no longer on this server: log in again")
-            s.user = request.username
+        """With a users file, a session is the login's that opened it (`owned`): an event of another login, whose
+        request names another user's session (Gradio keys its state by a session hash the client sends), is
+        refused, and a user removed since their login is told to log in again (`page.logins` ends the login)."""
+        users = self.service.users
+        if users is None or request is None:  # (None: a call from another handler, already checked)
+            return
+        name = request.username
+        if not name or name not in users.names():  # (removed since the login: `recall-users`)
+            raise gr.Error(f"the user {name!r} is no longer on this server: log in again")
+        if s.user == LOCAL:  # (never a user's name with a users file: `chat.users.check_name`)
+            s.user = name
+        elif s.user != name:
+            raise gr.Error(f"this page's session is another login's, not {name!r}'s: reload the page")
 
+    @owned
     async def chat(self, message: dict | None, recall_first: bool, s: Session, request: gr.Request = None,
                    **values):
-        self.bind(s, request)
         text = (message or {}).get("text", "")
         try:
             settings, recall = controls.settings(self.cfg, values)
@@ -104,8 +146,8 @@ class Handlers:
             yield *update, (gr.skip() if cleared else gr.MultimodalTextbox(value=None))
             cleared = True
 
+    @owned
     async def regenerate(self, s: Session, request: gr.Request = None, **values):
-        self.bind(s, request)
         try:
             turn = self.service.regenerate(s, *controls.settings(self.cfg, values))
         except ValueError as e:
@@ -114,7 +156,8 @@ class Handlers:
         async for update in self.follow(s, turn):
             yield update
 
-    async def stop(self, s: Session) -> str:
+    @owned
+    async def stop(self, s: Session, request: gr.Request = None) -> str:
         stopped = self.service.stop(s)
         if not stopped:  # the Stop button also cancels the answer's event, whose end withdraws it (`follow`): that
             now = time.perf_counter()  # may come first, and it is this click's stop all the same
@@ -128,17 +171,20 @@ class Handlers:
     def status(self, s: Session, note: str = "") -> str:
         return status_line(self.service.state(s), note)
 
-    def clear(self, s: Session) -> tuple:
+    @owned
+    def clear(self, s: Session, request: gr.Request = None) -> tuple:
         self.service.run(ops.clear, s)
         return *self.render(s, "cleared"), None
 
-    def save_conversation(self, s: Session) -> tuple[str | None, str]:
+    @owned
+    def save_conversation(self, s: Session, request: gr.Request = None) -> tuple[str | None, str]:
         try:
             return str(self.service.run(ops.save_conversation, s)), self.status(s, "conversation saved")
         except ValueError as e:
             return None, self.status(s, _warn(e))
 
-    def load_conversation(self, path: str, s: Session) -> tuple:
+    @owned
+    def load_conversation(self, path: str, s: Session, request: gr.Request = None) -> tuple:
         try:
             self.service.run(ops.load_conversation, s, path)
             return self.render(s, "conversation loaded")
@@ -162,23 +208,28 @@ class Handlers:
         except ValueError as e:
             return self.bank_view(s, _warn(e)), False
 
-    async def build_example(self, s: Session, progress=gr.Progress(track_tqdm=True)) -> tuple:
+    @owned
+    async def build_example(self, s: Session, request: gr.Request = None,
+                            progress=gr.Progress(track_tqdm=True)) -> tuple:
         out, _ = await self._bank_job(s, lambda: self.service.run(ops.build_example_bank, s),
                                       "example bank ready: {result} memories; ask about Port Avel")
         return out
 
-    async def write_memories(self, text: str, images: list[str] | None, s: Session,
+    @owned
+    async def write_memories(self, text: str, images: list[str] | None, s: Session, request: gr.Request = None,
                              progress=gr.Progress(track_tqdm=True)) -> tuple:
         out, ok = await self._bank_job(s, lambda: self.service.run(ops.write_memories, s, text, images or []),
                                        "wrote {result}")
         return (*out, "", None) if ok else (*out, gr.skip(), gr.skip())  # written: empty the inputs
 
-    async def delete_memories(self, ids: str, s: Session) -> tuple:
+    @owned
+    async def delete_memories(self, ids: str, s: Session, request: gr.Request = None) -> tuple:
         out, _ = await self._bank_job(s, lambda: self.service.run(ops.delete_memories, s, ids),
                                       "deleted; {result} memories left")
         return out
 
-    def upload_bank(self, path: str | None, s: Session) -> tuple:
+    @owned
+    def upload_bank(self, path: str | None, s: Session, request: gr.Request = None) -> tuple:
         """The bank's view, and the upload box emptied when the file was refused (it stayed, as if loaded)."""
         if not path:
             return *self.bank_view(s), gr.skip()
@@ -189,20 +240,23 @@ class Handlers:
         finally:
             Path(path).unlink(missing_ok=True)  # the upload's copy in Gradio's cache: the bank lives in memory
 
-    def use_bank(self, which: str, s: Session) -> tuple:
+    @owned
+    def use_bank(self, which: str, s: Session, request: gr.Request = None) -> tuple:
         try:
             self.service.run(ops.use_bank, s, which)
             return self.bank_view(s, f"using the {which} bank")
         except ValueError as e:
             return self.bank_view(s, _warn(e))
 
-    def find_memories(self, query: str, top_k: int, s: Session) -> tuple:
+    @owned
+    def find_memories(self, query: str, top_k: int, s: Session, request: gr.Request = None) -> tuple:
         try:
             return found_table(self.service.run(ops.find_memories, s, query, top_k)), self.status(s)
         except ValueError as e:
             return gr.skip(), self.status(s, _warn(e))
 
-    def download_bank(self, fmt: str, s: Session) -> tuple[str | None, str]:
+    @owned
+    def download_bank(self, fmt: str, s: Session, request: gr.Request = None) -> tuple[str | None, str]:
         try:
             return str(self.service.run(ops.download_bank, s, fmt)), self.status(s, "bank saved: download it below")
         except ValueError as e:
@@ -210,9 +264,9 @@ class Handlers:
 
     # ----------------------------------------------------------------- about you: the user's own memory
 
+    @owned
     def about_view(self, s: Session, query: str = "", note: str = "", request: gr.Request = None) -> tuple:
         """how many memories, the list (those containing `query`), status."""
-        self.bind(s, request)
         try:
             entries = self.service.run(ops.my_memories, s)
         except ValueError as e:
@@ -230,33 +284,35 @@ class Handlers:
         except ValueError as e:
             return await asyncio.to_thread(self.about_view, s, query, _warn(e))
 
-    def change_row(self, s: Session) -> tuple:
+    @owned
+    def change_row(self, s: Session, request: gr.Request = None) -> tuple:
         """Under the conversation: what the last message wrote to (or forgot from) the user's memory, and Undo."""
         change = self.service.state(s).change
         return gr.Markdown(change, visible=bool(change)), gr.Button(visible=bool(change))
 
+    @owned
     async def undo_change(self, query: str, s: Session, request: gr.Request = None) -> tuple:
-        self.bind(s, request)
         about = await self._about_job(s, query, lambda: self.service.run(ops.undo_memory_change, s),
                                       lambda r: "Undone: " + r.describe())
         return *about, *self.change_row(s)
 
+    @owned
     def about_list(self, s: Session, query: str = "", request: gr.Request = None) -> tuple:
         """how many memories and the list (after a page load, or an answer that may have written one)."""
         return self.about_view(s, query, request=request)[:2]
 
+    @owned
     async def remember(self, text: str, query: str, s: Session, request: gr.Request = None) -> tuple:
-        self.bind(s, request)
         return await self._about_job(s, query, lambda: self.service.run(ops.remember, s, text, "page"),
                                      lambda r: r.describe())
 
+    @owned
     async def edit_memory(self, memory_id: str, text: str, query: str, s: Session, request: gr.Request = None) -> tuple:
-        self.bind(s, request)
         return await self._about_job(s, query, lambda: self.service.run(ops.edit_memory, s, memory_id.strip(), text),
                                      lambda r: r.describe())
 
+    @owned
     def forget_memories(self, ids: str, query: str, s: Session, request: gr.Request = None) -> tuple:
-        self.bind(s, request)
         try:
             gone = self.service.run(ops.forget_memories, s, [i for i in ids.replace(",", " ").split() if i])
             return self.about_view(s, query, "Forgot: " + " · ".join(e["text"] for e in gone))
@@ -265,22 +321,22 @@ class Handlers:
         except ValueError as e:
             return self.about_view(s, query, _warn(e))
 
+    @owned
     def forget_everything(self, query: str, s: Session, request: gr.Request = None) -> tuple:
-        self.bind(s, request)
         try:
             return self.about_view(s, query, f"forgot all {self.service.run(ops.forget_all_memories, s)} memories")
         except ValueError as e:
             return self.about_view(s, query, _warn(e))
 
+    @owned
     def export_memories(self, s: Session, request: gr.Request = None) -> tuple[str | None, str]:
-        self.bind(s, request)
         try:
             return str(self.service.run(ops.export_memories, s)), self.status(s, "your memories: download them below")
         except ValueError as e:
             return None, self.status(s, _warn(e))
 
+    @owned
     async def import_memories(self, path: str | None, query: str, s: Session, request: gr.Request = None) -> tuple:
-        self.bind(s, request)
         if not path:
             return await asyncio.to_thread(self.about_view, s, query)
         return await self._about_job(s, query, lambda: self.service.run(ops.import_memories, s, path),
@@ -292,9 +348,9 @@ class Handlers:
         if s is not None:
             self.service.end_session(s)
 
+    @owned
     async def on_load(self, s: Session, request: gr.Request, progress=gr.Progress(track_tqdm=True)) -> tuple:
         self.pages[request.session_hash] = s
-        self.bind(s, request)
         note = ""
         try:
             if self.service.lm is None:
