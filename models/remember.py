@@ -170,7 +170,15 @@ _SUBJECT = r"(?:i|you|we|my|our|your|the|it|he|she|they|there|this|that|these|th
 # a question without its "?": a question word and then a verb ("What is my name", "Which town do I live in", "Where
 # do I live", "Who wrote it"), or an auxiliary and then its subject ("Do I have a cat"); not a statement that opens
 # with one ("When I was young I lived in Porto.", "What I love most is jazz.", "Will is my brother.")
-_ASKS = re.compile(rf"^\s*(?:(?:what|which|whose)(?:\s+(?!(?:i|you|we|he|she|they|it)\b)\w+)?\s+{_AUX}\b"
+# (also contracted, "What's my name", "whats my dog called", "Who's my doctor"; asked of oneself, "what my name is";
+# and asked indirectly, "I'd like to know ...", "I wonder whether ...": each was written as a memory, and the
+# newest, "What's the user's name.", was then read for "What is my name?")
+_ASKS = re.compile(rf"^\s*(?:(?:what|where|who|how|when|which)(?:'s|'re|s)\s+{_SUBJECT}\b"
+                   rf"|(?:what|where|who|when|how)\s+my\s+\w+(?:\s+\w+)?\s+(?:is|are)\s*[.!]?\s*$"
+                   rf"|i(?:'d|\s+would)\s+like\s+to\s+know\b|i\s+(?:want|need)\s+to\s+know\b"
+                   rf"|i(?:'m|\s+am|\s+was)?\s+(?:wonder|wondering)\s+"
+                   rf"(?:if|whether|what|where|who|when|why|how|which)\b"
+                   rf"|(?:what|which|whose)(?:\s+(?!(?:i|you|we|he|she|they|it)\b)\w+)?\s+{_AUX}\b"
                    rf"|(?:where|when|how)\s+{_AUX}\b"
                    rf"|(?:what|which|how)\s+(?:many|much|kind|sort|old|long|far|often)\b"
                    rf"|who\s+(?!i\b)\w+|why\b"

@@ -37,7 +37,11 @@ def test_a_request_that_scores_as_a_fact_is_not_written(decision, text):
                                   "Write a poem about my cat Whiskers.", "Can you plan my week in Lisbon.",
                                   "Could you recommend a book about sailing.", "Please summarise the history of Porto.",
                                   "I'd like you to plan my trip to Rome.", "What is my name", "Where do I live",
-                                  "Do I have a cat"])
+                                  "Do I have a cat",
+                                  # (written, then read for "What is my name?": "What's the user's name.")
+                                  "what's my name", "Where's my car", "Who's my doctor", "whats my dog called",
+                                  "How's my sister", "what my name is", "I'd like to know my dog's name.",
+                                  "I want to know where I live.", "I wonder whether my sister likes jazz."])
 def test_requests_and_questions_are_never_written(decision, text):
     _, _, wants = decision
     assert asks(text) or is_request(text)
@@ -48,7 +52,8 @@ def test_requests_and_questions_are_never_written(decision, text):
                                   "We are moving to Lisbon next month.",
                                   "When I was young I lived in Porto.", "Will is my brother.",
                                   "Writing is my hobby.", "Show jumping is my sport.", "I work as a baker.",
-                                  "What I love most is jazz."])
+                                  "What I love most is jazz.", "What my sister likes is jazz.",
+                                  "What's more, my dog is called Rex.", "I wonder about things."])
 def test_what_people_tell_is_neither_a_question_nor_a_request(text):
     assert not asks(text) and not is_request(text)
 
