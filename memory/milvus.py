@@ -266,13 +266,17 @@ class MilvusBank(BankShape):
                 self._call("remove values", self._client.delete, f"{self.name}_values", filter=f"grp in [{groups}]")
         return len(self)
 
-    def update(self, rows: Sequence[dict]) -> None:
+    def update(self, rows: Sequence[dict], missing_ok: bool = False) -> list[dict]:
         """Set fields of memories of this view in place (each row: its "id" and the fields to set, not its key or
-        values); `KeyError` naming an id that is not here, and nothing is changed."""
-        if missing := sorted({int(r["id"]) for r in rows} - set(self._rows([r["id"] for r in rows], ["id"]))):
+        values); the rows set. `KeyError` naming an id that is not here, and nothing is changed; with `missing_ok`,
+        those are left out (another process took them out of this view meanwhile)."""
+        here = set(self._rows([r["id"] for r in rows], ["id"])) if rows else set()
+        if (missing := sorted({int(r["id"]) for r in rows} - here)) and not missing_ok:
             raise KeyError(f"memory ids {missing[:5]} are not in the bank")
+        rows = [r for r in rows if int(r["id"]) in here]
         if rows:
             self._call("update memories", self._client.upsert, self.name, list(rows), partial_update=True)
+        return rows
 
     # ----------------------------------------------------------------------- reading
 
@@ -307,7 +311,8 @@ class MilvusBank(BankShape):
         rows = self._rows(ids.tolist(), ["key", "text", "metadata"]) if len(ids) else {}
         out = []
         for score, i in zip(scores.tolist(), ids.tolist()):
-            row = rows[i]
+            if (row := rows.get(i)) is None:  # (out of this view since the search: another process changed it)
+                continue
             entry = {"embedding": torch.tensor(row["key"], dtype=torch.float32), "score": score, "index": i}
             entry.update({f: row[f] for f in ("text", "metadata") if row.get(f) is not None})
             out.append(entry)

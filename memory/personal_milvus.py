@@ -11,7 +11,9 @@ reads as syntax) before they reach a filter.
 The rules of what is a duplicate, what supersedes what and how the history keeps it are those of every personal
 store (`memory.personal`). A change holds the person's lock in this process; Milvus has no transactions, so a
 memory that supersedes another is written first and the older one is moved to history after it (a crash between
-the two leaves both recalled, never neither).
+the two leaves both recalled, never neither). Replicas are processes, each with its own lock: two writes of one
+person's newer values at once both succeed, and both may stay recalled until the person's next change of that fact
+(the newest is the one read: `memory.personal.Newest`).
 """
 
 from __future__ import annotations
@@ -96,8 +98,10 @@ class MilvusPersonal(Personal):
             self._live.add(key, [text], [entry], None if value is None else [value])
             superseded = [as_entry(f) for f in old]
             past = [{k: v for k, v in h.items() if k != "text"} for h in retired(superseded, entry)]  # (its own field)
-            self._live.update([{"id": f["index"], "live": False, "metadata": h} for f, h in zip(old, past)])
-            return dict(entry, text=text), superseded
+            done = self._live.update([{"id": f["index"], "live": False, "metadata": h} for f, h in zip(old, past)],
+                                     missing_ok=True)  # (one another replica retired meanwhile is history already)
+            ours = {r["id"] for r in done}
+            return dict(entry, text=text), [e for f, e in zip(old, superseded) if f["index"] in ours]
 
     def restore(self, key: torch.Tensor, value: Any, entry: dict, *,
                 make_bank: Callable[[], MemoryVectorDB] | None = None) -> dict | None:

@@ -114,3 +114,33 @@ def test_a_bank_that_is_not_a_collection_of_people_is_refused(client):
     MilvusBank.open("people.db", "people", create=StoreLayout(DIM), client=client)
     with pytest.raises(StoreError, match="expected a collection of people's memories"):
         people(client)
+
+
+def test_one_users_writes_from_two_replicas_at_once_all_succeed(client):
+    """Two replicas are two processes, each with its own lock: one user's newer values written through both at once
+    (8 at a time) all succeed. (A write failed when the other had retired, between its search and its update, the
+    older value it was retiring, "memory ids [224] are not in the bank", or had retired a memory its search found
+    before the read of its text, a bare KeyError; the API said 400 and the memory was written all the same.) Both
+    may stay recalled until the next change (Milvus has no transactions); the newest is the one read."""
+    import threading
+
+    store = people(client)
+    replicas = [MilvusPersonal(store, "bob") for _ in range(2)]  # (each its own lock, as in two processes)
+    replicas[0].add(key(1), None, "The user's desk number is 9000.")
+    failures, start = [], threading.Barrier(8)
+
+    def write(i: int) -> None:
+        start.wait()
+        try:
+            replicas[i % 2].add(key(1), None, f"The user's desk number is {9001 + i}.")
+        except Exception as e:  # noqa: BLE001 - what the test counts
+            failures.append(repr(e))
+
+    for _ in range(3):
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    assert failures == []
+    newest = replicas[0].add(key(1), None, "The user's desk number is 7777.")[0]  # the next change settles it
+    assert [e["text"] for e in replicas[1].entries()] == ["The user's desk number is 7777."]
+    assert newest["text"] == "The user's desk number is 7777."
