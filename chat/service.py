@@ -44,12 +44,14 @@ EXAMPLE_IMAGES = (ASSETS / "example_lighthouse.png", ASSETS / "example_cat.png")
 EMBEDDED_HISTORY_TURNS = 3
 
 
-def no_memory(bank, recall: RecallSettings) -> str:
-    """The notice of an answer whose model looked for a memory and read none, with the reason that holds."""
+def no_memory(bank, recall: RecallSettings, yours_unread: bool = False) -> str:
+    """The notice of an answer whose model looked for a memory and read none, with the reason that holds
+    (`yours_unread`: the user has memories of their own, and the message does not speak of them)."""
     if not recall.enabled:
         why = "recall is off"
     elif bank is None or not len(bank):
-        why = "there is no bank to read"
+        why = ("there is no bank to read for this message (your own memories are read for one that speaks of you: "
+               "\"my ...\", \"I ...\")" if yours_unread else "there is no bank to read")
     else:
         why = f"none is close enough to the question (memory min score {recall.min_score:g})"
     return f"the model looked for a memory, but {why}: it answered from what it knows"
@@ -228,7 +230,7 @@ class Service(SessionService):
                                  "read (still shown)")
                 yield from self._noted(s, conv.say(text, images, reply, settings, interrupt) if reply is not None else
                                        conv.stream(text, images, settings, recall, bank, interrupt, recall_first),
-                                       no_memory(bank, recall))
+                                       no_memory(bank, recall, self._yours_unread(s, text)))
 
         req = Request("chat", run, s.id, text[:80])
         req.on_withdraw = lambda: self._record_unanswered(s, req)
@@ -254,6 +256,15 @@ class Service(SessionService):
         except ValueError as e:  # the session's bank is of another layout (an upload of bare vectors): no answer came
             yield Notice(f"{e}: the two cannot be searched as one, so this message reads your own memories alone")
             return Newest(mine)
+
+    def _yours_unread(self, s: Session, text: str) -> bool:
+        """Whether the user has memories of their own that a message, not speaking of them, does not read."""
+        if mentions_the_user(text):
+            return False
+        try:
+            return bool(len(self.people.of(self._model(), s.user)))
+        except (ServiceError, BankError):
+            return False
 
     def personal(self, s: Session) -> Personal:
         """The session's user's own memory."""
@@ -310,7 +321,8 @@ class Service(SessionService):
                     yield Notice("decoding is greedy (sampling is off under Decoding): the same conversation and "
                                  "settings give the same answer; turn sampling on for another")
                 bank = yield from self.recall_bank(s, question)
-                yield from self._noted(s, conv.regenerate(settings, recall, bank, interrupt), no_memory(bank, recall))
+                yield from self._noted(s, conv.regenerate(settings, recall, bank, interrupt),
+                                       no_memory(bank, recall, self._yours_unread(s, question)))
 
         return self._start(s, Request("regenerate", run, s.id, "regenerate"))
 

@@ -538,3 +538,21 @@ def test_with_remember_off_a_forget_is_told_it_changed_nothing(tiny_llama, tmp_p
         assert not any("memory.remember" in e.text for e in events if isinstance(e, Notice))
     finally:
         svc.close()
+
+
+def test_the_no_memory_notice_says_when_a_users_own_memories_were_not_read(tiny_llama, tmp_path):
+    """("Actually it's Pocket not Rocket." from a user with memories said "there is no bank to read".)"""
+    from chat.service import no_memory
+
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    s = svc.new_session("ada")
+    try:
+        assert not svc._yours_unread(s, "Actually it's Pocket not Rocket.")  # nothing told yet
+        drain(svc.chat(s, "Remember that my dog is called Rocket.", [], SHORT, RECALL).request)
+        assert svc._yours_unread(s, "Actually it's Pocket not Rocket.")
+        assert not svc._yours_unread(s, "What is my dog's name?")  # (read: it speaks of its author)
+        assert "no bank to read for this message (your own memories are read for one that speaks of you" in \
+            no_memory(None, RECALL, yours_unread=True)
+        assert not svc._yours_unread(svc.new_session("bob"), "Actually it's Pocket.")  # (another user's are not)
+    finally:
+        svc.close()
