@@ -187,9 +187,11 @@ class RemoteService(SessionService):
                         yield item
                 return op.unpack_result(value, s.files)
             except RayActorError as e:
-                if started:
+                if started:  # (the page said all of Ray's report: pid, node, actor id, advice on memory; it is logged)
+                    log.warning("session %d: the replica writing its answer stopped: %s", s.id, describe(e))
+                    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
                     raise ServiceError("the model replica writing this answer stopped; the conversation is as it "
-                                       f"was before this message: send it again ({describe(e)})") from None
+                                       f"was before this message: send it again ({first})") from None
                 log.warning("session %d: replica gone (%s); trying again", s.id, describe(e))
                 time.sleep(0.5 * (attempt + 1))
         raise ServiceError("no model replica answered (serve.replicas, or the Ray cluster at serve.ray_address)")

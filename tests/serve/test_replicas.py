@@ -30,7 +30,7 @@ from chat.view import TurnView, chat_messages, recall_table  # noqa: E402
 from chat.worker import Notice  # noqa: E402
 from memory.milvus import StoreError  # noqa: E402
 from conftest import make_tiny_llama  # noqa: E402
-from decoding.events import FinishEvent, RecallEvent  # noqa: E402
+from decoding.events import FinishEvent, RecallEvent, TokenEvent  # noqa: E402
 from decoding.settings import GenerationSettings, RecallSettings  # noqa: E402
 from replica_loaders import broken_model  # noqa: E402
 from page.layout import build_demo  # noqa: E402
@@ -312,3 +312,31 @@ def test_a_replica_that_cannot_load_its_model_says_which_and_why(cluster, tmp_pa
 def test_an_unreachable_store_stops_the_start_naming_it(tmp_path):
     with pytest.raises(StoreError, match=r"memory.milvus_uri='http://127.0.0.1:9'.*unreachable"):
         RemoteService(config(tmp_path, "memory.milvus_uri=http://127.0.0.1:9"))
+
+
+def test_a_replica_that_dies_mid_answer_is_said_in_one_line(front, monkeypatch):
+    """(The page showed all of Ray's report: pid, node address, actor id, advice on memory.) The answer fails with
+    one line, "send it again"; the rest is in the log."""
+    service, _ = front
+    report = ("The actor died unexpectedly before finishing this task.\n\tclass_name: ServeReplica:recall-chat\n"
+              "\tactor_id: 3f2a\n\tpid: 4242\n\tip: 10.0.0.7\nThe actor is dead because its worker process has died.")
+
+    class Dying:  # the session's replica: a token, then its process is gone
+        def options(self, **_):
+            return self
+
+        @property
+        def call(self):
+            return self
+
+        def remote(self, *_):
+            yield TokenEvent(row=0, token_id=1, position=5, text="Bread")
+            raise ray.exceptions.RayActorError(error_msg=report)
+
+    s = service.new_session()
+    monkeypatch.setattr(service, "handle", Dying())
+    turn = service.chat(s, "Tell me about bread.", [], service.cfg.generation, OFF)
+    drain(turn.request, timeout=60)
+    assert turn.request.error == ("the model replica writing this answer stopped; the conversation is as it was "
+                                  "before this message: send it again (The actor died unexpectedly before finishing "
+                                  "this task.)")
