@@ -17,7 +17,7 @@ import inspect
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,14 +29,14 @@ from chat.inputs import read_upload_text
 from chat.decision import Decision, to_remember
 from chat.people import Imported, People, Remembered, public
 from chat.session import Conversation, Session
-from chat.worker import Request, ServiceError, Worker, describe
+from chat.worker import Notice, Request, ServiceError, Worker, describe
 from decoding.settings import GenerationSettings, RecallSettings
 from memory.files import atomic_write
 from memory.personal import Personal
 from models import LoadedModel
 
 MEMORIES_FORMAT = "recall-chat-memories-1"
-MAX_IMPORT = 500  # the most memories one import writes (it holds the model worker; see docs/limits.md)
+MAX_IMPORT = 500  # the most memories one import writes (its write holds the model worker; docs/limits.md)
 Past = tuple[str, str, Sequence[bytes]]  # an earlier message its client keeps: role, text, its images' bytes
 
 
@@ -357,8 +357,8 @@ def export_memories(svc: ModelSide, s: Session) -> Path:
 def import_memories(svc: ModelSide, s: Session, path: str | Path) -> Request:
     """Queue writing every memory of an exported file (or a JSON list of texts) into the user's memory; each is
     judged as "remember that ..." judges it (duplicates skipped, a newer value supersedes), all written at once or
-    none. At most `MAX_IMPORT` memories (the import holds the model worker: every user's chat waits for it), each
-    within `app.max_message_chars` and `memory.max_slots`; the result is `chat.people.Imported`."""
+    none. At most `MAX_IMPORT` memories, each within `app.max_message_chars` and `memory.max_slots`, encoded a batch
+    a worker round (every other answer goes on meanwhile); the result is `chat.people.Imported`."""
     name = Path(path).name
     try:
         data = json.loads(read_upload_text(path, svc.cfg.memory.max_upload_mb))
@@ -387,7 +387,9 @@ def import_memories(svc: ModelSide, s: Session, path: str | Path) -> Request:
             raise ServiceError(f"{name}: memory {i + 1}: {e}") from None
     texts = memories
 
-    def run(_) -> Imported:
-        return svc.people.write_many(svc.wait_model(), s.user, texts, source="import", conversation=f"session-{s.id}")
+    def run(_) -> Generator[Notice, None, Imported]:
+        lm = svc.wait_model()
+        encoded = yield from svc.people.encoding(lm, texts)  # (a batch a round: every other answer goes on meanwhile)
+        return svc.people.write_many(lm, s.user, texts, encoded, source="import", conversation=f"session-{s.id}")
 
     return svc.worker.submit(Request("import_memories", run, s.id))

@@ -28,7 +28,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +36,7 @@ import torch
 
 from chat.banks import empty_bank, store_layout
 from chat.config import Config
-from chat.worker import ServiceError
+from chat.worker import Notice, ServiceError
 from memory import BankError, MemoryVectorDB
 from memory.files import atomic_write, read_bank
 from memory.milvus import MilvusBank
@@ -48,6 +48,7 @@ from models.remember import WriteDecision, about_the_user
 
 CARRIED = ".carried.json"  # in a user's folder: {memory file: the earlier model's file it was filled from}
 log = logging.getLogger(__name__)
+ENCODE_BATCH = 16  # memories encoded in one forward (an import: one batch a worker round)
 EVERYTHING = re.compile(r"(?:everything|all)(?:\s+(?:of it|of them|of my memories|my memories|you know|about me))*"
                         r"\s*$", re.I)  # "forget everything (you know about me)"
 
@@ -206,19 +207,33 @@ class People:
     def _new_bank(self, lm: LoadedModel) -> Callable[[], MemoryVectorDB]:
         return lambda: empty_bank(self.cfg.memory, lm)
 
-    def _encode(self, lm: LoadedModel, texts: list[str]) -> tuple[torch.Tensor, list | None]:
-        """Keys and values of memories of `texts`; `ServiceError` naming the first one with more value slots than
-        `memory.max_slots` (as a bank's memory is refused: the model reads a memory's whole span, so one of thousands
-        of slots ran past the context and every later question it matched answered nothing)."""
-        keys, values = lm.encoder.encode(lm.model, lm.tokenizer, texts, batch_size=16, progress=False)
+    def _encode(self, lm: LoadedModel, texts: list[str], first: int = 0,
+                of: int = 1) -> tuple[torch.Tensor, list | None]:
+        """Keys and values of memories of `texts` (memories `first` + 1... of `of`); `ServiceError` naming the first
+        one with more value slots than `memory.max_slots` (as a bank's memory is refused: the model reads a memory's
+        whole span, so one of thousands of slots ran past the context and every later question it matched answered
+        nothing)."""
+        keys, values = lm.encoder.encode(lm.model, lm.tokenizer, texts, batch_size=ENCODE_BATCH, progress=False)
         cap = self.cfg.memory.max_slots
         long = [i for i, v in enumerate(values or []) if len(v) > cap]
         if long:
             i = long[0]
-            which = "the memory" if len(texts) == 1 else f"memory {i + 1}"
+            which = "the memory" if of == 1 else f"memory {first + i + 1}"
             raise ServiceError(f"{which} ({texts[i][:40]!r}...) has {len(values[i])} value slots, over "
                                f"memory.max_slots={cap}: split it into shorter memories; nothing was written")
         return keys, None if values is None else list(values)
+
+    def encoding(self, lm: LoadedModel, texts: list[str]) -> Generator[Notice, None, tuple[torch.Tensor, list | None]]:
+        """Keys and values of memories of `texts` (the generator's value), `ENCODE_BATCH` of them a step: an import
+        run as a worker request yields between batches, so every other answer goes on meanwhile (500 long memories
+        held every user's chat for 15 s)."""
+        keys, values = [], []
+        for first in range(0, len(texts), ENCODE_BATCH):
+            k, v = self._encode(lm, texts[first:first + ENCODE_BATCH], first, len(texts))
+            keys.append(k)
+            values = None if v is None else [*values, *v]
+            yield Notice(f"encoded {min(first + ENCODE_BATCH, len(texts))} of {len(texts)} memories")
+        return torch.cat(keys), values
 
     def write(self, lm: LoadedModel, user: str, text: str, **meta) -> Remembered:
         """Encode and keep one memory of `user` (not twice; a newer value of the same thing supersedes the older);
@@ -232,11 +247,12 @@ class People:
             return Remembered(note=f"Already remembered: {kept.get('text') if kept is not None else text}")
         return Remembered(written=(entry,), superseded=tuple(superseded))
 
-    def write_many(self, lm: LoadedModel, user: str, texts: list[str], **meta) -> Imported:
-        """Encode and keep memories of `user` (an import), judged in order as `write` judges one; with the file store
-        all or none (one write of the file), and none when any is longer than `memory.max_slots` (checked before
-        anything is written)."""
-        keys, values = self._encode(lm, texts)
+    def write_many(self, lm: LoadedModel, user: str, texts: list[str], encoded: tuple | None = None,
+                   **meta) -> Imported:
+        """Encode (unless `encoded`: `encoding`'s value) and keep memories of `user` (an import), judged in order as
+        `write` judges one; with the file store all or none (one write of the file), and none when any is longer
+        than `memory.max_slots` (checked before anything is written)."""
+        keys, values = encoded if encoded is not None else self._encode(lm, texts, of=len(texts))
         items = [(keys[i:i + 1], None if values is None else values[i], t, meta) for i, t in enumerate(texts)]
         done = self.of(lm, user).add_many(items, similar=self.similar, make_bank=self._new_bank(lm))
         ours = {e["id"] for e, _ in done if e is not None}

@@ -556,3 +556,23 @@ def test_the_no_memory_notice_says_when_a_users_own_memories_were_not_read(tiny_
         assert not svc._yours_unread(svc.new_session("bob"), "Actually it's Pocket.")  # (another user's are not)
     finally:
         svc.close()
+
+
+def test_an_import_lets_every_other_answer_go_on(tiny_llama, tmp_path):
+    """(An import of 500 long memories held every user's chat for 15 s: it encoded all of them in one request.) It
+    encodes a batch a worker round, so a chat sent after it began ends before it; its write is still all at once."""
+    from chat.operations import import_memories
+
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    ada, bob = svc.new_session("ada"), svc.new_session("bob")
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps([f"My note number {i} says that the sea was calm on day {i}." for i in range(240)]))
+    try:
+        importing = svc.run(import_memories, ada, str(path))
+        chat = svc.chat(bob, "Hello.", [], SHORT, RECALL).request
+        drain(chat)
+        assert chat.error is None and not importing.done.is_set()  # (bob's answer ended while ada's import encoded)
+        imported = result(importing)
+        assert imported.items == 240 and len(svc.run(my_memories, ada)) == imported.kept > 0
+    finally:
+        svc.close()
