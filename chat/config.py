@@ -93,6 +93,7 @@ class MemoryConfig:
     hidden_state: HiddenStateSpec = field(default_factory=HiddenStateSpec)  # the state of `state` values
     max_upload_mb: int = 64  # any upload (bank, conversation, image): refused before it is stored
     max_memories_per_session: int = 50_000  # a session's own bank (50k x 576 floats x 2 copies = 230 MB)
+    max_user_memories: int = 10_000  # each user's own memories (their texts live in the file's 100 MB header)
     autoregressive_recall: RecallSettings = field(default_factory=RecallSettings)
     store: str = "faiss"  # where the shared bank and the users' memories live: faiss (in this process, from `bank`;
                           # each user's a file in `user_dir`) | milvus (`milvus_uri`)
@@ -119,7 +120,7 @@ class MemoryConfig:
         _check(self.value_dtype in ("float16", "float32"), "value_dtype", self.value_dtype, "float16, float32")
         _check(isinstance(self.max_slots, int) and not isinstance(self.max_slots, bool) and 1 <= self.max_slots
                <= 100_000, "max_slots", self.max_slots, "an integer from 1 to 100000")
-        for key in ("max_upload_mb", "max_memories_per_session", "hnsw_ef_search"):
+        for key in ("max_upload_mb", "max_memories_per_session", "max_user_memories", "hnsw_ef_search"):
             value = getattr(self, key)
             _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, key, value,
                    "a positive integer")

@@ -389,6 +389,7 @@ def import_memories(svc: ModelSide, s: Session, path: str | Path) -> Request:
 
     def run(_) -> Generator[Notice, None, Imported]:
         lm = svc.wait_model()
+        svc.people.check_room(lm, s.user, len(texts))  # (before the encoding: it may take seconds)
         encoded = yield from svc.people.encoding(lm, texts)  # (a batch a round: every other answer goes on meanwhile)
         return svc.people.write_many(lm, s.user, texts, encoded, source="import", conversation=f"session-{s.id}")
 

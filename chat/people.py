@@ -235,9 +235,18 @@ class People:
             yield Notice(f"encoded {min(first + ENCODE_BATCH, len(texts))} of {len(texts)} memories")
         return torch.cat(keys), values
 
+    def check_room(self, lm: LoadedModel, user: str, more: int) -> None:
+        """`ServiceError` when `more` memories would take `user` past `memory.max_user_memories`."""
+        held, cap = len(self.of(lm, user)), self.cfg.memory.max_user_memories
+        if held + more > cap:
+            raise ServiceError(f"your memory holds {held} memories, at most {cap} (memory.max_user_memories)"
+                               f"{f': these {more} do not fit' if more > 1 else ''}; delete some under About you (or "
+                               "DELETE /v1/memories/ID); nothing was written")
+
     def write(self, lm: LoadedModel, user: str, text: str, **meta) -> Remembered:
         """Encode and keep one memory of `user` (not twice; a newer value of the same thing supersedes the older);
-        `ServiceError` for one longer than `memory.max_slots` value slots."""
+        `ServiceError` for one longer than `memory.max_slots` value slots, or past `memory.max_user_memories`."""
+        self.check_room(lm, user, 1)
         keys, values = self._encode(lm, [text])
         entry, superseded = self.of(lm, user).add(keys, None if values is None else values[0], text,
                                                    similar=self.similar, make_bank=self._new_bank(lm), **meta)
@@ -251,7 +260,9 @@ class People:
                    **meta) -> Imported:
         """Encode (unless `encoded`: `encoding`'s value) and keep memories of `user` (an import), judged in order as
         `write` judges one; with the file store all or none (one write of the file), and none when any is longer
-        than `memory.max_slots` (checked before anything is written)."""
+        than `memory.max_slots` or when they do not fit in `memory.max_user_memories` (checked before anything is
+        written)."""
+        self.check_room(lm, user, len(texts))
         keys, values = encoded if encoded is not None else self._encode(lm, texts, of=len(texts))
         items = [(keys[i:i + 1], None if values is None else values[i], t, meta) for i, t in enumerate(texts)]
         done = self.of(lm, user).add_many(items, similar=self.similar, make_bank=self._new_bank(lm))

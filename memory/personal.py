@@ -35,6 +35,7 @@ from memory.bank import MemoryVectorDB
 from memory.shape import BankShape, Memory
 
 
+MAX_HISTORY = 10_000  # superseded values a person's file keeps, the newest (its texts live in the 100 MB header)
 CLOSEST = 8  # how many of the memories nearest a new one's key it is judged against (`judge`)
 
 
@@ -333,7 +334,7 @@ class PersonalMemory(Personal):
                     bank.remove([f["index"] for f in old])
                 done.append((dict(entry, text=text), superseded))
             if any(entry is not None for entry, _ in done):
-                bank.info = dict(bank.info, history=history)
+                bank.info = dict(bank.info, history=history[-MAX_HISTORY:])
                 self._publish(bank)
             return done
 

@@ -576,3 +576,32 @@ def test_an_import_lets_every_other_answer_go_on(tiny_llama, tmp_path):
         assert imported.items == 240 and len(svc.run(my_memories, ada)) == imported.kept > 0
     finally:
         svc.close()
+
+
+def test_a_users_memories_are_capped_by_name_and_nothing_is_written_past_it(tiny_llama, tmp_path):
+    """(Imports could be repeated without end: 6.3 MB of one user's texts after five, in a header safetensors caps at
+    100 MB.) `memory.max_user_memories`: a remember or an import past it is refused by name, writing nothing; an
+    edit at it (one out, one in) is not."""
+    from chat.operations import edit_memory, import_memories
+
+    svc = started(config(tmp_path, "faiss", "memory.max_user_memories=3"), tiny_llama)
+    s = svc.new_session("ada")
+    try:
+        for text in ("My dog is called Rex.", "I live in Porto.", "My sister is called Lena."):
+            result(svc.run(remember, s, text))
+        held = svc.run(my_memories, s)
+        assert len(held) == 3
+        with pytest.raises(ServiceError, match=r"^your memory holds 3 memories, at most 3 \(memory.max_user_memories\);"
+                                               r" delete some under About you .*nothing was written$"):
+            result(svc.run(remember, s, "My cat is called Tom."))
+        path = tmp_path / "mine.json"
+        path.write_text(json.dumps(["My boat is called Wave.", "My car is red."]))
+        with pytest.raises(ServiceError, match="holds 3 memories, at most 3 .*: these 2 do not fit;"):
+            result(svc.run(import_memories, s, str(path)))
+        events = drain(svc.chat(s, "Remember that my cat is called Tom.", [], SHORT, RECALL).request)
+        assert any("holds 3 memories, at most 3" in getattr(e, "text", "") for e in events)
+        assert svc.run(my_memories, s) == held
+        result(svc.run(edit_memory, s, held[0]["id"], "My dog is called Pocket."))
+        assert len(svc.run(my_memories, s)) == 3
+    finally:
+        svc.close()

@@ -360,3 +360,17 @@ def test_joined_banks_search_as_one_and_name_where_a_memory_came_from():
 def test_thresholds_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="duplicate"):
         Similar(duplicate=0.5, supersede=0.8)
+
+
+def test_a_persons_file_keeps_the_newest_history(tmp_path, monkeypatch):
+    """(The history of superseded values grew without end, and a person's texts live in the file's header, which
+    safetensors caps at 100 MB: a file past it could no longer be read.)"""
+    import memory.personal as personal
+
+    monkeypatch.setattr(personal, "MAX_HISTORY", 3)
+    mine = PersonalMemory(tmp_path / "ada.safetensors")
+    for n in range(6):  # each supersedes the one before
+        mine.add(key(1, 0.1 * n, 0), None, f"The user's desk number is {9000 + n}.", make_bank=empty)
+    assert [e["text"] for e in mine.entries()] == ["The user's desk number is 9005."]
+    assert [h["text"] for h in PersonalMemory(tmp_path / "ada.safetensors").history] == [
+        f"The user's desk number is {9000 + n}." for n in (2, 3, 4)]
