@@ -3,7 +3,8 @@
 Precedence: defaults < the YAML file < environment variables < command-line `--set` overrides.
 An environment variable `RECALL_CHAT__GENERATION__TEMPERATURE=0.5` sets `generation.temperature`
 (sections joined by `__`); `--set generation.temperature=0.5` does the same from the command line.
-Values are parsed as YAML scalars (`true`, `0.5`, `null`, `[1, 2]`).
+Values are parsed as YAML scalars (`true`, `0.5`, `null`, `[1, 2]`), but a key that takes text (a path, `api_key`)
+takes the value as written (`null` or nothing: none), so `--set app.api_key='12345678 #a'` is that key.
 """
 
 from __future__ import annotations
@@ -199,8 +200,40 @@ class Config:
                f"at most app.max_new_tokens_cap ({cap})")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (the last one won, the first unsaid)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _text_key(hint: Any) -> bool:
+    """Whether a field of this type takes text alone (`str`, `str | None`)."""
+    return hint is str or set(typing.get_args(hint)) == {str, type(None)}
+
+
+def _hint(dotted: str) -> Any:
+    """The type of the configuration key `dotted` (`app.api_key`), or None when there is no such key."""
+    cls: Any = Config
+    for name in dotted.split("."):
+        if not dataclasses.is_dataclass(cls) or name not in (hints := typing.get_type_hints(cls)):
+            return None
+        cls = hints[name]
+    return cls
+
+
 def _build(cls, data: Any, path: str):
-    """`cls(**data)` with nested dataclasses, naming the full key in every error."""
+    """`cls(**data)` with nested dataclasses, naming the full key in every error (a section left empty, its keys
+    all commented out, is its defaults)."""
+    if data is None and path:
+        data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path or 'the configuration'} must be a mapping of keys, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -213,7 +246,13 @@ def _build(cls, data: Any, path: str):
     for key, value in data.items():
         where = f"{path}.{key}" if path else key
         sub = hints[key]
-        kwargs[key] = _build(sub, value, where) if dataclasses.is_dataclass(sub) and value is not None else value
+        if value is False and _text_key(sub):  # (YAML reads a bare `off` as false)
+            value = "off"
+        if _text_key(sub) and value is not None and not isinstance(value, str):
+            shown = "<hidden>" if key == "api_key" else repr(value)
+            raise ConfigError(f"{where} is {shown} ({type(value).__name__}); allowed: text (in YAML, quote a value "
+                              "that reads as a number or true/false)")
+        kwargs[key] = _build(sub, value, where) if dataclasses.is_dataclass(sub) else value
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
@@ -224,7 +263,9 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
     for name in parents:
-        node = node.setdefault(name, {})
+        if node.get(name) is None:  # (a section left empty)
+            node[name] = {}
+        node = node[name]
         if not isinstance(node, dict):
             raise ConfigError(f"cannot set {dotted!r}: {name!r} is not a section")
     node[leaf] = value
@@ -233,9 +274,21 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
 def parse_override(item: str) -> tuple[str, Any]:
     """`"generation.temperature=0.5"` -> `("generation.temperature", 0.5)`."""
     key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
+    key = key.strip()
+    if not sep or not key:
         raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. generation.temperature=0.5)")
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    if not raw.strip() or raw.strip() in ("null", "~"):
+        return key, None
+    if _text_key(_hint(key)):  # (as written: YAML read "abcdefgh #team" as "abcdefgh", 12345678 as a number)
+        text = raw.strip()
+        quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+        return key, text[1:-1] if quoted else text
+    try:
+        return key, yaml.load(raw, Loader=_Loader)
+    except yaml.YAMLError as e:
+        shown = "<hidden>" if key.endswith("api_key") else repr(raw)
+        raise ConfigError(f"{key}: expected a YAML value (a number, true/false, text, [a, b]), got {shown}, which "
+                          f"is not one ({getattr(e, 'problem', None) or type(e).__name__})") from None
 
 
 def load_config(
@@ -251,7 +304,7 @@ def load_config(
     tree: dict = {}
     if file.is_file():
         try:
-            tree = yaml.safe_load(file.read_text(encoding="utf-8-sig")) or {}
+            tree = yaml.load(file.read_text(encoding="utf-8-sig"), Loader=_Loader) or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"{file}: expected a UTF-8 YAML file, got bytes that are not UTF-8 ({e.reason} at "
                               f"byte {e.start})") from None

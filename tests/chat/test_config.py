@@ -97,3 +97,44 @@ def test_a_bare_off_is_off_wherever_it_is_written(tmp_path):
     assert load_config(environ={"RECALL_CHAT__MEMORY__REMEMBER": "off"}).memory.remember == "off"
     with pytest.raises(ConfigError, match="remember"):
         load_config(overrides=["memory.remember=sometimes"], environ={})
+
+
+def test_a_section_left_empty_is_its_defaults(tmp_path):
+    """(Its keys all commented out, a section is YAML's null: `model.path` then ended the start with an
+    AttributeError, `app:` made `--set app.port` "not a section", an empty `autoregressive_recall:` failed after
+    the model loaded.)"""
+    for text in ("model:\n  # path: foo\n", "generation:\n", "memory:\n  autoregressive_recall:\n",
+                 "memory:\n  hidden_state:\n", "app:\n", "serve:\n"):
+        cfg = load_config(write(tmp_path, text), overrides=["app.port=7931"], environ={})
+        assert cfg == load_config(write(tmp_path, "{}\n"), overrides=["app.port=7931"], environ={}), text
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    """(The last one won: the first section's temperature 0.5 became the default 1.0 without a word.)"""
+    with pytest.raises(ConfigError, match="not valid YAML: the key 'generation' is given twice"):
+        load_config(write(tmp_path, "generation:\n  temperature: 0.5\ngeneration:\n  top_p: 0.9\n"), environ={})
+    with pytest.raises(ConfigError, match="the key 'temperature' is given twice"):
+        load_config(write(tmp_path, "generation:\n  temperature: 0.5\n  temperature: 0.6\n"), environ={})
+
+
+def test_text_keys_take_the_text_as_written_and_a_bad_value_never_shows_a_key(tmp_path):
+    """(An API key set to "abcdefgh #team" became "abcdefgh", YAML reading a comment; 12345678 was refused as not a
+    string of 8 characters; `--set memory.bank=5` ended the start with a TypeError; a value YAML cannot read, in an
+    environment variable, ended it with a traceback that printed the API key.)"""
+    env = {"RECALL_CHAT__APP__API_KEY": "abcdefgh #team"}
+    assert load_config(environ=env).app.api_key == "abcdefgh #team"
+    for given, key in [("app.api_key=12345678", "12345678"), ("app.api_key='0x1f2e3d4c5b'", "0x1f2e3d4c5b"),
+                       ("app.api_key=on-and-on", "on-and-on")]:
+        assert load_config(overrides=[given], environ={}).app.api_key == key
+    assert load_config(overrides=["memory.bank=5"], environ={}).memory.bank == "5"  # (a file named 5)
+    assert load_config(overrides=["app.api_key=null"], environ={}).app.api_key is None
+    with pytest.raises(ConfigError, match=r"app.api_key is <hidden> \(int\); allowed: text \(in YAML, quote"):
+        load_config(write(tmp_path, "app:\n  api_key: 12345678\n"), environ={})
+    with pytest.raises(ConfigError, match=r"app.users_file is 5 \(int\); allowed: text"):
+        load_config(write(tmp_path, "app:\n  users_file: 5\n"), environ={})
+    with pytest.raises(ConfigError, match=r"generation.stop_strings: expected a YAML value .*, got '\[a', which is "
+                                          "not one"):
+        load_config(overrides=["generation.stop_strings=[a"], environ={})
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["app.host=x"], environ={"RECALL_CHAT__APP__PORT": "%secret123"})
+    assert "secret123" in str(err.value)  # (not a key: said as written)
