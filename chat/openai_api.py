@@ -31,7 +31,7 @@ from chat.openai_request import ALIAS, APIError, ChatRequest, MemoryRequest, ove
 from chat.people import Remembered, public
 from chat.session import Session
 from chat import operations as ops
-from chat.users import LOCAL
+from chat.users import LOCAL, UsersError
 from memory import BankError
 from chat.worker import END, Failed, Notice, ServiceError, ShuttingDown
 from chat.worker import Request as WorkerRequest
@@ -65,7 +65,10 @@ class OpenAIRoutes:
         sent = header[7:].strip() if header[:7].lower() == "bearer " else ""
         users = self.service.users
         if users is not None:
-            user = await asyncio.to_thread(users.user_of_key, sent) if sent else None  # scrypt: off the event loop
+            try:
+                user = await asyncio.to_thread(users.user_of_key, sent) if sent else None  # scrypt: off the loop
+            except UsersError as e:  # (the file changed into one that cannot be read: a bare 500 before)
+                raise APIError(500, str(e), "server_error") from None
         else:
             key = self.service.cfg.app.api_key
             user = LOCAL if key is None or hmac.compare_digest(sent.encode(), key.encode()) else None

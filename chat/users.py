@@ -19,6 +19,7 @@ import getpass
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from memory.files import atomic_write
 
+log = logging.getLogger("chat.users")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 LOCAL = "local"  # the one user of a server without a users file
 SCRYPT = {"n": 2 ** 14, "r": 8, "p": 1}
@@ -65,6 +67,20 @@ def check_name(name: str) -> str:
     return name
 
 
+def _check_entry(name: str, entry) -> None:
+    """`ValueError` naming the user whose entry recall-users did not write (one such entry made every key a 500)."""
+    def hashed(part) -> bool:
+        return isinstance(part, dict) and isinstance(part.get("scrypt"), dict) and all(
+            isinstance(part.get(k), str) and re.fullmatch(r"[0-9a-f]+", part[k]) for k in ("salt", "hash"))
+
+    ok = (isinstance(entry, dict) and hashed(entry.get("password")) and hashed(entry.get("key"))
+          and isinstance(entry["key"].get("id"), str)
+          and isinstance(entry.get("created", 0.0), (int, float)) and not isinstance(entry.get("created"), bool))
+    if not ok:
+        raise ValueError(f"the entry of user {name!r} is not one recall-users writes (a password and a key hash, "
+                         f"a time), got {str(entry)[:60]!r}")
+
+
 @dataclass(frozen=True)
 class User:
     name: str
@@ -91,13 +107,23 @@ class Users:
         except FileNotFoundError:
             raise UsersError(f"app.users_file: expected a users file at {str(self.path)!r} (create it with "
                              f"recall-users --file {self.path} add NAME), found none") from None
+        except OSError as e:
+            raise UsersError(f"app.users_file {str(self.path)!r} cannot be read: {e.strerror or e}") from None
         stamp = (stat.st_mtime_ns, stat.st_size)
         with self._lock:
             if stamp != self._stamp:
                 try:
                     data = json.loads(self.path.read_text())
-                    if not isinstance(data.get("users"), dict):
+                    if not isinstance(data, dict) or not isinstance(data.get("users"), dict):
                         raise ValueError("no 'users' object")
+                    for name, entry in data["users"].items():
+                        _check_entry(name, entry)
+                except IsADirectoryError:
+                    raise UsersError(f"app.users_file {str(self.path)!r}: expected a users file, got a folder") \
+                        from None
+                except OSError as e:
+                    raise UsersError(f"app.users_file {str(self.path)!r} cannot be read: {e.strerror or e}") \
+                        from None
                 except (ValueError, AttributeError) as e:
                     raise UsersError(f"{self.path}: expected a users file written by recall-users, got "
                                      f"something else ({e})") from None
@@ -118,8 +144,13 @@ class Users:
         return entry is not None and entry.get("created", 0.0) > since
 
     def check_password(self, name: str, password: str) -> bool:
-        """Whether `password` is `name`'s (Gradio's `auth` callback)."""
-        entry = self._read()["users"].get(name)
+        """Whether `password` is `name`'s (Gradio's `auth` callback: a users file that cannot be read now lets no one
+        in, and is logged; it was a bare 500)."""
+        try:
+            entry = self._read()["users"].get(name)
+        except UsersError as e:
+            log.error("login of %r refused: %s", name, e)
+            return False
         return entry is not None and isinstance(password, str) and _matches(password, entry["password"])
 
     def user_of_key(self, key: str) -> str | None:
@@ -152,8 +183,7 @@ class Users:
             fcntl.flock(lock, fcntl.LOCK_EX)
             data = cls(path)._read() if path.exists() else {"version": 1, "users": {}}
             yield data
-            atomic_write(path, lambda fh: fh.write(json.dumps(data, indent=1).encode()))
-            os.chmod(path, 0o600)
+            atomic_write(path, lambda fh: fh.write(json.dumps(data, indent=1).encode()), mode=0o600)  # (never 0644)
 
 
 def new_key() -> tuple[str, dict]:

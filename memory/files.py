@@ -240,8 +240,9 @@ def _umask() -> int:
     return 0o022
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Write a file atomically: a temporary file in the same folder, fsync, `os.replace`.
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None], mode: int | None = None) -> None:
+    """Write a file atomically: a temporary file in the same folder, fsync, `os.replace`; its mode `mode`, or
+    the one a plain open() would give (set before the rename: the file never has another).
 
     A crash or error at any point leaves the old file (if any) untouched and no temporary behind;
     a `kill -9` leaves at most a hidden temporary, never a half-written file at `path`.
@@ -256,7 +257,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # the mode a plain open() would give (mkstemp makes it 0600)
+        os.chmod(tmp, 0o666 & ~_umask() if mode is None else mode)  # (mkstemp makes it 0600)
         os.replace(tmp, path)
     except BaseException:
         with suppress(FileNotFoundError):

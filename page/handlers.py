@@ -17,7 +17,7 @@ from chat import operations as ops
 from chat.api import ChatService, Turn
 from chat.inputs import ImageRefused
 from chat.session import Session
-from chat.users import LOCAL
+from chat.users import LOCAL, UsersError
 from chat.state import MessageState, SessionState
 from chat.view import (
     TurnView, about_table, answer_figure, bank_sample, bank_summary, chat_messages, found_table, inline_text, recall_table,
@@ -120,7 +120,11 @@ class Handlers:
         if users is None or request is None:  # (None: a call from another handler, already checked)
             return
         name = request.username
-        if not name or name not in users.names():  # (removed since the login: `recall-users`)
+        try:
+            known = users.names()
+        except UsersError as e:
+            raise gr.Error(str(e)) from None
+        if not name or name not in known:  # (removed since the login: `recall-users`)
             raise gr.Error(f"the user {name!r} is no longer on this server: log in again")
         if s.user == LOCAL:  # (never a user's name with a users file: `chat.users.check_name`)
             s.user = name

@@ -91,3 +91,39 @@ def test_a_password_piped_without_password_stdin_is_refused_by_name(tmp_path):
     done = cli(tmp_path / "users.json", "add", "ada", stdin="secret-password\n")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "stdin is not one: pass --password-stdin" in done.stderr and not (tmp_path / "users.json").exists()
+
+
+@pytest.mark.parametrize("entry,time", [("x", None), ({"password": "x"}, None), (None, "yesterday")])
+def test_a_file_with_an_entry_recall_users_did_not_write_is_refused_naming_the_user(tmp_path, entry, time):
+    """(`{"users": {"ada": "x"}}` was taken: `add` wrote beside it, the server started, and every API key, the
+    valid ones too, was a 500; `list` was a traceback.)"""
+    path = tmp_path / "users.json"
+    users.add(path, "bob", "password1")
+    data = json.loads(path.read_text())
+    data["users"]["ada"] = entry if entry is not None else dict(data["users"]["bob"], created=time)
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsersError, match="the entry of user 'ada' is not one recall-users writes"):
+        Users(path)
+    with pytest.raises(UsersError, match="the entry of user 'ada'"):
+        users.add(path, "zed", "password2")
+    done = cli(path, "list")
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "the entry of user 'ada'" in done.stderr
+
+
+def test_a_users_file_that_is_a_folder_is_named_and_the_file_is_never_readable_by_others(tmp_path, monkeypatch):
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(UsersError, match="expected a users file, got a folder"):
+        Users(tmp_path / "dir.json")
+    done = cli(tmp_path / "dir.json", "list")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    path = tmp_path / "users.json"
+    users.add(path, "ada", "password1")
+    modes = set()
+    real = os.replace
+
+    def replace(src, dst):  # (the temporary was 0644 until after the rename)
+        modes.add(os.stat(src).st_mode & 0o777)
+        real(src, dst)
+    monkeypatch.setattr(os, "replace", replace)
+    users.rotate_key(path, "ada")
+    assert modes == {0o600} and os.stat(path).st_mode & 0o777 == 0o600

@@ -84,3 +84,17 @@ def test_a_name_removed_and_added_again_does_not_inherit_the_logins_before(tiny_
         with pytest.raises(Exception):  # the old password is no login either
             login(server.url, "carol")
         say(new, "Hello again.")  # the new login goes on
+
+
+def test_a_users_file_broken_while_the_server_runs_is_said_not_a_bare_500(tiny_llama, users_file):
+    """(A users file edited into one that cannot be read answered every key and login with "Internal Server Error".)"""
+    import httpx
+
+    key = users.rotate_key(users_file, "ada")
+    with serve(tiny_llama, f"app.users_file={users_file}") as server:
+        assert httpx.get(server.url + "v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        users_file.write_text('{"users": {"ada": "x"}}')
+        answer = httpx.get(server.url + "v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert answer.status_code == 500 and "the entry of user 'ada' is not one recall-users writes" in answer.text
+        with pytest.raises(Exception):  # no one logs in (logged: the file cannot be read)
+            login(server.url, "bob")
