@@ -33,7 +33,7 @@ from chat.session import Session
 from chat import operations as ops
 from chat.users import LOCAL, UsersError
 from memory import BankError
-from chat.worker import END, Failed, Notice, ServiceError, ShuttingDown
+from chat.worker import END, Failed, Notice, ServerFault, ServiceError, ShuttingDown
 from chat.worker import Request as WorkerRequest
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 
@@ -178,7 +178,7 @@ class OpenAIRoutes:
             raise APIError(404, str(e.args[0]), code="memory_not_found") from None
         except ShuttingDown as e:
             raise APIError.shutting_down(e) from None
-        except BankError as e:  # (the server's memory file cannot be read: not the request's fault)
+        except (BankError, ServerFault) as e:  # (the server's memory file cannot be read: not the request's fault)
             raise APIError(500, str(e), "server_error") from None
         except (ValueError, ServiceError) as e:
             raise APIError(400, str(e)) from None

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 from chat.banks import empty_bank, store_layout
-from chat.config import Config
+from chat.config import Config, ConfigError
 from chat.worker import Notice, ServiceError
 from memory import BankError, MemoryVectorDB
 from memory.files import atomic_write, read_bank
@@ -131,6 +132,18 @@ class People:
     _store: MilvusBank | None = None  # the collection of every user's memories (memory.store: milvus)
     _writer: WriteDecision | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self):
+        """Users' memory files need a folder this process can write (one that was a file, or read-only, started the
+        app, then failed every answer with a 500): checked at start, which it stops, naming the folder."""
+        if self.cfg.memory.store == "milvus":
+            return
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=self.folder).close()
+        except OSError as e:
+            raise ConfigError(f"memory.user_dir {str(self.folder)!r}: expected a folder this server can write users' "
+                              f"memories in, got {'a file' if self.folder.is_file() else e.strerror or e}") from None
 
     @property
     def folder(self) -> Path:

@@ -47,6 +47,11 @@ class ShuttingDown(ServiceError):
     """The server is shutting down: the request was not taken, or was stopped."""
 
 
+class ServerFault(ServiceError):
+    """A request whose work failed on the server's side (a memory file that cannot be written), not one the
+    requester asked wrongly: the OpenAI API's 500, not its 400."""
+
+
 SHUTTING_DOWN = "the server is shutting down: this request was stopped"
 
 
@@ -91,6 +96,7 @@ class Request:
     reason: str | None = None  # finish reason of a generation
     result: Any = None
     error: str | None = None
+    failed: str | None = None  # how it failed, when it did: `Failed.cause`
     on_withdraw: Callable[[], None] | None = None  # called when withdrawn before it ran (off the worker)
     whole: bool = False  # inside its `run` now (a bank edit runs whole there): a shutdown lets it end with its result
 
@@ -127,7 +133,7 @@ class Runner:
         elif isinstance(event, FinishEvent):
             req.reason = event.reason
         elif isinstance(event, Failed):
-            req.error = event.message
+            req.error, req.failed = event.message, event.cause
         req.events.put(event)
 
     def _close(self, req: Request) -> None:
@@ -142,14 +148,15 @@ class Runner:
 
     async def wait_for(self, req: Request) -> Any:
         """Await a request's end; its result, or `ServiceError` with its message (`ShuttingDown` when the server
-        stopped it)."""
+        stopped it, `ServerFault` when its work failed on the server's side)."""
         try:
             await asyncio.get_running_loop().run_in_executor(self.waiters, req.done.wait)
         except RuntimeError:  # the waiters are shut down (`close`): polled here
             while not req.done.is_set():
                 await asyncio.sleep(0.02)
         if req.error is not None:
-            raise (ShuttingDown if req.error == SHUTTING_DOWN else ServiceError)(req.error)
+            shut, fault = req.error == SHUTTING_DOWN, req.failed == "error"
+            raise (ShuttingDown if shut else ServerFault if fault else ServiceError)(req.error)
         return req.result
 
     async def next_event(self, req: Request, timeout: float | None) -> Any:

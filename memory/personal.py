@@ -33,6 +33,7 @@ import torch
 
 from memory.bank import MemoryVectorDB
 from memory.shape import BankShape, Memory
+from memory.validate import BankError
 
 
 MAX_HISTORY = 10_000  # superseded values a person's file keeps, the newest (its texts live in the 100 MB header)
@@ -260,6 +261,8 @@ class PersonalMemory(Personal):
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
         except FileNotFoundError:
             stamp = None
+        except OSError as e:  # (its folder became a file, or unreadable: said, as a damaged file is)
+            raise BankError(f"{self.path}: cannot be read ({e.strerror or e})") from None
         if stamp != self._stamp:
             self._bank = None if stamp is None else MemoryVectorDB.load(self.path, **self._checks)
             self._stamp = stamp
@@ -272,8 +275,12 @@ class PersonalMemory(Personal):
     @contextmanager
     def _writing(self) -> Iterator[MemoryVectorDB | None]:
         """The bank as the file holds it now, under this process's and the file's lock."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock, open(self.path.with_name(f".{self.path.name}.lock"), "a") as lock:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(self.path.with_name(f".{self.path.name}.lock"), "a")
+        except OSError as e:  # (a folder that cannot be written: said, and nothing is written)
+            raise BankError(f"{self.path.parent}: cannot be written ({e.strerror or e})") from None
+        with self._lock, lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             self._refresh()
             yield self._bank

@@ -213,3 +213,17 @@ def test_a_turn_embeds_its_message_once_in_one_batch(default_lm, tmp_path, monke
     assert calls == [[text, about_the_user(text)]]
     mine, about = (torch.from_numpy(encode([t])[0]) for t in (text, about_the_user(text)))
     torch.testing.assert_close(query, torch.nn.functional.normalize(mine + about, dim=-1))
+
+
+def test_a_users_memory_that_cannot_be_written_is_the_servers_500_not_the_callers_400(tiny_llama, people, tmp_path):
+    """(POST /v1/memories answered 400 invalid_request_error "NotADirectoryError: ..." for the server's own folder.)"""
+    folder, path, keys = people
+    mem = tmp_path / "mem"
+    with serve(tiny_llama, f"app.users_file={path}", f"memory.user_dir={mem}") as server:
+        mem.rmdir()
+        mem.write_text("now a file")
+        added = httpx.post(server.url + "v1/memories", json={"text": "My sister is called Lena."},
+                           headers={"Authorization": f"Bearer {keys['bob']}"}, timeout=300)
+        assert added.status_code == 500 and added.json()["error"]["type"] == "server_error"
+        assert "cannot be" in added.json()["error"]["message"]
+        assert memories(server.url, keys["bob"]).status_code == 500

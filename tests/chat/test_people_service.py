@@ -605,3 +605,27 @@ def test_a_users_memories_are_capped_by_name_and_nothing_is_written_past_it(tiny
         assert len(svc.run(my_memories, s)) == 3
     finally:
         svc.close()
+
+
+def test_a_users_folder_that_cannot_be_written_stops_the_start_and_one_lost_later_is_said(tiny_llama, tmp_path):
+    """(A memory.user_dir that was a file, or read-only, started the app, then answered every message with a 500 and
+    blamed POST /v1/memories' caller with a 400.)"""
+    from chat.config import ConfigError
+
+    (tmp_path / "a-file").write_text("hi")
+    with pytest.raises(ConfigError, match=r"memory.user_dir '.*a-file': expected a folder this server can write "
+                                          r"users' memories in, got a file"):
+        Service(load_config(overrides=[f"memory.user_dir={tmp_path / 'a-file'}"], environ={}), tiny_llama)
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    s = svc.new_session("ada")
+    try:
+        (tmp_path / "users").rename(tmp_path / "gone")
+        (tmp_path / "users").write_text("now a file")  # (while the server runs)
+        events = drain(svc.chat(s, "Remember that my dog is called Rex.", [], SHORT, RECALL).request)
+        assert any("cannot be" in getattr(e, "text", "") and "answering without your memories" in e.text
+                   for e in events)
+        assert [e.reason for e in events if hasattr(e, "reason")][-1] in ("length", "stop")  # (the answer went on)
+        with pytest.raises(ServiceError, match="cannot be"):
+            result(svc.run(remember, s, "My cat is called Tom."))
+    finally:
+        svc.close()
