@@ -200,8 +200,13 @@ def cmd_export(args: argparse.Namespace) -> None:
     from memory.milvus import MilvusBank
 
     _check_folder(args.out)
+    if "://" not in args.uri and not Path(args.uri).exists():  # (milvus-lite made an empty store there)
+        raise ValueError(f"{args.uri}: expected a milvus-lite file or http://host:19530, got nothing there")
     store = MilvusBank.open(args.uri, args.collection)
     db = store.to_bank()
+    if not len(db):  # (an empty bank was written over the file there, then "min() arg is an empty sequence")
+        raise ValueError(f"collection {args.collection!r} at {args.uri} holds no memories: nothing to export "
+                         f"({args.out} is as it was)")
     db.save(args.out)
     print(f"saved {len(db)} memories of {args.collection!r} at {args.uri} to {args.out}: {describe(db)}")
 
@@ -221,7 +226,7 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m chat.bankcli", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="recall-memory", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="encode texts into a memory bank file")
     b.add_argument("input", help=".txt (one memory a line) or .jsonl ({'text', 'metadata'})")

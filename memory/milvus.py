@@ -407,17 +407,27 @@ def _message(e: Exception) -> str:
 
 
 def load_into(db: MemoryVectorDB, uri: str, name: str, *, index: str = "flat", client: Any = None) -> MilvusBank:
-    """Copy a bank (read from a file) into a new collection `name` at `uri`; refuses an existing collection."""
+    """Copy a bank (read from a file) into a new collection `name` at `uri`; refuses an existing collection. All of
+    it or none: the copy is made as `<name>_loading` and renamed `name` once whole (a load killed part way had left
+    a collection of its first pages that looked whole, and refused the next load); what a killed load left is
+    dropped by the next."""
     client = client or MilvusBank.connect(uri)
     if client.has_collection(name):
         raise StoreError(f"memory store {name!r} at {uri} already has a collection of that name: "
                          "choose another name, or drop it first")
+    loading = f"{name}_loading"
+    for leftover in (loading, f"{loading}_values", f"{name}_values"):  # (a killed load's; the last: killed renaming)
+        if client.has_collection(leftover):
+            client.drop_collection(leftover)
     snap = db._snap
     values_dtype = "float32" if snap.values is None or db.token_values else np.dtype(snap.values.dtype).name
     layout = StoreLayout(db.dim, db.value_dim if db.has_values else None, values_dtype, db.token_values, db.info)
-    store = MilvusBank.open(uri, name, create=layout, index=index, client=client)
+    store = MilvusBank.open(uri, loading, create=layout, index=index, client=client)
     for start in range(0, len(db), _PAGE):
         ids = snap.ids[start:start + _PAGE].tolist()
         store.add(snap.raw[start:start + _PAGE], snap.texts[start:start + len(ids)],
                   snap.metadata[start:start + len(ids)], [db.values(i) for i in ids] if db.has_values else None)
-    return store
+    if client.has_collection(f"{loading}_values"):
+        client.rename_collection(f"{loading}_values", f"{name}_values")
+    client.rename_collection(loading, name)
+    return MilvusBank.open(uri, name, index=index, client=client)

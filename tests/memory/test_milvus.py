@@ -168,3 +168,47 @@ def test_a_store_another_process_holds_is_named_with_its_cause_and_no_traceback(
     finally:
         holder.communicate("", timeout=60)
     assert len(MilvusBank.open(uri, "m")) == 8  # (free again: the filter is gone, and nothing was lost)
+
+
+def test_a_load_is_all_or_nothing_and_the_next_one_takes_its_place(tmp_path, uri, monkeypatch):
+    """(A `recall-memory load` killed part way left a collection of its first pages that exported as a whole bank,
+    and refused the next load: "already has a collection".)"""
+    db = MemoryVectorDB(8, value_dim=4, value_dtype="float16")
+    db.add(torch.randn(5, 8), list("abcde"), values=[torch.randn(2, 4) for _ in range(5)])
+    monkeypatch.setattr("memory.milvus._PAGE", 2)
+    added = MilvusBank.add
+
+    def dies_on_the_second_page(self, *args, **kwargs):
+        if self._calls_made:
+            raise KeyboardInterrupt  # (a kill, part way)
+        self._calls_made = True
+        return added(self, *args, **kwargs)
+    monkeypatch.setattr(MilvusBank, "_calls_made", False, raising=False)
+    monkeypatch.setattr(MilvusBank, "add", dies_on_the_second_page)
+    with pytest.raises(KeyboardInterrupt):
+        load_into(db, uri, "kv")
+    client = MilvusBank.connect(uri)
+    assert not client.has_collection("kv") and not client.has_collection("kv_values")
+    client.close()
+    monkeypatch.setattr(MilvusBank, "add", added)
+    store = load_into(db, uri, "kv")  # (what the killed load left is dropped)
+    assert len(store) == 5 and sorted(store.text(e["index"]) for e in store.entries(0, 10)) == list("abcde")
+    assert sorted(MilvusBank.connect(uri).list_collections()) == ["kv", "kv_values"]
+
+
+def test_an_export_of_nothing_never_writes_over_a_bank(tmp_path, uri, capsys):
+    """(An empty collection was saved over the bank file there, then "error: min() arg is an empty sequence"; a
+    mistyped path made an empty milvus-lite file.)"""
+    from chat.bankcli import main
+
+    good = MemoryVectorDB(8)
+    good.add(torch.randn(2, 8), ["a", "b"])
+    good.save(tmp_path / "good.pt")
+    before = (tmp_path / "good.pt").read_bytes()
+    MilvusBank.open(uri, "empty", create=StoreLayout(8)).close()
+    assert main(["export", uri, str(tmp_path / "good.pt"), "--collection", "empty"]) == 2
+    assert "holds no memories: nothing to export" in capsys.readouterr().err
+    assert (tmp_path / "good.pt").read_bytes() == before
+    assert main(["export", str(tmp_path / "typo.db"), str(tmp_path / "x.pt")]) == 2
+    assert "expected a milvus-lite file or http://host:19530, got nothing there" in capsys.readouterr().err
+    assert not (tmp_path / "typo.db").exists() and not (tmp_path / "x.pt").exists()
