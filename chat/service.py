@@ -35,7 +35,9 @@ from memory import BankError
 from memory.milvus import MilvusBank
 from memory.personal import Joined, Newest, Personal
 from models import EMBEDDED_NAME, LoadedModel, load_model
+from models.modeling import decoder_layers
 from models.remember import mentions_the_user
+from models.spec import LAYERS
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EXAMPLE_IMAGES = (ASSETS / "example_lighthouse.png", ASSETS / "example_cat.png")
@@ -106,6 +108,12 @@ class Service(SessionService):
                 check_token_ids(self.cfg.generation, lm.spec.vocab_size)
             except ValueError as e:
                 raise ValueError(f"generation.{e}") from None
+            if lm.spec.can(LAYERS):  # (a layer the model does not have: every memory written would be refused)
+                count = len(decoder_layers(lm.model)) + 1
+                for key, layer in lm.encoder.layers(lm.is_vision):
+                    if not -count <= layer < count:
+                        raise ValueError(f"{key}: layer {layer} is not one of {lm.name}'s: expected an index in "
+                                         f"[-{count}, {count - 1}] (embeddings + {count - 1} layers)")
             self.banks.load_shared(lm)
             self._lm = lm
             self.warm.start(lm)

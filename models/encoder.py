@@ -153,6 +153,12 @@ class MemoryEncoder:
     def trained(self) -> bool:
         return self.projector is not None
 
+    def layers(self, vision: bool = False) -> list[tuple[str, int]]:
+        """The hidden-state layers this encoder reads (`state` values, a vision model's image memories: the pooled
+        state's; `hidden:L`: L), each with the configuration key that names it."""
+        out = [("memory.hidden_state.layer", self.spec.layer)] if vision or not self.values.keyed else []
+        return out + ([("memory.values", self.values.size)] if self.values.kind == "hidden" else [])
+
     def with_values(self, values: ValueKind | str) -> "MemoryEncoder":
         """The same encoder writing another kind of value."""
         return MemoryEncoder(values, self.keys, spec=self.spec, projector=self.projector, name=self.base_name,

@@ -741,6 +741,30 @@ def test_configured_token_ids_the_model_lacks_stop_the_start(tiny_llama, text_se
     finally:
         svc.close()
 
+@pytest.mark.parametrize("values,key", [("hidden:999", "memory.values"), ("hidden:-3", None)])
+def test_a_memory_layer_the_model_lacks_stops_the_start(tiny_llama, text_search, values, key):
+    """(`memory.values=hidden:999` started the app; then every bank and memory write said "layer 999: expected an
+    index in [-31, 30]".)"""
+    import dataclasses
+
+    from models.encoder import MemoryEncoder
+    from models.text_keys import TextEncoder
+
+    lm = dataclasses.replace(tiny_llama, encoder=MemoryEncoder(values, TextEncoder(None)))  # (keys: loaded if used)
+    svc = Service(config(), loader=lambda: lm, text_search=text_search)
+    try:
+        if key is None:  # (a layer it has: the start goes on)
+            svc.start()
+            assert svc.lm is lm
+            return
+        with pytest.raises(ServiceError, match=rf"{key}: layer 999 is not one of .*: expected an index in \[-3, 2\] "
+                                               r"\(embeddings \+ 2 layers\)"):
+            svc.start()
+        assert svc.lm is None
+    finally:
+        svc.close()
+
+
 def test_a_messages_embedding_is_made_on_another_thread_while_its_prompt_is_read(tiny_llama, text_search, tmp_path,
                                                                                monkeypatch):
     import dataclasses
