@@ -141,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         service = make_service(cfg)
     except (ValueError, RuntimeError) as e:  # the model, the bank, the store or the replicas named what failed
         sys.exit(f"recall-chat: {e}")
+    except KeyboardInterrupt:  # (Ctrl-C while the model loads: a traceback before)
+        sys.exit("recall-chat: interrupted while starting; nothing was started")
     demo = None
     try:
         demo = build_demo(service)

@@ -211,6 +211,14 @@ def cmd_export(args: argparse.Namespace) -> None:
     print(f"saved {len(db)} memories of {args.collection!r} at {args.uri} to {args.out}: {describe(db)}")
 
 
+def _collection(name: str) -> str:
+    """An argparse type: a collection name the app's configuration takes (`memory.milvus_collection`)."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,200}", name):
+        raise argparse.ArgumentTypeError(f"expected a name of letters, digits and _ (not starting with a digit), as "
+                                         f"memory.milvus_collection takes, got {name!r}")
+    return name
+
+
 def _at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer of at least `minimum` (argparse names the option in its error)."""
     def parse(text: str) -> int:
@@ -261,7 +269,8 @@ def parser() -> argparse.ArgumentParser:
     ld = sub.add_parser("load", help="copy a bank file into a new Milvus collection (memory.store: milvus)")
     ld.add_argument("bank")
     ld.add_argument("uri", help="a local path (milvus-lite) or http://host:19530")
-    ld.add_argument("--collection", default="memories", help="the collection to create (memory.milvus_collection)")
+    ld.add_argument("--collection", default="memories", type=_collection,
+                    help="the collection to create (memory.milvus_collection)")
     ld.add_argument("--index", choices=("flat", "hnsw", "ivf"), default="flat", help="the keys' index (memory.index)")
     ld.set_defaults(run=cmd_load)
     ex = sub.add_parser("export", help="write a Milvus collection to a bank file")
@@ -282,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     except (BankError, ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (a traceback before; a build writes its file at the end, atomically)
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
     return 0
 
 

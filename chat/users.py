@@ -198,6 +198,10 @@ def add(path: str | os.PathLike, name: str, password: str) -> str:
     check_name(name)
     if not isinstance(password, str) or len(password) < MIN_PASSWORD:
         raise UsersError(f"a password has at least {MIN_PASSWORD} characters, got {len(password or '')}")
+    try:
+        password.encode()
+    except UnicodeEncodeError:  # (bytes piped in that are not UTF-8: a traceback before)
+        raise UsersError("a password is text: expected UTF-8, got bytes that are not") from None
     key, stored_key = new_key()
     with Users.editing(path) as data:
         if name in data["users"]:
@@ -209,6 +213,7 @@ def add(path: str | os.PathLike, name: str, password: str) -> str:
 
 def rotate_key(path: str | os.PathLike, name: str) -> str:
     """A new API key for `name` (the old one stops working)."""
+    _existing(path)
     key, stored_key = new_key()
     with Users.editing(path) as data:
         if name not in data["users"]:
@@ -217,7 +222,13 @@ def rotate_key(path: str | os.PathLike, name: str) -> str:
     return key
 
 
+def _existing(path: str | os.PathLike) -> None:
+    if not Path(path).is_file():  # (editing would make its folder and lock first)
+        raise UsersError(f"no users file at {str(path)!r} (recall-users --file {path} add NAME makes it)")
+
+
 def remove(path: str | os.PathLike, name: str) -> None:
+    _existing(path)
     with Users.editing(path) as data:
         if data["users"].pop(name, None) is None:
             raise UsersError(f"no user {name!r} in {path}")

@@ -480,3 +480,19 @@ def test_about_you_lists_edits_deletes_exports_and_imports_your_memories(client,
     assert "expected" in status and "nothing was written" in status and len(table["data"]) == 2
     md, table, status = client.predict("", api_name="/forget_all_memories")
     assert "forgot all 2 memories" in status and table["data"] in ([], [["", "", ""]])
+
+
+def test_ctrl_c_while_starting_ends_with_a_line_not_a_traceback(monkeypatch):
+    """(Ctrl-C while the model loaded, or while `recall-memory build` encoded, printed a KeyboardInterrupt
+    traceback.)"""
+    from chat import bankcli
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(app.signal, "signal", lambda *_: None)  # (this process keeps its own SIGTERM)
+    monkeypatch.setattr(app, "check_listen", lambda *_: None)
+    monkeypatch.setattr(app, "make_service", interrupted)
+    with pytest.raises(SystemExit, match="recall-chat: interrupted while starting; nothing was started"):
+        app.main(["--port", "7999"])
+    monkeypatch.setattr(bankcli, "cmd_show", interrupted)
+    assert bankcli.main(["show", "x.pt"]) == 130

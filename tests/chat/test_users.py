@@ -127,3 +127,16 @@ def test_a_users_file_that_is_a_folder_is_named_and_the_file_is_never_readable_b
     monkeypatch.setattr(os, "replace", replace)
     users.rotate_key(path, "ada")
     assert modes == {0o600} and os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_a_password_that_is_not_utf8_and_a_missing_file_are_refused_without_a_trace(tmp_path):
+    """(Bytes that are not UTF-8 on stdin ended in a UnicodeEncodeError traceback; `remove` and `rotate-key` on no
+    file made its folder and lock file, then said "no user".)"""
+    path = tmp_path / "people" / "users.json"
+    done = subprocess.run([sys.executable, "-m", "chat.users", "--file", str(path), "add", "bob", "--password-stdin"],
+                          input=b"pass\xffword1\n", capture_output=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 1 and b"Traceback" not in done.stderr and b"expected UTF-8" in done.stderr
+    for command in (["remove", "x"], ["rotate-key", "x"]):
+        done = cli(path, *command)
+        assert done.returncode == 1 and "no users file at" in done.stderr
+    assert not (tmp_path / "people").exists()

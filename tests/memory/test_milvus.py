@@ -212,3 +212,14 @@ def test_an_export_of_nothing_never_writes_over_a_bank(tmp_path, uri, capsys):
     assert main(["export", str(tmp_path / "typo.db"), str(tmp_path / "x.pt")]) == 2
     assert "expected a milvus-lite file or http://host:19530, got nothing there" in capsys.readouterr().err
     assert not (tmp_path / "typo.db").exists() and not (tmp_path / "x.pt").exists()
+
+
+def test_a_collection_name_the_app_would_refuse_is_refused_by_the_cli(tmp_path, uri, capsys):
+    from chat.bankcli import main
+
+    db = MemoryVectorDB(8)
+    db.add(torch.randn(2, 8), ["a", "b"])
+    db.save(tmp_path / "in.pt")
+    with pytest.raises(SystemExit):
+        main(["load", str(tmp_path / "in.pt"), uri, "--collection", "bad name"])
+    assert "as memory.milvus_collection takes, got 'bad name'" in capsys.readouterr().err
