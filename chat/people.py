@@ -29,6 +29,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ import torch
 
 from chat.banks import empty_bank, store_layout
 from chat.config import Config, ConfigError
+from chat.users import Users
 from chat.worker import Notice, ServiceError
 from memory import BankError, MemoryVectorDB
 from memory.files import atomic_write, read_bank
@@ -49,6 +51,7 @@ from models.remember import WriteDecision, about_the_user
 
 CARRIED = ".carried.json"  # in a user's folder: {memory file: the earlier model's file it was filled from}
 log = logging.getLogger(__name__)
+OWNER = "owner.json"  # in a user's folder: when the user it belongs to was added (`People._owned`)
 ENCODE_BATCH = 16  # memories encoded in one forward (an import: one batch a worker round)
 EVERYTHING = re.compile(r"(?:everything|all)(?:\s+(?:of it|of them|of my memories|my memories|you know|about me))*"
                         r"\s*$", re.I)  # "forget everything (you know about me)"
@@ -127,8 +130,9 @@ class People:
     """The memories of every user of this server. Thread-safe; `write`/`forget` run on the model worker."""
 
     cfg: Config
+    users: Users | None = None  # the users file: whose memories are whose (a name added again is another user)
     similar: Similar = Similar()
-    _open: dict[str, Personal] = field(default_factory=dict)
+    _open: dict[tuple[str, float | None], Personal] = field(default_factory=dict)  # (user, when added)
     _store: MilvusBank | None = None  # the collection of every user's memories (memory.store: milvus)
     _writer: WriteDecision | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -171,17 +175,36 @@ class People:
 
     def of(self, lm: LoadedModel, user: str) -> Personal:
         """`user`'s memory, opened on first use (checked against this model's encoder)."""
+        created = self.users.created(user) if self.users is not None else None
         with self._lock:
-            if user not in self._open:
+            if (user, created) not in self._open:
                 try:
-                    self._open[user] = self._open_one(lm, user)
-                except (BankError, ValueError) as e:
+                    self._open[user, created] = self._open_one(lm, user, created)
+                except (BankError, ValueError, OSError) as e:  # (OSError: its folder, `_owned`)
                     raise BankError(f"the memories of {user!r} cannot be read: {e}") from None
-            return self._open[user]
+            return self._open[user, created]
 
-    def _open_one(self, lm: LoadedModel, user: str) -> Personal:
+    def _owned(self, user: str, created: float | None) -> None:
+        """The folder of `user`'s memories is theirs: one an earlier user of the name left (removed, and the name
+        added again: perhaps another person, who read them) is moved aside, kept for the operator, and this user
+        starts with none. A folder with no owner yet (written before owners were kept) is this user's."""
+        folder = self.folder / user
+        owner = folder / OWNER
+        if created is None:
+            return
+        if owner.is_file() and json.loads(owner.read_text()).get("created") != created:
+            aside = folder.with_name(f"{user}.removed-{time.strftime('%Y%m%d-%H%M%S')}")
+            folder.rename(aside)
+            log.warning("the memories of an earlier user %r (removed; the name was added again) moved to %s", user,
+                        aside)
+        if not owner.is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(owner, lambda fh: fh.write(json.dumps({"created": created}).encode()))
+
+    def _open_one(self, lm: LoadedModel, user: str, created: float | None) -> Personal:
         mem = self.cfg.memory
         if mem.store != "milvus":
+            self._owned(user, created)
             memory = PersonalMemory(self.path(lm, user), check=lm.bank_check(), vocab_size=len(lm.tokenizer))
             self._carry_over(lm, memory)
             return memory

@@ -74,7 +74,7 @@ class Service(SessionService):
         self.worker = Worker(max_running=cfg.app.max_running)
         self._embedder = futures.ThreadPoolExecutor(1, thread_name_prefix="embed")  # `_read_ahead`
         self.banks = Banks(cfg, self.worker, self._model, self.wait_model, self.files, text_search)
-        self.people = People(cfg)
+        self.people = People(cfg, self.users)
         turns = cfg.app.history_turns
         self.window = Window(cfg.app, self.limits, (EMBEDDED_HISTORY_TURNS if cfg.model.path is None else 0)
                              if turns == "auto" else turns)  # what the model reads of a conversation

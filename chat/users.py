@@ -137,6 +137,11 @@ class Users:
         users = self._read()["users"]
         return [User(name, users[name].get("created", 0.0)) for name in sorted(users)]
 
+    def created(self, name: str) -> float | None:
+        """When the user `name` now was added (a name removed and added again is another user), or None."""
+        entry = self._read()["users"].get(name)
+        return None if entry is None else float(entry.get("created", 0.0))
+
     def added_after(self, name: str, since: float) -> bool:
         """Whether the user `name` now is one added after `since` (a login made then was an earlier user's of that
         name: removed and added again is another user, perhaps another person)."""
@@ -266,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             remove(args.file, args.name)
             print(f"removed {args.name}: their open pages are logged out at their next action; their memories stay "
                   f"in memory.user_dir/{args.name} until you delete that folder (a user added later with this name "
-                  "would read them)")
+                  f"starts with none: the server moves it aside to {args.name}.removed-<time>; with memory.store: "
+                  "milvus they stay in the collection, and such a user would read them)")
         else:
             for user in Users(args.file).list():
                 print(f"{user.name}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(user.created))}")

@@ -629,3 +629,31 @@ def test_a_users_folder_that_cannot_be_written_stops_the_start_and_one_lost_late
             result(svc.run(remember, s, "My cat is called Tom."))
     finally:
         svc.close()
+
+
+def test_a_name_removed_and_added_again_starts_with_no_memories_and_the_old_ones_are_kept_aside(tiny_llama, tmp_path):
+    """(A user added with the name of one removed, perhaps another person, read all the memories of the first, in a
+    running server and after a restart.)"""
+    from chat import users
+
+    path = tmp_path / "users.json"
+    users.add(path, "carol", "password1")
+    cfg = config(tmp_path, "faiss", f"app.users_file={path}")
+    svc = started(cfg, tiny_llama)
+    try:
+        result(svc.run(remember, svc.new_session("carol"), "My bank PIN is 4711."))
+        assert len(svc.run(my_memories, svc.new_session("carol"))) == 1
+        users.remove(path, "carol")
+        users.add(path, "carol", "password2")
+        assert svc.run(my_memories, svc.new_session("carol")) == []  # (the server that ran then)
+        result(svc.run(remember, svc.new_session("carol"), "My dog is called Rex."))
+    finally:
+        svc.close()
+    again = started(cfg, tiny_llama)  # (a restart: the new carol's, and the old one's still aside)
+    try:
+        mine = again.run(my_memories, again.new_session("carol"))
+        assert [m["text"] for m in mine] == ["The user's dog is called Rex."]
+    finally:
+        again.close()
+    (aside,) = (tmp_path / "users").glob("carol.removed-*")
+    assert any("4711" in p.read_text(errors="ignore") for p in aside.glob("*.safetensors"))
