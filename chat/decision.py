@@ -18,11 +18,17 @@ FORGET = re.compile(r"^\s*(?:(?:can|could|would|will) you\s+)?(?:please\s*,?\s+)
 # "Forget X" forgets the memory X is about, and none when no memory is (`to_forget`); measured on held-out requests
 # by bench/memory_commands.py (docs/benchmarks.md, "Forget"): the top-1 at 0.5 it replaces forgot a memory for about a
 # third of the requests about something never told ("Forget about my brother." forgot the sister)
-# a second command after the first, at a clause's end ("Forget my dog, and remember that my cat is Tom."): each part
-# its own command (a "forget" inside a statement, "Remember that I forget names.", is no clause of its own)
-_NEXT_COMMAND = re.compile(r"(?:\s*[,;.!]\s*(?:(?:and|but|then|and then)\s+)?|\s+(?:and|but|and then)\s+)"
-                           r"(?=(?:please\s*,?\s+)?(?:remember|forget|note|keep in mind|don['’]?t forget|do not forget)"
-                           r"\b)", re.I)
+# a second command after the first, after a clause's punctuation ("Forget my dog, and remember that my cat is Tom."):
+# each part its own command; a "forget" or "remember" inside a statement is none ("Remember that I forget names.",
+# "... I sleep badly and forget my dreams.", "... the films Memento and Forget Paris.")
+_NEXT_COMMAND = re.compile(r"\s*[,;.!]\s*(?:(?:and|but|then|and then)\s+)?"
+                           r"(?=(?:please\s*,?\s+)?(?:remember|forget|keep in mind|don['’]?t forget|do not forget)\b)",
+                           re.I)
+# a part "forget ..." of several commands names something of the user's ("my ...", "where I ...", "about ..."):
+# "Forget Paris" after a comma is a title's words, not a command
+_NAMED = re.compile(r"^\s*(?:please\s*,?\s+)?forget\s+"
+                    r"(?:about\s+|that\s+|what\s+i\s+(?:said|told\s+you)\s+about\s+)?"
+                    r"(?:my|where|when|how|who|what|which|the\s+user)\b", re.I)
 FORGET_FLOOR = 0.3  # the least key similarity of a memory to X for the fit check to be asked whether it is about X
 FORGET_ALONE = 0.7  # with no fit check for this model's keys: the least key similarity alone
 FORGET_CANDIDATES = 1024  # the memories "forget X" is read against, closest first
@@ -44,7 +50,7 @@ def refusal(what: str) -> str | None:
     to the assistant, a command to forget, more than one command, a single word; None when it is one."""
     if FORGET.match(what):
         return "a command to forget"
-    if len(_NEXT_COMMAND.split(what.strip())) > 1:
+    if _several(f"Remember that {what}"):
         return "more than one command"
     if asks(what):
         return "a question"
@@ -75,11 +81,27 @@ def to_remember(text: str) -> str:
     return about_the_user(what)
 
 
-def commands(text: str) -> list[str]:
-    """`text` cut where a second command begins ("Forget my dog, and remember that my cat is Tom." is two): its
-    parts when the first is a command too, else `[text]`."""
+def _several(text: str) -> list[Decision] | None:
+    """The commands of `text` when it is several ("Forget my dog, and remember that my cat is Tom."), each part
+    one a command would be alone (a forget naming something of the user's, a statement to remember), at most one
+    forget; else None."""
     parts = [p for p in _NEXT_COMMAND.split(text.strip()) if p]
-    return parts if len(parts) > 1 and (FORGET.match(parts[0]) or REMEMBER.match(parts[0])) else [text]
+    if len(parts) < 2:
+        return None
+    each = [_one(p) for p in parts]
+    forgets = [p for p, d in zip(parts, each) if d.forget]
+    if not all(each) or len(forgets) > 1 or any(not _NAMED.match(p) for p in forgets):
+        return None
+    return each
+
+
+def _one(text: str) -> Decision:
+    """One command: "forget X", or "remember X" whose X is a statement to remember."""
+    if m := FORGET.match(text):
+        return Decision(forget=m["what"].rstrip(".!?"))
+    if (m := REMEMBER.match(text)) and refusal(m["what"]) is None:
+        return Decision((about_the_user(m["what"]),))
+    return Decision()
 
 
 def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> Decision:
@@ -88,15 +110,10 @@ def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> 
     any other message `wants` (the write decision model) says is worth keeping."""
     if mode == "off" or not text:
         return Decision()
-    if len(parts := commands(text)) > 1:
-        each = [decide(p, "explicit") for p in parts]
-        forgets = [d.forget for d in each if d.forget]
-        if all(each) and len(forgets) <= 1:  # (else read as one command, as before)
-            return Decision(tuple(w for d in each for w in d.writes), forgets[0] if forgets else None)
-    if m := FORGET.match(text):
-        return Decision(forget=m["what"].rstrip(".!?"))
-    if (m := REMEMBER.match(text)) and refusal(m["what"]) is None:
-        return Decision((about_the_user(m["what"]),))
+    if each := _several(text):
+        return Decision(tuple(w for d in each for w in d.writes), next((d.forget for d in each if d.forget), None))
+    if one := _one(text):
+        return one
     if mode == "auto" and wants is not None and wants(text):
         return Decision((about_the_user(text),))
     return Decision()

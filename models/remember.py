@@ -174,8 +174,9 @@ _SUBJECT = r"(?:i|you|we|my|our|your|the|it|he|she|they|there|this|that|these|th
 # and asked indirectly, "I'd like to know ...", "I wonder whether ...": each was written as a memory, and the
 # newest, "What's the user's name.", was then read for "What is my name?")
 _ASKS = re.compile(rf"^\s*(?:(?:what|where|who|how|when|which)(?:'s|'re|s)\s+{_SUBJECT}\b"
-                   rf"|(?:what|where|who|when|how)\s+my\s+\w+(?:\s+\w+)?\s+(?:is|are)\s*[.!]?\s*$"
-                   rf"|i(?:'d|\s+would)\s+like\s+to\s+know\b|i\s+(?:want|need)\s+to\s+know\b"
+                   rf"|(?:what|who)\s+my\s+\w+(?:\s+\w+)?\s+(?:is|are)\s*[.!]?\s*$"
+                   rf"|i(?:'d\s+|\s+would\s+|\s+(?:want|need)\s+)(?:like\s+)?to\s+know\s+"
+                   rf"(?:my|if|whether|what|where|who|when|why|which|whose|how(?!\s+to\b))\b"
                    rf"|i(?:'m|\s+am|\s+was)?\s+(?:wonder|wondering)\s+"
                    rf"(?:if|whether|what|where|who|when|why|how|which)\b"
                    rf"|(?:what|which|whose)(?:\s+(?!(?:i|you|we|he|she|they|it)\b)\w+)?\s+{_AUX}\b"

@@ -213,8 +213,26 @@ def test_the_api_answers_a_question_sent_as_a_memory_with_a_400(tiny_llama):
     ("Forget my sister and my dog.", (), "my sister and my dog"),
     ("Forget my dog, and tell me a joke.", (), "my dog, and tell me a joke"),
     ("I love my dog and remember him fondly.", (), None),
+    # (a review found these split: a forget of "my dreams", of "Paris", a memory "Every city.", "He is old.")
+    ("Remember that I sleep badly and forget my dreams.", ("The user sleeps badly and forget the user's dreams.",),
+     None),
+    ("Remember that my favourite films are Memento, and Forget Paris.",
+     ("The user's favourite films are Memento, and Forget Paris.",), None),
+    ("Remember that I travel a lot and remember every city.", ("The user travels a lot and remember every city.",),
+     None),
+    ("Remember my dog is Rex. Note: he is old.", ("The user's dog is Rex. Note: he is old.",), None),
+    ("Remember that I like the book Remember, Remember.", ("The user likes the book Remember, Remember.",), None),
+    ("Forget where I live, and remember that I work in Lyon.", ("The user works in Lyon.",), "where I live"),
 ])
 def test_a_message_of_several_commands_does_each(said, writes, forget):
     """("Forget my dog, and remember that my cat is Tom." did neither: all of it was what to forget, which no memory
     was; "Remember ... and remember ..." wrote one memory of both sentences, "... and remember the user's dog ...".)"""
     assert decide(said, "explicit") == Decision(writes, forget)
+
+
+@pytest.mark.parametrize("text", ["I often work late and forget to eat lunch.",
+                                  "The user's kids lose things and forget their keys.",
+                                  "The user's dog is Rex. Note: he is old."])
+def test_a_statement_with_forget_or_note_in_it_is_one_memory(text):
+    """(A review found them refused as "more than one command": an import of an export holding one was refused.)"""
+    assert to_remember(text)
