@@ -26,7 +26,7 @@ from chat import transcript
 from chat.session import Session
 from chat.state import SessionState
 from chat.users import LOCAL
-from chat.worker import Notice, Request, describe
+from chat.worker import Failed, Notice, Request, ServiceError, describe
 from decoding.events import DoneEvent
 
 log = logging.getLogger("serve.replica")
@@ -157,7 +157,7 @@ class ChatReplica:
     async def call(self, key: str, record: Record, op: str, args: dict) -> AsyncIterator[Any]:
         """Run the operation `op` for the session `key`: stream its events, then a `Result`, then its `Record`.
         An error is a `chat.worker.Failed` event; the record is sent whatever happened."""
-        from chat.worker import END, Failed
+        from chat.worker import END
 
         if op not in OPERATIONS:
             yield Failed(f"replica {self.id} has no operation {op!r}: expected one of {', '.join(OPERATIONS)}")
@@ -180,7 +180,9 @@ class ChatReplica:
             else:
                 yield Result(operation.pack_result(out))
         except KeyError as e:
-            yield Failed(describe(e)) if operation.queued else Missing(describe(e))
+            yield Failed(describe(e), "refused") if operation.queued else Missing(describe(e))
+        except ServiceError as e:  # (the request's to change: the OpenAI API's 400, as `chat.worker.Worker._fail`)
+            yield Failed(describe(e), "refused", e.api)
         except (ValueError, FileNotFoundError, OSError) as e:
             yield Failed(describe(e))
         except BaseException:  # the caller went away (its stream was cancelled): the answer stops within a step

@@ -340,3 +340,12 @@ def test_a_replica_that_dies_mid_answer_is_said_in_one_line(front, monkeypatch):
     assert turn.request.error == ("the model replica writing this answer stopped; the conversation is as it was "
                                   "before this message: send it again (The actor died unexpectedly before finishing "
                                   "this task.)")
+
+
+def test_a_refused_memory_is_the_callers_400_on_the_replicas_too(front, keys):
+    """(A review found a text the replica refused, "What is my name?", answered 500 server_error: the replica sent
+    its refusal as a failure of the server's.)"""
+    _, url = front
+    sent = httpx.post(url + "v1/memories", json={"text": "What is my name?"},
+                      headers={"Authorization": f"Bearer {keys['ada']}"}, timeout=120)
+    assert sent.status_code == 400 and "got a question" in sent.json()["error"]["message"]
