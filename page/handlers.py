@@ -347,10 +347,14 @@ class Handlers:
                                      lambda imported: imported.describe())
 
     def unload(self, request: gr.Request) -> None:
-        """The page closed: free its session now (API clients are freed after the idle time to live)."""
-        s = self.pages.pop(request.session_hash, None)
-        if s is not None:
-            self.service.end_session(s)
+        """The page closed: free its session now (API clients are freed after the idle time to live). With a users
+        file, only its own login's close does (Gradio's heartbeat, whose end calls this, checks no login: another
+        client sending the session's hash ended it)."""
+        s = self.pages.get(request.session_hash)
+        if s is None or (self.service.users is not None and s.user not in (LOCAL, request.username)):
+            return
+        self.pages.pop(request.session_hash, None)
+        self.service.end_session(s)
 
     @owned
     async def on_load(self, s: Session, request: gr.Request, progress=gr.Progress(track_tqdm=True)) -> tuple:

@@ -4,11 +4,14 @@ session then says they are no longer on the server, `page.handlers.Handlers.bind
 
 from __future__ import annotations
 
+import logging
 import time
 
 import gradio as gr
 
-from chat.users import Users
+from chat.users import Users, UsersError
+
+log = logging.getLogger("page.logins")
 
 
 class Logins(dict):
@@ -26,11 +29,19 @@ class Logins(dict):
 
     def get(self, token, default=None):
         name = super().get(token)
-        if name is not None and self.users.added_after(name, self.made.get(token, 0.0)):
-            self.pop(token, None)
-            self.made.pop(token, None)
+        try:
+            stale = name is not None and self.users.added_after(name, self.made.get(token, 0.0))
+        except UsersError as e:  # (a users file broken while the server runs: no one is logged in, not a bare 500)
+            log.error("logins refused: %s", e)
+            return default
+        if stale:
+            del self[token]
             name = None
         return default if name is None else name
+
+    def __delitem__(self, token: str) -> None:  # (Gradio's logout too)
+        super().__delitem__(token)
+        self.made.pop(token, None)
 
 
 def hold(demo: gr.Blocks, users: Users | None) -> None:

@@ -98,3 +98,33 @@ def test_a_users_file_broken_while_the_server_runs_is_said_not_a_bare_500(tiny_l
         assert answer.status_code == 500 and "the entry of user 'ada' is not one recall-users writes" in answer.text
         with pytest.raises(Exception):  # no one logs in (logged: the file cannot be read)
             login(server.url, "bob")
+
+
+def test_a_broken_users_file_logs_everyone_out_and_another_logins_page_close_ends_nothing(tiny_llama, users_file):
+    """(A review found: with the users file broken, Gradio's own routes answered a logged-in browser with bare 500s,
+    `Logins.get` raising; and Gradio's heartbeat, which checks no login, let another client end a user's session
+    by closing a heartbeat with its hash.)"""
+    from types import SimpleNamespace
+
+    from page.handlers import Handlers
+    from page.logins import Logins
+
+    logins = Logins(users.Users(users_file))
+    logins["t"] = "ada"
+    assert logins.get("t") == "ada"
+    text = users_file.read_text()
+    users_file.write_text('{"users": {"ada": "x"}}')
+    assert logins.get("t") is None  # (logged, not raised)
+    users_file.write_text(text)
+    del logins["t"]
+    assert logins.made == {}  # (a logout forgets the token's time)
+
+    with serve(tiny_llama, f"app.users_file={users_file}") as server:
+        h = Handlers(server.service)
+        s = server.service.new_session()
+        s.user = "ada"
+        h.pages["hash-of-ada"] = s
+        h.unload(SimpleNamespace(session_hash="hash-of-ada", username="bob"))
+        assert s.id in server.service.sessions and h.pages["hash-of-ada"] is s
+        h.unload(SimpleNamespace(session_hash="hash-of-ada", username="ada"))
+        assert s.id not in server.service.sessions and "hash-of-ada" not in h.pages
