@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -38,6 +39,8 @@ from chat.worker import Request as WorkerRequest
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
 
 FINISH = {"stop": "stop", "length": "length", "tool_call": "tool_calls", "interrupted": "stop"}
+
+log = logging.getLogger("chat.openai_api")
 
 
 class OpenAIRoutes:
@@ -67,8 +70,10 @@ class OpenAIRoutes:
         if users is not None:
             try:
                 user = await asyncio.to_thread(users.user_of_key, sent) if sent else None  # scrypt: off the loop
-            except UsersError as e:  # (the file changed into one that cannot be read: a bare 500 before)
-                raise APIError(500, str(e), "server_error") from None
+            except UsersError as e:  # (the file changed into one that cannot be read: a bare 500 before; the
+                log.error("/v1 refused: %s", e)  # details are the server's: any caller sees this)
+                raise APIError(500, "the server's users file cannot be read (its log says why)", "server_error") \
+                    from None
         else:
             key = self.service.cfg.app.api_key
             user = LOCAL if key is None or hmac.compare_digest(sent.encode(), key.encode()) else None

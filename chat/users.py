@@ -8,6 +8,7 @@ pays scrypt once a key, not once a request. Writes are atomic and take a lock: t
 cannot lose a user.
 
     recall-users --file users.json add NAME [--password-stdin]   # the API key is the last word printed
+    recall-users --file users.json passwd NAME [--password-stdin]   # a new password, the same user
     recall-users --file users.json rotate-key NAME | remove NAME | list
 """
 
@@ -78,7 +79,7 @@ def _check_entry(name: str, entry) -> None:
           and isinstance(entry.get("created", 0.0), (int, float)) and not isinstance(entry.get("created"), bool))
     if not ok:
         raise ValueError(f"the entry of user {name!r} is not one recall-users writes (a password and a key hash, "
-                         f"a time), got {str(entry)[:60]!r}")
+                         "a time)")
 
 
 @dataclass(frozen=True)
@@ -142,11 +143,11 @@ class Users:
         entry = self._read()["users"].get(name)
         return None if entry is None else float(entry.get("created", 0.0))
 
-    def added_after(self, name: str, since: float) -> bool:
-        """Whether the user `name` now is one added after `since` (a login made then was an earlier user's of that
-        name: removed and added again is another user, perhaps another person)."""
+    def stale_login(self, name: str, made: float) -> bool:
+        """Whether a login of `name` made at `made` no longer holds: the user now was added after it (removed and
+        added again: another user, perhaps another person), or their password changed since (`passwd`)."""
         entry = self._read()["users"].get(name)
-        return entry is not None and entry.get("created", 0.0) > since
+        return entry is not None and max(entry.get("created", 0.0), entry.get("password_set", 0.0)) > made
 
     def check_password(self, name: str, password: str) -> bool:
         """Whether `password` is `name`'s (Gradio's `auth` callback: a users file that cannot be read now lets no one
@@ -191,6 +192,15 @@ class Users:
             atomic_write(path, lambda fh: fh.write(json.dumps(data, indent=1).encode()), mode=0o600)  # (never 0644)
 
 
+def _check_password(password: str) -> None:
+    if not isinstance(password, str) or len(password) < MIN_PASSWORD:
+        raise UsersError(f"a password has at least {MIN_PASSWORD} characters, got {len(password or '')}")
+    try:
+        password.encode()
+    except UnicodeEncodeError:  # (bytes piped in that are not UTF-8: a traceback before)
+        raise UsersError("a password is text: expected UTF-8, got bytes that are not") from None
+
+
 def new_key() -> tuple[str, dict]:
     """A new API key and what is stored of it."""
     key_id = secrets.token_hex(6)
@@ -201,19 +211,23 @@ def new_key() -> tuple[str, dict]:
 def add(path: str | os.PathLike, name: str, password: str) -> str:
     """Add a user; their new API key."""
     check_name(name)
-    if not isinstance(password, str) or len(password) < MIN_PASSWORD:
-        raise UsersError(f"a password has at least {MIN_PASSWORD} characters, got {len(password or '')}")
-    try:
-        password.encode()
-    except UnicodeEncodeError:  # (bytes piped in that are not UTF-8: a traceback before)
-        raise UsersError("a password is text: expected UTF-8, got bytes that are not") from None
+    _check_password(password)
     key, stored_key = new_key()
     with Users.editing(path) as data:
         if name in data["users"]:
-            raise UsersError(f"user {name!r} already exists (rotate-key gives a new key, remove then add a new "
-                             "password)")
+            raise UsersError(f"user {name!r} already exists (rotate-key gives a new key, passwd a new password)")
         data["users"][name] = {"password": _stored(password), "key": stored_key, "created": time.time()}
     return key
+
+
+def set_password(path: str | os.PathLike, name: str, password: str) -> None:
+    """A new password for `name`, the same user (their memories stay theirs; the logins made before end)."""
+    _existing(path)
+    _check_password(password)
+    with Users.editing(path) as data:
+        if name not in data["users"]:
+            raise UsersError(f"no user {name!r} in {path}")
+        data["users"][name].update(password=_stored(password), password_set=time.time())
 
 
 def rotate_key(path: str | os.PathLike, name: str) -> str:
@@ -244,16 +258,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "(app.users_file): names, password and API key hashes.")
     parser.add_argument("--file", required=True, help="the users file (created by the first add)")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_add = sub.add_parser("add", help="add a user; prints their API key last")
-    p_add.add_argument("name")
-    p_add.add_argument("--password-stdin", action="store_true", help="read the password from the first line of "
+    for command, what in (("add", "add a user; prints their API key last"),
+                          ("passwd", "give a user a new password (their memories stay theirs; logins made before end)")):
+        p = sub.add_parser(command, help=what)
+        p.add_argument("name")
+        p.add_argument("--password-stdin", action="store_true", help="read the password from the first line of "
                        "stdin (otherwise it is asked for)")
     sub.add_parser("remove", help="remove a user").add_argument("name")
     sub.add_parser("rotate-key", help="give a user a new API key; prints it last").add_argument("name")
     sub.add_parser("list", help="the users, one a line")
     args = parser.parse_args(argv)
     try:
-        if args.command == "add":
+        if args.command in ("add", "passwd"):
             if args.password_stdin:
                 password = sys.stdin.readline().rstrip("\r\n")
             elif not sys.stdin.isatty():  # (getpass would end in a termios error or EOFError)
@@ -263,8 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 password = getpass.getpass(f"password for {args.name}: ")
                 if getpass.getpass("again: ") != password:
                     raise UsersError("the two passwords differ")
-            key = add(args.file, args.name, password)
-            print(f"added {args.name}; API key (shown once): {key}")
+            if args.command == "passwd":
+                set_password(args.file, args.name, password)
+                print(f"new password for {args.name}; the logins made before it end at their next action")
+            else:
+                print(f"added {args.name}; API key (shown once): {add(args.file, args.name, password)}")
         elif args.command == "rotate-key":
             print(f"new API key for {args.name} (shown once): {rotate_key(args.file, args.name)}")
         elif args.command == "remove":

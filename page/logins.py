@@ -16,7 +16,8 @@ log = logging.getLogger("page.logins")
 
 class Logins(dict):
     """Gradio's login tokens (`App.tokens`: token -> user name, the one place Gradio resolves a request's user),
-    each with the time it was made: a token older than its user (added again since) is no login (dropped)."""
+    each with the time it was made: a token older than its user (added again since) or than their password is no
+    login (dropped)."""
 
     def __init__(self, users: Users):
         super().__init__()
@@ -30,7 +31,7 @@ class Logins(dict):
     def get(self, token, default=None):
         name = super().get(token)
         try:
-            stale = name is not None and self.users.added_after(name, self.made.get(token, 0.0))
+            stale = name is not None and self.users.stale_login(name, self.made.get(token, 0.0))
         except UsersError as e:  # (a users file broken while the server runs: no one is logged in, not a bare 500)
             log.error("logins refused: %s", e)
             return default

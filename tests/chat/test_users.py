@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,20 @@ def test_a_password_that_is_not_utf8_and_a_missing_file_are_refused_without_a_tr
         done = cli(path, *command)
         assert done.returncode == 1 and "no users file at" in done.stderr
     assert not (tmp_path / "people").exists()
+
+
+def test_a_new_password_keeps_the_user_and_ends_the_logins_before_it(tmp_path):
+    """(A review found the only way to change a password, remove then add, made another user: the server moved their
+    memories aside.)"""
+    path = tmp_path / "users.json"
+    key = users.add(path, "ada", "password1")
+    store = Users(path)
+    created = store.created("ada")
+    before = time.time()
+    time.sleep(0.01)
+    done = cli(path, "passwd", "ada", "--password-stdin", stdin="password2\n")
+    assert done.returncode == 0 and "new password for ada" in done.stdout
+    assert store.created("ada") == created and store.user_of_key(key) == "ada"  # (the same user, the same key)
+    assert store.check_password("ada", "password2") and not store.check_password("ada", "password1")
+    assert store.stale_login("ada", before) and not store.stale_login("ada", time.time())
+    assert cli(path, "passwd", "zed", "--password-stdin", stdin="password3\n").returncode == 1
