@@ -38,7 +38,7 @@ import torch
 
 from chat.banks import empty_bank, store_layout
 from chat.config import Config, ConfigError
-from chat.users import Users
+from chat.users import Users, UsersError
 from chat.worker import Notice, ServiceError
 from memory import BankError, MemoryVectorDB
 from memory.files import atomic_write, read_bank
@@ -175,7 +175,10 @@ class People:
 
     def of(self, lm: LoadedModel, user: str) -> Personal:
         """`user`'s memory, opened on first use (checked against this model's encoder)."""
-        created = self.users.created(user) if self.users is not None else None
+        try:
+            created = self.users.created(user) if self.users is not None else None
+        except UsersError as e:  # (the users file broken while the server runs)
+            raise BankError(f"the memories of {user!r} cannot be read: {e}") from None
         with self._lock:
             if (user, created) not in self._open:
                 try:
@@ -186,14 +189,16 @@ class People:
 
     def _owned(self, user: str, created: float | None) -> None:
         """The folder of `user`'s memories is theirs: one an earlier user of the name left (removed, and the name
-        added again: perhaps another person, who read them) is moved aside, kept for the operator, and this user
-        starts with none. A folder with no owner yet (written before owners were kept) is this user's."""
+        added again: perhaps another person, who read them) is moved aside (`NAME+removed-<time>-<n>`), kept for the
+        operator, and this user starts with none. A folder with no owner yet (written before owners were kept) is
+        this user's."""
         folder = self.folder / user
         owner = folder / OWNER
         if created is None:
             return
         if owner.is_file() and json.loads(owner.read_text()).get("created") != created:
-            aside = folder.with_name(f"{user}.removed-{time.strftime('%Y%m%d-%H%M%S')}")
+            stamp = time.strftime("%Y%m%d-%H%M%S")  # ("+": no user's name has one, so none reads these)
+            aside = next(p for n in range(1000) if not (p := folder.with_name(f"{user}+removed-{stamp}-{n}")).exists())
             folder.rename(aside)
             log.warning("the memories of an earlier user %r (removed; the name was added again) moved to %s", user,
                         aside)

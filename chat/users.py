@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--file", required=True, help="the users file (created by the first add)")
     sub = parser.add_subparsers(dest="command", required=True)
     for command, what in (("add", "add a user; prints their API key last"),
-                          ("passwd", "give a user a new password (their memories stay theirs; logins made before end)")):
+                          ("passwd", "a user's new password (their memories stay theirs; logins made before end)")):
         p = sub.add_parser(command, help=what)
         p.add_argument("name")
         p.add_argument("--password-stdin", action="store_true", help="read the password from the first line of "
@@ -290,8 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             remove(args.file, args.name)
             print(f"removed {args.name}: their open pages are logged out at their next action; their memories stay "
                   f"in memory.user_dir/{args.name} until you delete that folder (a user added later with this name "
-                  f"starts with none: the server moves it aside to {args.name}.removed-<time>; with memory.store: "
-                  "milvus they stay in the collection, and such a user would read them)")
+                  f"starts with none: the server moves it aside to {args.name}+removed-<time>, unless it was written "
+                  "before this server kept owners; with memory.store: milvus they stay in the collection, and such a "
+                  "user would read them)")
         else:
             for user in Users(args.file).list():
                 print(f"{user.name}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(user.created))}")

@@ -415,8 +415,11 @@ def load_into(db: MemoryVectorDB, uri: str, name: str, *, index: str = "flat", c
     if client.has_collection(name):
         raise StoreError(f"memory store {name!r} at {uri} already has a collection of that name: "
                          "choose another name, or drop it first")
+    if client.has_collection(f"{name}_values"):  # (not dropped: it may be a bank of that name)
+        raise StoreError(f"memory store {name!r} at {uri}: a collection {name}_values is there already (a load "
+                         "killed while renaming, or a bank of that name): choose another name, or drop it first")
     loading = f"{name}_loading"
-    for leftover in (loading, f"{loading}_values", f"{name}_values"):  # (a killed load's; the last: killed renaming)
+    for leftover in (loading, f"{loading}_values"):  # (what a killed load left)
         if client.has_collection(leftover):
             client.drop_collection(leftover)
     snap = db._snap

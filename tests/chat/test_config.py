@@ -138,3 +138,13 @@ def test_text_keys_take_the_text_as_written_and_a_bad_value_never_shows_a_key(tm
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["app.host=x"], environ={"RECALL_CHAT__APP__PORT": "%secret123"})
     assert "secret123" in str(err.value)  # (not a key: said as written)
+
+
+def test_yaml_merge_keys_still_work_and_may_set_a_merged_key_again():
+    """(A review found the duplicate-key check refused `<<: *anchor`.)"""
+    import yaml
+
+    from chat.config import _Loader
+
+    assert yaml.load("a: &x {t: 1, u: 2}\nb:\n  <<: *x\n  t: 3\n", Loader=_Loader) == {"a": {"t": 1, "u": 2},
+                                                                                       "b": {"t": 3, "u": 2}}

@@ -655,5 +655,5 @@ def test_a_name_removed_and_added_again_starts_with_no_memories_and_the_old_ones
         assert [m["text"] for m in mine] == ["The user's dog is called Rex."]
     finally:
         again.close()
-    (aside,) = (tmp_path / "users").glob("carol.removed-*")
+    (aside,) = (tmp_path / "users").glob("carol+removed-*")
     assert any("4711" in p.read_text(errors="ignore") for p in aside.glob("*.safetensors"))

@@ -223,3 +223,13 @@ def test_a_collection_name_the_app_would_refuse_is_refused_by_the_cli(tmp_path, 
     with pytest.raises(SystemExit):
         main(["load", str(tmp_path / "in.pt"), uri, "--collection", "bad name"])
     assert "as memory.milvus_collection takes, got 'bad name'" in capsys.readouterr().err
+
+
+def test_a_load_never_drops_a_bank_named_like_its_values(uri):
+    """(A review found a load of "team" dropped a collection "team_values" as a leftover: it may be a bank.)"""
+    db = MemoryVectorDB(8)
+    db.add(torch.randn(2, 8), ["a", "b"])
+    load_into(db, uri, "team_values")
+    with pytest.raises(StoreError, match="a collection team_values is there already"):
+        load_into(db, uri, "team")
+    assert len(MilvusBank.open(uri, "team_values")) == 2
