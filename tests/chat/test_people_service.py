@@ -657,3 +657,21 @@ def test_a_name_removed_and_added_again_starts_with_no_memories_and_the_old_ones
         again.close()
     (aside,) = (tmp_path / "users").glob("carol+removed-*")
     assert any("4711" in p.read_text(errors="ignore") for p in aside.glob("*.safetensors"))
+
+
+def test_a_users_file_broken_while_running_is_a_notice_and_the_answer_goes_on(tiny_llama, tmp_path):
+    """(A review found a UsersError from `People.of` would fail a chat that only asked whether its user had
+    memories.)"""
+    from chat import users
+
+    path = tmp_path / "users.json"
+    users.add(path, "ada", "password1")
+    svc = started(config(tmp_path, "faiss", f"app.users_file={path}"), tiny_llama)
+    s = svc.new_session("ada")
+    try:
+        path.write_text('{"users": {"ada": "x"}}')
+        events = drain(svc.chat(s, "Remember that my dog is called Rex.", [], SHORT, RECALL).request)
+        assert any("cannot be read" in getattr(e, "text", "") for e in events)
+        assert s.conv.messages[-1].role == "assistant" and not svc._yours_unread(s, "Hello there.")
+    finally:
+        svc.close()
