@@ -43,11 +43,11 @@ from chat.worker import Notice, ServiceError
 from memory import BankError, MemoryVectorDB
 from memory.files import atomic_write, read_bank
 from memory.milvus import MilvusBank
-from memory.personal import CLOSEST, Personal, PersonalMemory, Similar, twin
+from memory.personal import CLOSEST, Joined, Newest, Personal, PersonalMemory, Similar, twin
 from memory.personal_milvus import MilvusPersonal, open_people
 from models import LoadedModel
 from chat.decision import FORGET_CANDIDATES, Decision, decide, forget_reading, things, to_forget
-from models.remember import WriteDecision, about_the_user
+from models.remember import WriteDecision, about_the_user, mentions_the_user
 
 CARRIED = ".carried.json"  # in a user's folder: {memory file: the earlier model's file it was filled from}
 log = logging.getLogger(__name__)
@@ -275,6 +275,50 @@ class People:
             values = None if v is None else [*values, *v]
             yield Notice(f"encoded {min(first + ENCODE_BATCH, len(texts))} of {len(texts)} memories")
         return torch.cat(keys), values
+
+    def reading(self, lm: LoadedModel, user: str, bank, label: str, text: str) -> Generator[Notice, None, object]:
+        """What the memory head searches for `user`'s message `text` (the generator's value; a notice on the way
+        when their memories cannot be read): `bank` (the session's, named `label`), joined by the user's own
+        memories when the message speaks of its author ("What is my dog's name?"; each recall names the bank it
+        came from). A message that does not ("What colour is the sky?") never reads a memory about the person."""
+        if not mentions_the_user(text):
+            return bank
+        try:  # (the file is read again when it changed: a damaged one is said, and the answer goes on)
+            mine = self.of(lm, user).bank
+            if mine is None or not len(mine):
+                return bank
+        except (ServiceError, BankError) as e:
+            yield Notice(f"{e}; answering without your memories")
+            return bank
+        try:
+            return Joined([("yours", Newest(mine)), (label, bank)])
+        except ValueError as e:  # the session's bank is of another layout (an upload of bare vectors): no answer came
+            yield Notice(f"{e}: the two cannot be searched as one, so this message reads your own memories alone")
+            return Newest(mine)
+
+    def unread(self, lm: LoadedModel, user: str, text: str) -> bool:
+        """Whether `user` has memories of their own that `text`, not speaking of them, does not read."""
+        if mentions_the_user(text):
+            return False
+        try:
+            return bool(len(self.of(lm, user)))
+        except (ServiceError, BankError):
+            return False
+
+    def carry_out(self, lm: LoadedModel, user: str, decision: Decision, **meta) -> Remembered:
+        """Carry out a write decision on `user`'s memory: its forget first, then its writes, as one change (one
+        undo); a write that fails takes back what the decision did."""
+        done = Remembered()
+        try:
+            if decision.forget:
+                done = self.forget(lm, user, decision.forget)
+            for text in decision.writes:
+                done = done + self.write(lm, user, text, **meta)
+        except BaseException:
+            if done.written or done.forgotten:
+                self.undo(lm, user, done)
+            raise
+        return done
 
     def check_room(self, lm: LoadedModel, user: str, more: int) -> None:
         """`ServiceError` when `more` memories would take `user` past `memory.max_user_memories`."""

@@ -33,10 +33,9 @@ from decoding.mixture import MixtureResult
 from decoding.settings import GenerationSettings, RecallSettings
 from memory import BankError
 from memory.milvus import MilvusBank
-from memory.personal import Joined, Newest, Personal
+from memory.personal import Personal
 from models import EMBEDDED_NAME, LoadedModel, load_model
 from models.modeling import decoder_layers
-from models.remember import mentions_the_user
 from models.spec import LAYERS
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -245,34 +244,12 @@ class Service(SessionService):
         return self._start(s, req)
 
     def recall_bank(self, s: Session, text: str) -> Iterator[Notice]:
-        """What the memory head searches for a message of this session (the generator's return value; a notice
-        on the way when the user's memories cannot be read): the session's bank, joined by its user's own
-        memories when the message speaks of its author ("What is my dog's name?"; each recall names the bank it
-        came from). A message that does not ("What colour is the sky?") never reads a memory about the person."""
-        bank = self.banks.of(s)
-        if not mentions_the_user(text):
-            return bank
-        try:  # (the file is read again when it changed: a damaged one is said, and the answer goes on)
-            mine = self.people.of(self._model(), s.user).bank
-            if mine is None or not len(mine):
-                return bank
-        except (ServiceError, BankError) as e:
-            yield Notice(f"{e}; answering without your memories")
-            return bank
-        try:
-            return Joined([("yours", Newest(mine)), (self.banks.label(s), bank)])
-        except ValueError as e:  # the session's bank is of another layout (an upload of bare vectors): no answer came
-            yield Notice(f"{e}: the two cannot be searched as one, so this message reads your own memories alone")
-            return Newest(mine)
+        """What the memory head searches for a message of this session (the generator's return value):
+        `People.reading` of the session's bank."""
+        return (yield from self.people.reading(self._model(), s.user, self.banks.of(s), self.banks.label(s), text))
 
     def _yours_unread(self, s: Session, text: str) -> bool:
-        """Whether the user has memories of their own that a message, not speaking of them, does not read."""
-        if mentions_the_user(text):
-            return False
-        try:
-            return bool(len(self.people.of(self._model(), s.user)))
-        except (ServiceError, BankError):
-            return False
+        return self.people.unread(self._model(), s.user, text)
 
     def personal(self, s: Session) -> Personal:
         """The session's user's own memory."""
@@ -283,20 +260,8 @@ class Service(SessionService):
         return self.people.forget_all(self.wait_model(), s.user)
 
     def remember(self, s: Session, decision: Decision, source: str = "chat") -> Remembered:
-        """Carry out a write decision on the session's user's memory (on the worker thread: it encodes): its forget
-        first, then its writes, as one change (one undo); a write that fails takes back what the decision did."""
-        lm = self._model()
-        done = Remembered()
-        try:
-            if decision.forget:
-                done = self.people.forget(lm, s.user, decision.forget)
-            for text in decision.writes:
-                done = done + self.people.write(lm, s.user, text, source=source, conversation=f"session-{s.id}")
-        except BaseException:
-            if done.written or done.forgotten:
-                self.people.undo(lm, s.user, done)
-            raise
-        return done
+        """Carry out a write decision on the session's user's memory (on the worker thread: it encodes)."""
+        return self.people.carry_out(self._model(), s.user, decision, source=source, conversation=f"session-{s.id}")
 
     def undo_change(self, s: Session) -> Remembered:
         """Undo the last message's change to the session's user's memory (on the worker thread: it encodes)."""
