@@ -312,6 +312,8 @@ class People:
         try:
             if decision.forget:
                 done = self.forget(lm, user, decision.forget)
+            if decision.writes:  # (all of them at once: one at a time, a refusal named the count after the first)
+                self.check_room(lm, user, len(decision.writes))
             for text in decision.writes:
                 done = done + self.write(lm, user, text, **meta)
         except BaseException:

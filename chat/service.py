@@ -214,8 +214,10 @@ class Service(SessionService):
                         s.last_change = changed if changed.written or changed.forgotten else None
                         yield changed
                         reply = changed.describe() if decision.forget and changed.forgotten else None
-                except (ServiceError, BankError) as e:  # (a memory that cannot be read: said, and the answer goes on)
+                except BankError as e:  # (a memory that cannot be read: said, and the answer goes on)
                     yield Notice(f"{e}; answering without your memories")
+                except ServiceError as e:  # (a write refused, too long or past the cap: the memories are read as ever)
+                    yield Notice(str(e))
                 if self.cfg.memory.remember == "off" and FORGET.match(text):
                     yield Notice("messages do not change your memories here (memory.remember: off): nothing was "
                                  "forgotten; delete a memory under About you")

@@ -17,7 +17,8 @@ from chat.operations import (edit_memory, forget_all_memories, forget_memories, 
                              undo_memory_change)
 from chat.people import Remembered
 from chat.service import Service
-from chat.worker import ServiceError
+from chat.worker import Notice, ServiceError
+from memory import BankError
 from decoding.events import RecallEvent
 from decoding.settings import GenerationSettings, RecallSettings
 from memory.milvus import MilvusBank
@@ -229,7 +230,7 @@ def test_a_message_that_forgets_and_remembers_is_one_change_undone_at_once(tiny_
         assert svc.run(my_memories, s) == rex  # (Max, written and replaced by the same message, stays gone)
 
         def fails(*args, **kwargs):
-            raise ServiceError("the disk is full")
+            raise BankError("the disk is full")
         monkeypatch.setattr(svc.people, "write", fails)
         events = say("Forget my dog, and remember that my cat is called Tom.")
         assert "the disk is full; answering without your memories" in [getattr(e, "text", "") for e in events]
@@ -587,8 +588,14 @@ def test_a_users_memories_are_capped_by_name_and_nothing_is_written_past_it(tiny
     svc = started(config(tmp_path, "faiss", "memory.max_user_memories=3"), tiny_llama)
     s = svc.new_session("ada")
     try:
-        for text in ("My dog is called Rex.", "I live in Porto.", "My sister is called Lena."):
+        for text in ("My dog is called Rex.", "I live in Porto."):
             result(svc.run(remember, s, text))
+        events = drain(svc.chat(s, "Remember that my cat is Tom, and remember that my car is red.", [], SHORT,
+                                RECALL).request)  # (both at once: named with the count held; the memories still read)
+        said = [e.text for e in events if isinstance(e, Notice)]
+        assert any("holds 2 memories, at most 3 (memory.max_user_memories): these 2 do not fit" in t for t in said)
+        assert not any("answering without your memories" in t for t in said)
+        result(svc.run(remember, s, "My sister is called Lena."))
         held = svc.run(my_memories, s)
         assert len(held) == 3
         with pytest.raises(ServiceError, match=r"^your memory holds 3 memories, at most 3 \(memory.max_user_memories\);"
