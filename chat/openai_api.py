@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from chat.api import ChatService
 from chat.config import request_settings
 from chat.openai_request import ALIAS, APIError, ChatRequest, MemoryRequest, overrides, parse, parts, settings_error
-from chat.people import Remembered, public
+from chat.changes import Remembered, public
 from chat.session import Session
 from chat import operations as ops
 from chat.users import LOCAL, UsersError

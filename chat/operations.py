@@ -27,7 +27,8 @@ from chat.banks import Banks
 from chat.config import Config
 from chat.inputs import read_upload_text
 from chat.decision import Decision, to_remember
-from chat.people import Imported, People, Remembered, public
+from chat.changes import Imported, Remembered, public
+from chat.people import People
 from chat.session import Conversation, Session
 from chat.worker import Notice, Request, ServiceError, Worker, describe
 from decoding.settings import GenerationSettings, RecallSettings
@@ -358,7 +359,7 @@ def import_memories(svc: ModelSide, s: Session, path: str | Path) -> Request:
     """Queue writing every memory of an exported file (or a JSON list of texts) into the user's memory; each is
     judged as "remember that ..." judges it (duplicates skipped, a newer value supersedes), all written at once or
     none. At most `MAX_IMPORT` memories, each within `app.max_message_chars` and `memory.max_slots`, encoded a batch
-    a worker round (every other answer goes on meanwhile); the result is `chat.people.Imported`."""
+    a worker round (every other answer goes on meanwhile); the result is `chat.changes.Imported`."""
     name = Path(path).name
     try:
         data = json.loads(read_upload_text(path, svc.cfg.memory.max_upload_mb))

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from chat.banks import empty_bank, store_layout
+from chat.changes import Imported, Remembered
 from chat.config import Config, ConfigError
 from chat.users import Users, UsersError
 from chat.worker import Notice, ServiceError
@@ -61,68 +62,6 @@ def message_query(lm: LoadedModel, text: str) -> torch.Tensor:
     (one batch of the message and its words about the user: the recall that follows finds both embedded)."""
     lm.encoder.message_query(text)
     return lm.encoder.query(text)
-
-
-def public(entry: dict) -> dict:
-    """A memory as the API and the page show it: {"id", "text", "created_at", "source", "conversation"}."""
-    return {k: entry[k] for k in ("id", "text", "created_at", "source", "conversation") if k in entry}
-
-
-@dataclass(frozen=True)
-class Remembered:
-    """A turn's changes to its author's memory: `written` and `forgotten` entries ({"id", "text", ...}), and the
-    older memories the new ones `superseded`; an undo's: what it `removed` (what the change wrote) and `restored`
-    (what it superseded or forgot). An edit is a memory forgotten and one written with the source "edit"."""
-
-    written: tuple[dict, ...] = ()
-    superseded: tuple[dict, ...] = ()
-    forgotten: tuple[dict, ...] = ()
-    note: str = ""  # why nothing changed, when a change was asked for
-    removed: tuple[dict, ...] = ()
-    restored: tuple[dict, ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.written or self.forgotten or self.note or self.removed or self.restored)
-
-    def __add__(self, later: "Remembered") -> "Remembered":
-        """Two changes of one turn as one (an undo takes back both): a memory the first wrote and the second
-        superseded was never there before the turn ("my dog is Rex ..., and remember my dog is Max")."""
-        gone, mine = {e["id"] for e in later.superseded}, {e["id"] for e in self.written}
-        return Remembered(tuple(e for e in self.written if e["id"] not in gone) + later.written,
-                          self.superseded + tuple(e for e in later.superseded if e["id"] not in mine),
-                          self.forgotten + later.forgotten, " · ".join(filter(None, [self.note, later.note])),
-                          self.removed + later.removed, self.restored + later.restored)
-
-    def describe(self) -> str:
-        written, forgotten, parts = list(self.written), list(self.forgotten), []
-        if written and forgotten and all(e.get("source") == "edit" for e in written):
-            parts.append(f"Edited: {forgotten.pop(0)['text']} -> {written.pop(0)['text']}")
-        parts += [f"Remembered: {e['text']}" for e in written]
-        parts += [f"(replaces: {e['text']})" for e in self.superseded]
-        parts += [f"Forgot: {e['text']}" for e in forgotten]
-        parts += [f"Removed: {e['text']}" for e in self.removed]
-        parts += [f"Restored: {e['text']}" for e in self.restored]
-        return " · ".join(parts + ([self.note] if self.note else []))
-
-
-@dataclass(frozen=True)
-class Imported:
-    """What an import did: `kept` of its memories (new, and not replaced by a later one of the same file) of `items`
-    in the file; `duplicates` of memories kept already, `replaced` earlier memories they superseded, `shadowed` items
-    a later item of the file superseded."""
-
-    kept: int
-    items: int = 0
-    duplicates: int = 0
-    replaced: int = 0
-    shadowed: int = 0
-
-    def describe(self) -> str:
-        """The status line: what was kept, and why the rest was not."""
-        rest = [f"{n} {what}" for n, what in ((self.duplicates, "already remembered"),
-                                              (self.replaced, "earlier memories replaced"),
-                                              (self.shadowed, "replaced by a later item of the file")) if n]
-        return f"imported {self.kept} new memories" + (f" of {self.items} ({', '.join(rest)})" if rest else "")
 
 
 @dataclass
@@ -332,8 +271,7 @@ class People:
 
     def write(self, lm: LoadedModel, user: str, text: str, **meta) -> Remembered:
         """Encode and keep one memory of `user` (not twice; a newer value of the same thing supersedes the older);
-        `ServiceError` for one longer than `memory.max_slots` value slots, or past `memory.max_user_memories`."""
-        self.check_room(lm, user, 1)
+        `ServiceError` for one longer than `memory.max_slots` value slots (`carry_out` checks the room)."""
         keys, values = self._encode(lm, [text])
         entry, superseded = self.of(lm, user).add(keys, None if values is None else values[0], text,
                                                    similar=self.similar, make_bank=self._new_bank(lm), **meta)

@@ -21,7 +21,8 @@ from chat.inputs import check_token_ids
 from chat.janitor import Janitor
 from chat.operations import operation_of
 from chat.decision import FORGET, Decision
-from chat.people import People, Remembered
+from chat.changes import Remembered
+from chat.people import People
 from chat.session import Conversation, Session, text_only_message
 from chat.state import SessionState, bank_state, message_states
 from chat.textsearch import TextSearch
@@ -239,7 +240,7 @@ class Service(SessionService):
                                  "read (still shown)")
                 yield from self._noted(s, conv.say(text, images, reply, settings, interrupt) if reply is not None else
                                        conv.stream(text, images, settings, recall, bank, interrupt, recall_first),
-                                       no_memory(bank, recall, self._yours_unread(s, text)))
+                                       no_memory(bank, recall, self.people.unread(self._model(), s.user, text)))
 
         req = Request("chat", run, s.id, text[:80])
         req.on_withdraw = lambda: self._record_unanswered(s, req)
@@ -249,9 +250,6 @@ class Service(SessionService):
         """What the memory head searches for a message of this session (the generator's return value):
         `People.reading` of the session's bank."""
         return (yield from self.people.reading(self._model(), s.user, self.banks.of(s), self.banks.label(s), text))
-
-    def _yours_unread(self, s: Session, text: str) -> bool:
-        return self.people.unread(self._model(), s.user, text)
 
     def personal(self, s: Session) -> Personal:
         """The session's user's own memory."""
@@ -297,7 +295,7 @@ class Service(SessionService):
                                  "settings give the same answer; turn sampling on for another")
                 bank = yield from self.recall_bank(s, question)
                 yield from self._noted(s, conv.regenerate(settings, recall, bank, interrupt),
-                                       no_memory(bank, recall, self._yours_unread(s, question)))
+                                       no_memory(bank, recall, self.people.unread(self._model(), s.user, question)))
 
         return self._start(s, Request("regenerate", run, s.id, "regenerate"))
 

@@ -406,7 +406,7 @@ class Session:
     last_speed: float | None = None
     last_plot: tuple | None = None  # how the last answer was decoded: ("entropy" | "mixture", data...), see chat.view
     last_note: str = ""  # the same in words, for the status line (the mixture's acceptance rate)
-    last_change: Any = None  # the last message's change to its user's memory (`chat.people.Remembered`), to undo
+    last_change: Any = None  # the last message's change to its user's memory (`chat.changes.Remembered`), to undo
     lock: threading.Lock = field(default_factory=threading.Lock)  # the conversation; held for a whole turn
     files: Path | None = None  # its own folder: saved conversations, banks, images of loaded conversations
     last_used: float = field(default_factory=time.monotonic)

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from chat.state import BankState, MessageState, Piece, SessionState
-from chat.people import Remembered
+from chat.changes import Remembered
 from chat.worker import Failed, Notice, Waiting
 from decoding.events import FinishEvent, RecallEvent, TokenEvent
 

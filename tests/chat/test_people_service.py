@@ -15,7 +15,7 @@ from chat import transcript
 from chat.config import load_config
 from chat.operations import (edit_memory, forget_all_memories, forget_memories, my_memories, remember,
                              undo_memory_change)
-from chat.people import Remembered
+from chat.changes import Remembered
 from chat.service import Service
 from chat.worker import Notice, ServiceError
 from memory import BankError
@@ -548,13 +548,13 @@ def test_the_no_memory_notice_says_when_a_users_own_memories_were_not_read(tiny_
     svc = started(config(tmp_path, "faiss"), tiny_llama)
     s = svc.new_session("ada")
     try:
-        assert not svc._yours_unread(s, "Actually it's Pocket not Rocket.")  # nothing told yet
+        assert not svc.people.unread(tiny_llama, s.user, "Actually it's Pocket not Rocket.")  # nothing told yet
         drain(svc.chat(s, "Remember that my dog is called Rocket.", [], SHORT, RECALL).request)
-        assert svc._yours_unread(s, "Actually it's Pocket not Rocket.")
-        assert not svc._yours_unread(s, "What is my dog's name?")  # (read: it speaks of its author)
+        assert svc.people.unread(tiny_llama, s.user, "Actually it's Pocket not Rocket.")
+        assert not svc.people.unread(tiny_llama, s.user, "What is my dog's name?")  # (read: it speaks of its author)
         assert "no bank to read for this message (your own memories are read for one that speaks of you" in \
             no_memory(None, RECALL, yours_unread=True)
-        assert not svc._yours_unread(svc.new_session("bob"), "Actually it's Pocket.")  # (another user's are not)
+        assert not svc.people.unread(tiny_llama, "bob", "Actually it's Pocket.")  # (another user's are not)
     finally:
         svc.close()
 
@@ -679,6 +679,6 @@ def test_a_users_file_broken_while_running_is_a_notice_and_the_answer_goes_on(ti
         path.write_text('{"users": {"ada": "x"}}')
         events = drain(svc.chat(s, "Remember that my dog is called Rex.", [], SHORT, RECALL).request)
         assert any("cannot be read" in getattr(e, "text", "") for e in events)
-        assert s.conv.messages[-1].role == "assistant" and not svc._yours_unread(s, "Hello there.")
+        assert s.conv.messages[-1].role == "assistant" and not svc.people.unread(tiny_llama, s.user, "Hello there.")
     finally:
         svc.close()
