@@ -77,6 +77,8 @@ def _chat(models: dict) -> list[str]:
 def _variant(measure: str, label: str, key: str) -> Callable[[dict], list[str]]:
     """The table of a variant of the step (frozen, fused) beside the plain one."""
     def lines_of(models: dict) -> list[str]:
+        if not any(measure in m for m in models.values()):
+            return []
         lines = header("model", "graph step ms/token (memory GB)",
                        f"{label} (`model.{key}`) ms/token (memory GB, compile s)", f"{label} / plain",
                        f"{label}'s first greedy tokens = eager generate's", "same tokens as the plain step")
@@ -87,6 +89,24 @@ def _variant(measure: str, label: str, key: str) -> Callable[[dict], list[str]]:
                          f"{field(f, 'agrees_with_eager')} | {field(f, 'same_tokens_as_the_step')} |")
         return lines
     return lines_of
+
+
+def _variants(models: dict) -> list[str]:
+    """The step's variants (`bench.gpu.ModelBench.variant`) beside the step."""
+    lines = header("model", "graph step (fuse, matvec) ms/token (memory GB, compile s)", "variant (fuse, matvec)",
+                   "ms/token (memory GB, compile s)", "variant / the step", "first greedy tokens = eager generate's",
+                   "same tokens as the step")
+    for name, m in models.items():
+        g = m.get("graph step", {})
+        step = f"{cell(g, 'ms_per_token')} ({cell(g, 'memory_gb')}, {cell(g, 'compile_s', '{:.0f}')})"
+        for key, v in m.items():
+            if key.startswith("graph step, variant: "):
+                lines.append(f"| {name} | ({field(g, 'fuse')}, {field(g, 'matvec')}) {step} | "
+                             f"{key.split(': ', 1)[1]} ({field(v, 'fuse')}, {field(v, 'matvec')}) | "
+                             f"{cell(v, 'ms_per_token')} ({cell(v, 'memory_gb')}, {cell(v, 'compile_s', '{:.0f}')}) | "
+                             f"{cell(v, 'vs_the_step')} | {field(v, 'agrees_with_eager')} | "
+                             f"{field(v, 'same_tokens_as_the_step')} |")
+    return lines
 
 
 def _kernels(models: dict) -> list[str]:
@@ -122,13 +142,14 @@ def _recalls(models: dict) -> Iterator[tuple[str, str, dict]]:
 
 
 def _recall(models: dict) -> list[str]:
-    lines = header("model", "recall: memories", "head ms", "16-slot span ms", "in decode steps",
+    lines = header("model", "recall: memories", "head ms", "16-slot span ms (its replay alone)", "in decode steps",
                    "in decode steps of the frozen step")
     shown = set()
     for name, size, v in _recalls(models):
         shown.add(name)
-        lines.append(f"| {name} | {int(size):,} | {v['head_ms']:.3f} | {v['span_ms']:.3f} | "
-                     f"{v['decode_steps']:.2f} | {cell(v, 'decode_steps_of_the_frozen_step')} |")
+        lines.append(f"| {name} | {int(size):,} | {v['head_ms']:.3f} | {v['span_ms']:.3f} "
+                     f"({cell(v, 'span_replay_ms', '{:.3f}')}) | {v['decode_steps']:.2f} | "
+                     f"{cell(v, 'decode_steps_of_the_frozen_step')} |")
     lines += [f"| {name} | — | {cell(m.get('recall', {}), 'x')} | | | |" for name, m in models.items()
               if name not in shown]
     return lines
@@ -157,5 +178,5 @@ def _sessions(models: dict) -> list[str]:
     return lines
 
 
-SECTIONS = (_paths, _chat, _variant("graph step, fused", "fused", "graph_fuse"),
+SECTIONS = (_paths, _chat, _variants, _variant("graph step, fused", "fused", "graph_fuse"),
             _variant("graph step, frozen", "frozen", "graph_freeze"), _kernels, _long, _recall, _rows, _sessions)

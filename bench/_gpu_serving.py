@@ -51,12 +51,14 @@ def recall(mb: ModelBench) -> dict:
         one_span = _span(mb, rec.span(memory), rec.embed(rec.values(memory), device, dtype))
         one_span()
         span_s = statistics.median(one_span() for _ in range(10))
+        replay_s = _replay_only(mb, len(rec.span(memory)))
         if size == max(mb.args.memories):  # what a recall runs on the device: the head, the span's replay
             profiles = {"head_kernels": device_profile(lambda: selector.choose(query)),
                         "span_kernels": device_profile(one_span)}
         full = dec.generate(torch.cat([mb.ids, torch.tensor([[recall_id]])], 1), mb.greedy(4), recall=rec)
         out[f"{size}"] = {"bank_build_s": built, "first_search_s": upload, "head_ms": head * 1e3,
                           "span_ms": span_s * 1e3, "slots": memory.slots,
+                          **({"span_replay_ms": replay_s * 1e3} if replay_s is not None else {}),
                           "decode_steps": (head + span_s) * 1e3 / step_ms,
                           **({"decode_steps_of_the_frozen_step": (head + span_s) * 1e3 / frozen_ms}
                              if frozen_ms else {}),
@@ -64,6 +66,25 @@ def recall(mb: ModelBench) -> dict:
                           **(profiles if size == max(mb.args.memories) else {})}
         selector = rec = None  # (the keys on the device go before the next size's)
     return out
+
+
+def _replay_only(mb: ModelBench, n: int) -> float | None:
+    """Seconds of the span graph's replay alone, from an idle device to its end (the span's inputs staged by the last
+    `forward_span`): beside the span's seconds, what its host work before the replay costs. None without a captured
+    graph (CPU, a fallback)."""
+    g = mb.step_for("recall").graph
+    captured = g._captured.get((SLOTS + 1, None, g.window))
+    if captured is None:
+        return None
+
+    def once() -> float:
+        took = timed(captured[0].replay)
+        for layer in g.cache.layers:  # (as `_span`'s reset)
+            layer.cumulative_length.sub_(n)
+        g.one.position.sub_(n)
+        return took
+    once()
+    return statistics.median(once() for _ in range(10))
 
 
 def _span(mb: ModelBench, span: list[int], vectors: torch.Tensor):

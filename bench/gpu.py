@@ -14,8 +14,10 @@ alone on the single-row step, answers in progress together as rows of the second
 them), each a greedy answer of --tokens to its own question; aggregate tokens/s from the first submission to the last
 answer's end, and the ratio to one session; then the same with every answer a row ("rows only": one session too). The bound is the weights' bytes over the
 card's memory bandwidth (H200 4.8 TB/s, H100 3.35 TB/s). The measures run in three phases, each for every model
-before the next (the batch-1 step: plain, its kernels, fused, and frozen with --frozen; the sessions and a recall, its
-kernels at the largest bank; the rest). Every measure runs in its own try/except and is skipped once the time budget is
+before the next (the batch-1 step, with the chat's default options (`model.graph_fuse`, `model.graph_matvec`) unless
+--fuse / --matvec say otherwise, its kernels, and frozen with --frozen; the sessions and a recall, its kernels at the
+largest bank; the rest, the step's variants first: the other fusion, and cuBLAS's products when the step's are
+Triton's). Every measure runs in its own try/except and is skipped once the time budget is
 spent; results are written after each one (results.json, results.md, and the log beside them), so a run cut short
 keeps what it measured.
 """
@@ -43,9 +45,9 @@ from bench import _gpu_serving as serving  # noqa: E402
 from bench._gpu_measure import Run, allocated, device_profile, per_token  # noqa: E402
 from bench._gpu_report import table  # noqa: E402
 from bench._gpu_serving import SLOTS  # noqa: E402
+from chat.config import ModelConfig  # noqa: E402
 from decoding import graph  # noqa: E402
 from decoding.events import DoneEvent  # noqa: E402
-from decoding.fused import FusedPart  # noqa: E402
 from decoding.graph import GraphDecoder  # noqa: E402
 from decoding.graph_stream import stream_graph  # noqa: E402
 from decoding.request import Controls, Prompt  # noqa: E402
@@ -142,9 +144,10 @@ class ModelBench:
     def graph_step(self) -> dict:
         # attached to the model (as the chat's service attaches it): the sessions measure answers on it too
         before = allocated()
-        dec = graph.enable(self.model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs)
+        dec = graph.enable(self.model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs,
+                           fuse=self.args.fuse, matvec=self.args.matvec)
         out = self._step(dec, "graph")
-        out["memory_gb"] = (allocated() - before) / 1e9
+        out.update(memory_gb=(allocated() - before) / 1e9, fuse=dec.graph.fuse, matvec=dec.graph.matvec)
         self.decoder = dec
         return out
 
@@ -194,23 +197,32 @@ class ModelBench:
             torch.cuda.empty_cache()
         return out
 
-    def graph_fused(self) -> dict:
-        """The same step with `fuse=True` (`model.graph_fuse`: q/k/v and gate/up joined in place, one matmul each,
-        no copy), on a twin of the model (the fusion moves the weights: the plain step's captured graphs read the
-        old ones), side by side; its memory beside the plain step's should be the plain step's."""
-        twin = self._twin()
-        before = allocated()
-        dec = GraphDecoder(twin, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs, fuse=True)
-        out = self._step(dec, "fused")
-        out["memory_gb"] = (allocated() - before) / 1e9
-        out["same_tokens_as_the_step"] = self.answers["fused"] == self.answers.get("graph")
-        out["fused_groups"] = len({id(m._whole) for m in twin.modules() if isinstance(m, FusedPart)})
-        self._vs_the_step(out)
-        del dec, twin
-        gc.collect()
-        if self.device == "cuda":
-            torch.cuda.empty_cache()
-        return out
+    def variant(self, fuse: bool, matvec: str):
+        """The step with other options (`model.graph_fuse`, `model.graph_matvec`), side by side with the step (on a
+        twin of the model when it fuses a model the step did not: fusing moves the weights)."""
+        def fn() -> dict:
+            model = self._twin() if fuse and not self.args.fuse else self.model
+            before, name = allocated(), f"fuse={fuse}, matvec={matvec}"
+            dec = GraphDecoder(model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs,
+                               fuse=fuse, matvec=matvec)
+            out = self._step(dec, name)
+            out.update(memory_gb=(allocated() - before) / 1e9, fuse=dec.graph.fuse, matvec=dec.graph.matvec,
+                       same_tokens_as_the_step=self.answers[name] == self.answers.get("graph"))
+            self._vs_the_step(out)
+            del dec, model
+            gc.collect()
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
+            return out
+        return fn
+
+    def variants(self) -> list[tuple[str, bool, str]]:
+        """(label, fuse, matvec) of the variants measured beside the step: the other fusion, and the other way to
+        multiply a row when the step's way is not cuBLAS's."""
+        step = self.info.get("graph step", {})
+        fused, matvec = step.get("fuse", self.args.fuse), step.get("matvec", "cublas")
+        out = [("cuBLAS" if fused else "plain, cuBLAS", fused, "cublas")] if matvec != "cublas" else []
+        return out + [("not fused" if fused else "fused", not fused, "cublas")]
 
     def kernels(self) -> dict:
         """What one token of the plain step runs (torch.profiler over 32 tokens after a warm answer: on a GPU the
@@ -304,12 +316,10 @@ class ModelBench:
         return fn
 
     def batch_one(self) -> None:
-        """Phase 1 (every model's before any model's phase 2): the batch-1 targets: the step plain, its kernels, fused,
-        and frozen (--frozen)."""
+        """Phase 1 (every model's before any model's phase 2): the batch-1 targets: the step, its kernels, and frozen
+        (--frozen)."""
         self.run.measure(self.name, "graph step", 80, self.graph_step)
         self.run.measure(self.name, "graph step, kernels", 15, self.kernels)
-        if self.args.fused:
-            self.run.measure(self.name, "graph step, fused", 80, self.graph_fused)
         if self.args.frozen:
             self.run.measure(self.name, "graph step, frozen", 80, self.graph_frozen)
 
@@ -324,6 +334,9 @@ class ModelBench:
         run, name, args = self.run, self.name, self.args
         run.measure(name, "chat on the graph step", 10, self.chat_graph)
         run.measure(name, "graph step, every page processor", 10, self.page_processors)
+        if args.variants:
+            for label, fuse, matvec in self.variants():
+                run.measure(name, f"graph step, variant: {label}", 80, self.variant(fuse, matvec))
         if args.static:
             run.measure(name, "transformers static generate", 30, self.hf_static)
         for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio
@@ -368,8 +381,13 @@ def main() -> None:
     ap.add_argument("--no-static", dest="static", action="store_false", help="skip transformers' static generate")
     ap.add_argument("--frozen", action="store_true",
                     help="the frozen graph step (model.graph_freeze) beside the plain one (run 4 measured it: off)")
-    ap.add_argument("--no-fused", dest="fused", action="store_false",
-                    help="skip the fused graph step (model.graph_fuse) beside the plain one")
+    defaults = ModelConfig()
+    ap.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=defaults.graph_fuse,
+                    help="the step's q/k/v and gate/up joined (model.graph_fuse; its default)")
+    ap.add_argument("--matvec", default=defaults.graph_matvec, choices=graph.MATVEC,
+                    help="the step's one-row products (model.graph_matvec; its default)")
+    ap.add_argument("--no-variants", dest="variants", action="store_false",
+                    help="skip the step's variants (the other fusion; cuBLAS's products beside Triton's)")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape and a few tokens (runs on a CPU)")
     args = ap.parse_args()
     if args.smoke:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in one command, from the repository root on the GPU machine (issue 32):
 #     bash bench/gpu_run.sh            # results and logs into $OUT (the run tool's folder; else artifacts/gpu-run)
-# 1. the `gpu` tests of tests/decoding/test_graph.py (no host sync in a decode step, a recall replayed exactly,
-#    batched = alone), 2. bench/gpu.py (SmolLM2-1.7B and -135M shapes, random weights, bf16).
+# 1. bench/gpu.py (SmolLM2-1.7B and -135M shapes, random weights, bf16; first: what a run is for), 2. the `gpu` tests
+#    of tests/decoding/test_graph.py (no host sync in a decode step, a recall replayed exactly, batched = alone).
 # Installs nothing from the network: pytest, Pillow and pydantic come from artifacts/gpu/wheels (appended to the path:
 # the machine's own packages come first), the tokenizer from artifacts/gpu/tokenizer (both made by
 # bench/gpu_prepare.sh; carry "artifacts/gpu").
@@ -27,13 +27,13 @@ BENCH_BUDGET=${BENCH_BUDGET:-340}
   else
     echo "!! no artifacts/gpu/wheels: no pytest (the gpu tests) nor the chat service (bench/gpu_prepare.sh here first)"
   fi
-  echo "== 1. gpu tests (timeout ${TESTS_TIMEOUT} s)"
+  echo "== 1. bench/gpu.py (budget ${BENCH_BUDGET} s)"
+  t0=$(date +%s)
+  timeout $(( BENCH_BUDGET + 75 )) "$PY" bench/gpu.py --out "$OUT" --budget "$BENCH_BUDGET" "$@"
+  echo "== bench: exit $? in $(( $(date +%s) - t0 )) s"
+  echo "== 2. gpu tests (timeout ${TESTS_TIMEOUT} s)"
   t0=$(date +%s)
   timeout "$TESTS_TIMEOUT" "$PY" -m pytest -p no:cacheprovider -o addopts="" --noconftest -p no:logging -m gpu \
     -rfEsp -q --junitxml="$OUT/gpu_tests.xml" tests/decoding/test_graph.py
   echo "== gpu tests: exit $? in $(( $(date +%s) - t0 )) s"
-  echo "== 2. bench/gpu.py (budget ${BENCH_BUDGET} s)"
-  t0=$(date +%s)
-  timeout $(( BENCH_BUDGET + 75 )) "$PY" bench/gpu.py --out "$OUT" --budget "$BENCH_BUDGET" "$@"
-  echo "== bench: exit $? in $(( $(date +%s) - t0 )) s"
 } 2>&1 | tee -a "$OUT/gpu_run.log"

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from decoding.graph import MATVEC
 from decoding.settings import GenerationSettings, RecallSettings
 from models import LoadOptions
 from models.load import resolve_backend
@@ -52,7 +53,8 @@ class ModelConfig:
     graph_max_len: int = 4096  # positions of the graph step's static cache (a prompt and its answer past it: the loop)
     graph_rows: int = 8  # concurrent answers as rows of a second graph step (decoding/graph_rows.py); 0: in the loop
     graph_freeze: bool = False  # the graph steps' decode forward frozen (q/k/v, gate/up one matmul; a copy of them)
-    graph_fuse: bool = False  # q/k/v, gate/up joined in place (decoding/fused.py): one matmul each, no copy
+    graph_fuse: bool = True  # q/k/v, gate/up joined in place (decoding/fused.py): one matmul each, no copy
+    graph_matvec: str = "auto"  # a one-row product in the graph steps: auto | cublas | triton (decoding/graph.py)
     quantize: str = "none"  # none | int8: int8 weights and activations on the CPU (models/quantize.py; changes outputs)
     backend: str = "auto"  # auto (llama.cpp on a CPU) | transformers | llamacpp (a GGUF on llama.cpp, models/llamacpp.py)
     gguf_type: str = "q8_0"  # the embedded recall model's GGUF on llama.cpp: q8_0 | q4_1 | f16 | f32
@@ -73,6 +75,7 @@ class ModelConfig:
                "graph_rows", self.graph_rows, "an integer from 0 to 256")
         _check(isinstance(self.graph_freeze, bool), "graph_freeze", self.graph_freeze, "true, false")
         _check(isinstance(self.graph_fuse, bool), "graph_fuse", self.graph_fuse, "true, false")
+        _check(self.graph_matvec in MATVEC, "graph_matvec", self.graph_matvec, ", ".join(MATVEC))
         _check(self.quantize in QUANTIZE, "quantize", self.quantize, ", ".join(QUANTIZE))
         _check(self.backend in ("auto", "transformers", "llamacpp"), "backend", self.backend,
                "auto, transformers, llamacpp")

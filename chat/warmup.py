@@ -32,7 +32,8 @@ class WarmUp:
         if lm.device.type == "cuda" if model_cfg.graph_step == "auto" else bool(model_cfg.graph_step):
             model = lm.merged()
             shape = dict(max_slots=self.cfg.memory.max_slots, max_len=model_cfg.graph_max_len,
-                         compile=lm.device.type == "cuda", freeze=model_cfg.graph_freeze, fuse=model_cfg.graph_fuse)
+                         compile=lm.device.type == "cuda", freeze=model_cfg.graph_freeze, fuse=model_cfg.graph_fuse,
+                         matvec=model_cfg.graph_matvec)
             graphs = [graph.enable(model, **shape)]
             if model_cfg.graph_rows and not lm.is_vision:  # (the rows take text answers)
                 graphs.append(graph_rows.enable_rows(model, rows=model_cfg.graph_rows, **shape))

@@ -57,6 +57,8 @@ from decoding.settings import GenerationSettings
 from models.modeling import backbone_and_head, head_logits, unwrap_model
 
 log = logging.getLogger("decoding.graph")
+MATVEC = ("auto", "cublas", "triton")  # `GraphStep(matvec=)`
+MATVEC_AUTO = 1024  # the largest hidden size "auto" multiplies with Triton (faster at 576, slower at 2048: docs/gpu)
 SPANS = (17, 33)  # widths of the wide graphs: a recalled memory's slots and its suffix in one replay (16 + 1, 32 + 1)
 
 
@@ -78,11 +80,19 @@ class GraphStep:
 
     `fuse`: the same joined products without the copy (`decoding.fused`): each group's weights moved into one
     tensor, in place (the modules' weights its views), and every forward of the step compiled to one matmul a
-    group."""
+    group.
+
+    `matvec`: how the compiled forwards multiply a row by a weight: "cublas" (cuBLAS's kernels, one a product) or
+    "triton" (inductor's coordinate-descent tuning, which turns a one-row product into a Triton reduction that it
+    fuses with its neighbours and tunes: fewer, shorter kernels for a small model's small matrices, slower than
+    cuBLAS on large ones; a longer compile: only the one-position forward is compiled so); "auto": triton for one
+    row and a hidden size up to `MATVEC_AUTO` on CUDA (rows make the products matrix ones)."""
 
     def __init__(self, model: torch.nn.Module, *, batch: int = 1, max_len: int = 1024,
                  spans: tuple[int, ...] = SPANS, compile: bool = True, graphs: str = "manual", rows: bool = False,
-                 freeze: bool = False, fuse: bool = False):
+                 freeze: bool = False, fuse: bool = False, matvec: str = "cublas"):
+        if matvec not in MATVEC:
+            raise ValueError(f"matvec is {matvec!r}; allowed: {', '.join(MATVEC)}")
         self.model = model
         self.fuse = fuse and compile
         if self.fuse:
@@ -94,6 +104,8 @@ class GraphStep:
         param = next(base.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.config = config = base.config.get_text_config(decoder=True)
+        self.matvec = matvec if matvec != "auto" else "triton" if self.device.type == "cuda" and batch == 1 and \
+            config.hidden_size <= MATVEC_AUTO else "cublas"
         self.batch, self.max_len, self.spans = batch, max_len, tuple(sorted(spans))
         self.cache = StaticCache(config=config, max_cache_len=max_len)
         # a replay attends over the smallest window of the cache that holds its columns (`decoding.graph_windows`)
@@ -129,27 +141,30 @@ class GraphStep:
         self.compile_seconds: float | None = None
 
     def _compile(self) -> tuple[Callable, Callable]:
-        """(the forward of the span graphs, the one-position forward): frozen or not (`freeze`)."""
+        """(the forward of the span graphs, the one-position forward): the latter frozen (`freeze`) or tuned
+        (`matvec="triton"`: only a one-position forward has one-row products to turn into reductions) in a compile
+        of its own."""
         if not self.compiled:
             return self._forward, self._forward
-        if self.fuse:  # (torch.compile takes a mode or options: "reduce-overhead" is CUDA graphs)
-            trees = {"triton.cudagraphs": True} if self.mode == "trees" else {}
-            fn = joining(torch.compile(self._forward, dynamic=False, options={**FUSED, **trees}))
-        else:
-            fn = torch.compile(self._forward, dynamic=False, mode="reduce-overhead" if self.mode == "trees" else None)
+        # (torch.compile takes a mode or options: "reduce-overhead" is {"triton.cudagraphs": True})
+        options = {**({"triton.cudagraphs": True} if self.mode == "trees" else {}), **(FUSED if self.fuse else {})}
+        fn = torch.compile(self._forward, dynamic=False, options=options or None)
+        fn = joining(fn) if self.fuse else fn
+        tuned = {"coordinate_descent_tuning": True} if self.matvec == "triton" else {}
         if not self.freeze:
-            return fn, fn
-        options = {"freezing": True}
+            one = joining if self.fuse else (lambda f: f)
+            return fn, one(torch.compile(self._forward, dynamic=False, options={**options, **tuned})) if tuned else fn
+        freezing = {"freezing": True}
         if self.device.type == "cpu":  # (the same concatenation on a CPU, where the tests check the frozen step)
-            options["cpp.enable_concat_linear"] = True
-        frozen = torch.compile(self._forward, dynamic=False, options=options)  # (its own options: its own compiles)
+            freezing["cpp.enable_concat_linear"] = True
+        frozen = torch.compile(self._forward, dynamic=False, options={**freezing, **tuned})  # (its own compiles)
 
         def one(*inputs):
             # dynamo reads the global setting as it traces (to lift the weights as constants), so it is set too, but
             # only while the warm-up compiles, under `TRACING`: before torch 2.12 the setting is the process's, and
             # a compile of another step in that moment (its cache marked static) would fold its cache. A compile
             # after the warm-up (a missed guard) is not frozen: slower, not wrong.
-            with torch._inductor.config.patch(options) if self._freezing else contextlib.nullcontext():
+            with torch._inductor.config.patch(freezing) if self._freezing else contextlib.nullcontext():
                 return frozen(*inputs)
         return fn, one
 
@@ -344,8 +359,10 @@ class GraphStep:
             w.flag.copy_((staged[width:2 * width] > 0).expand(self.batch, -1))
             w.n.copy_(staged[-1:])
             w.last.copy_((staged[-1] - 1).expand(self.batch))
-            if here:
-                w.vector[:, here] = torch.stack([vectors[start + i] for i in here]).to(w.vector.dtype)
+            if here:  # (a memory's slots are one run of columns: a slice's copy, no index sent to the device)
+                stacked = torch.stack([vectors[start + i] for i in here])
+                columns = slice(here[0], here[-1] + 1) if here[-1] - here[0] + 1 == len(here) else here
+                w.vector[:, columns] = stacked.to(w.vector.dtype)
             last = start + n >= len(tokens)
             out = self._run(w, kind if last or kind is None else dataclasses.replace(kind, commit=False))
             self.length += n

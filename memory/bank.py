@@ -254,8 +254,7 @@ class MemoryVectorDB(BankShape):
             raise ValueError(f"k must be >= 0 or None, got {k}")
         approximate = snap.ann is not None and k is not None and 0 < k < snap.n
         if isinstance(query, torch.Tensor) and query.device.type != "cpu" and not approximate and snap.n:
-            scores, ids = self.device_keys(query.device).topk(query, k)  # the query stays on its device
-            return scores.cpu(), ids.cpu()
+            return self.device_keys(query.device).search(query, k)  # the query stays on its device
         q = as_query(query, self._dim)
         if approximate:
             scores, rows = snap.ann.search(q, k, snap.n)

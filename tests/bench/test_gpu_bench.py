@@ -26,14 +26,21 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir)
     frozen = model["graph step, frozen"]  # (its tokens against the plain step's: reported; test_graph.py checks them)
     assert "/" in frozen["agrees_with_eager"] and isinstance(frozen["same_tokens_as_the_step"], bool)
     assert frozen["frozen"] is True
-    kernels = model["graph step, kernels"]  # (on a CPU the operators: the step's 15 matmuls among them)
-    assert kernels["what"] == "cpu_op" and kernels["per_call"] > 15 and kernels["busy_ms_per_call"] > 0
-    assert {"name": "aten::mm", "per_call": 15.0} in [{k: t[k] for k in ("name", "per_call")} for t in kernels["top"]]
+    # the step as the chat's defaults make it (`model.graph_fuse`): q/k/v and gate/up one matmul each (on a CPU the
+    # default `model.graph_matvec` is cuBLAS's way: matmuls); its operators over 32 tokens: the eager prefill's 7
+    # matmuls a layer and the head's, then 31 steps of 4 a layer and the head's
+    assert model["graph step"]["fuse"] is True and model["graph step"]["matvec"] == "cublas"
+    kernels, layers = model["graph step, kernels"], model["layers"]
+    assert kernels["what"] == "cpu_op" and kernels["busy_ms_per_call"] > 0
+    mm = next(t["per_call"] for t in kernels["top"] if t["name"] == "aten::mm")
+    assert mm * 32 == 31 * (4 * layers + 1) + 7 * layers + 1
     recall = model["recall"]["2000"]  # (the largest bank: what the head and the span's replay run)
     assert {"aten::mm", "aten::addmv_"} & {t["name"] for t in recall["head_kernels"]["top"]}  # (the keys' product)
     assert recall["span_kernels"]["per_call"] > 15
-    fused = model["graph step, fused"]  # (on a twin: q/k/v and gate/up of each layer joined)
-    assert fused["fused_groups"] == 2 * model["layers"] and isinstance(fused["same_tokens_as_the_step"], bool)
+    plain = model["graph step, variant: not fused"]  # (the same model, each module's own rows)
+    assert plain["fuse"] is False and isinstance(plain["same_tokens_as_the_step"], bool)
+    assert set(k for k in model if k.startswith("graph step, variant")) == {"graph step, variant: not fused"}
+    assert "span_replay_ms" not in recall  # (a CPU has no captured graph to replay)
     long = model["graph step, long cache"]  # (its time is measured, not checked: 6 tokens, 1 repeat under load can
     assert long["positions"] == 512 and isinstance(long["ms_per_token"], float)  # come out below zero)
     assert all(r["recalled_through_the_decoder"] and r["slots"] == 16 for r in model["recall"].values())

@@ -108,3 +108,27 @@ def test_a_compile_of_joined_modules_without_the_pass_runs_each_modules_own_rows
     assert unfused(model) == unfused(reference)
     with torch.no_grad():
         torch.testing.assert_close(model(prompt(1)).logits, reference(prompt(1)).logits, atol=0, rtol=0)
+
+
+def test_the_pass_keeps_one_of_a_groups_products_as_reductions():
+    """With `model.graph_matvec: triton` inductor decomposes a one-row product (in bf16) into casts, a broadcast
+    multiply and a sum (`torch._inductor.decomposition.mm`, on CUDA only): the pass keeps one of a group's three, as
+    it keeps one of three matmuls; a product of other inputs stays."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def product(x, w):  # what the decomposition writes for mm(x [1, K], w [K, N]) in bf16
+        return (x.unsqueeze(2).float() * w.unsqueeze(0).float()).sum(dim=1).to(torch.bfloat16)
+
+    def group(x, w, other):
+        whole = [product(x, w)[..., a:b] for a, b in ((0, 4), (4, 6), (6, 8))]
+        return *whole, product(x, other)
+
+    x, w, other = (torch.randn(s, dtype=torch.bfloat16) for s in ((1, 16), (16, 8), (16, 8)))
+    gm = make_fx(group, decomposition_table=select_decomp_table())(x, w, other)
+    count = lambda: sum(n.target is torch.ops.aten.mul.Tensor for n in gm.graph.nodes)  # noqa: E731
+    assert count() == 4
+    fused.SameProducts()(gm.graph)
+    gm.recompile()
+    assert count() == 2  # (the group's one and the other product's)
+    torch.testing.assert_close(gm(x, w, other), group(x, w, other))

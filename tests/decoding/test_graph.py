@@ -323,14 +323,18 @@ def test_the_device_search_ranks_as_the_bank():
     torch.testing.assert_close(scores, want_scores, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("freeze", [False, True], ids=["plain", "frozen"])
-def test_the_compiled_step_equals_the_eager_one(model, eager, freeze):
+@pytest.mark.parametrize("freeze,matvec", [(False, "cublas"), (True, "cublas"), (False, "triton")],
+                         ids=["plain", "frozen", "tuned"])
+def test_the_compiled_step_equals_the_eager_one(model, eager, freeze, matvec):
     """torch.compile of the same step (on a CPU: inductor without CUDA graphs) gives the eager step's tokens, logits and
     recalls; frozen too (the weights constants, q/k/v and gate/up one matmul each; the cache a plain input: marked
-    static, freezing folds it into a constant and the tokens part at the second step)."""
+    static, freezing folds it into a constant and the tokens part at the second step); tuned too (`matvec="triton"`:
+    the one-position forward in a compile of its own, with coordinate-descent tuning; on a CPU inductor keeps its
+    products, so this checks the two compiles, the GPU test their reductions)."""
     from torch._dynamo.utils import counters
 
-    fast = GraphDecoder(model, max_len=256, freeze=freeze)
+    fast = GraphDecoder(model, max_len=256, freeze=freeze, matvec=matvec)
+    assert fast.graph.matvec == matvec and (fast.graph._fn is fast.graph._fn_one) == (not freeze and matvec == "cublas")
     fast.warm_up()
     graphs = counters["stats"]["unique_graphs"]
     recall = kv_recall(model)
@@ -469,22 +473,60 @@ def test_a_recall_on_the_gpu_replays_exactly(cuda_model, graphed):
 
 @gpu
 @pytest.mark.gpu
-def test_the_frozen_step_is_one_graph_without_host_syncs_and_the_loops(cuda_model):
-    """Inductor's freezing (`freeze=True`: q/k/v and gate/up one matmul each) on the GPU: still one captured graph, no
-    host sync, the loop's greedy tokens and recalls."""
-    frozen = GraphDecoder(cuda_model, max_len=256, spans=(17,), freeze=True)
-    frozen.warm_up()
-    assert frozen.graph.mode == "manual" and frozen.graph.fallback is None and frozen.graph.freeze
-    recall, ids = kv_recall(cuda_model), prompt(2)
+@pytest.mark.parametrize("how", ["freeze", "fuse-triton"])
+def test_a_compile_variant_is_one_graph_without_host_syncs_and_the_loops(cuda_model, how):
+    """Inductor's freezing (`freeze=True`: q/k/v and gate/up one matmul each), or q/k/v and gate/up joined in place
+    with the one-row products as tuned Triton reductions (`fuse=True, matvec="triton"`: no cuBLAS kernel in a decode
+    step's replay) on the GPU: still one captured graph, no host sync, the loop's greedy tokens and recalls."""
+    model = cuda_model if how == "freeze" else tiny_llama(seed=3, device="cuda")  # (fused in place: its own)
+    dec = GraphDecoder(model, max_len=256, spans=(17,), freeze=how == "freeze", fuse=how != "freeze",
+                       matvec="cublas" if how == "freeze" else "triton")
+    dec.warm_up()
+    assert dec.graph.mode == "manual" and dec.graph.fallback is None
+    assert dec.graph.freeze if how == "freeze" else dec.graph.fuse and dec.graph.matvec == "triton"
+    recall, ids = kv_recall(model), prompt(2)
     s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),))
-    frozen.generate(ids, s, recall=recall)  # (the first replays of a new path may record)
-    frozen.launch_guard = no_sync
+    dec.generate(ids, s, recall=recall)  # (the first replays of a new path may record)
+    dec.launch_guard = no_sync
     try:
-        got = frozen.generate(ids, s, recall=recall, keep_logits=True)
+        got = dec.generate(ids, s, recall=recall, keep_logits=True)
     finally:
-        frozen.launch_guard = contextlib.nullcontext
+        dec.launch_guard = contextlib.nullcontext
     assert got.recalls
-    assert_same_as_loop(got, loop_run(cuda_model, ids, s, recall), ids, atol=1e-4)
+    assert_same_as_loop(got, loop_run(model, ids, s, recall), ids, atol=1e-4)
+    if how != "freeze":  # the decode step's kernels: inductor's reductions, none of cuBLAS's
+        replay = next(graph for (width, *_), (graph, _) in dec.graph._captured.items() if width == 1).replay
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            replay()
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+        assert any(n.startswith("triton_") for n in names), names
+        assert not [n for n in names if any(w in n.lower() for w in ("gemv", "gemm", "nvjet", "cublas"))], names
+
+
+@gpu
+@pytest.mark.gpu
+def test_the_captured_memory_head_ranks_as_the_eager_search():
+    """From a bank state's second search with one k, the search is one captured CUDA graph (`memory.device._Head`):
+    the same scores and ids as the eager search, for new queries (copied into its buffer) of either dtype and shape,
+    and for another k; a new state captures its own."""
+    from memory.device import _Head
+
+    g = torch.Generator().manual_seed(0)
+    db = MemoryVectorDB(32)
+    db.add(torch.randn(3000, 32, generator=g))
+    queries = [torch.randn(32, generator=g).cuda() for _ in range(4)]
+    for k in (5, 40):
+        for i, q in enumerate(queries):
+            query = q.to(torch.bfloat16)[None] if i % 2 else q
+            keys = db.device_keys("cuda")
+            scores, ids = db.topk(query, k)
+            want_scores, want_ids = keys.topk(query, k)
+            assert ids.tolist() == want_ids.tolist() and scores.device.type == "cpu"
+            torch.testing.assert_close(scores, want_scores.cpu(), atol=1e-6, rtol=1e-6)
+        assert isinstance(keys._heads[k], _Head)
+    db.add(torch.randn(10, 32, generator=g))
+    assert not db.device_keys("cuda")._heads  # (a new state: its own keys, searched anew)
 
 
 @gpu
