@@ -519,14 +519,14 @@ def test_the_captured_memory_head_ranks_as_the_eager_search():
     for k in (5, 40):
         for i, q in enumerate(queries):
             query = q.to(torch.bfloat16)[None] if i % 2 else q
-            keys = db.device_keys("cuda")
+            keys = db.device_keys(query.device)
             scores, ids = db.topk(query, k)
             want_scores, want_ids = keys.topk(query, k)
             assert ids.tolist() == want_ids.tolist() and scores.device.type == "cpu"
             torch.testing.assert_close(scores, want_scores.cpu(), atol=1e-6, rtol=1e-6)
         assert isinstance(keys._heads[k], _Head)
     db.add(torch.randn(10, 32, generator=g))
-    assert not db.device_keys("cuda")._heads  # (a new state: its own keys, searched anew)
+    assert not db.device_keys(queries[0].device)._heads  # (a new state: its own keys, searched anew)
 
 
 @gpu
