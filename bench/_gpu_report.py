@@ -93,7 +93,8 @@ def _variant(measure: str, label: str, key: str) -> Callable[[dict], list[str]]:
 
 def _variants(models: dict) -> list[str]:
     """The step's variants (`bench.gpu.ModelBench.variant`) beside the step."""
-    lines = header("model", "graph step (fuse, matvec) ms/token (memory GB, compile s)", "variant (fuse, matvec)",
+    lines = header("model", "graph step (fuse, matvec, gqa) ms/token (memory GB, compile s)",
+                   "variant (fuse, matvec, gqa)",
                    "ms/token (memory GB, compile s)", "variant / the step", "first greedy tokens = eager generate's",
                    "same tokens as the step")
     for name, m in models.items():
@@ -101,8 +102,8 @@ def _variants(models: dict) -> list[str]:
         step = f"{cell(g, 'ms_per_token')} ({cell(g, 'memory_gb')}, {cell(g, 'compile_s', '{:.0f}')})"
         for key, v in m.items():
             if key.startswith("graph step, variant: "):
-                lines.append(f"| {name} | ({field(g, 'fuse')}, {field(g, 'matvec')}) {step} | "
-                             f"{key.split(': ', 1)[1]} ({field(v, 'fuse')}, {field(v, 'matvec')}) | "
+                lines.append(f"| {name} | ({field(g, 'fuse')}, {field(g, 'matvec')}, {field(g, 'gqa')}) {step} | "
+                             f"{key.split(': ', 1)[1]} ({field(v, 'fuse')}, {field(v, 'matvec')}, {field(v, 'gqa')}) | "
                              f"{cell(v, 'ms_per_token')} ({cell(v, 'memory_gb')}, {cell(v, 'compile_s', '{:.0f}')}) | "
                              f"{cell(v, 'vs_the_step')} | {field(v, 'agrees_with_eager')} | "
                              f"{field(v, 'same_tokens_as_the_step')} |")

@@ -145,9 +145,10 @@ class ModelBench:
         # attached to the model (as the chat's service attaches it): the sessions measure answers on it too
         before = allocated()
         dec = graph.enable(self.model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs,
-                           fuse=self.args.fuse, matvec=self.args.matvec)
+                           fuse=self.args.fuse, matvec=self.args.matvec, gqa=self.args.gqa)
         out = self._step(dec, "graph")
-        out.update(memory_gb=(allocated() - before) / 1e9, fuse=dec.graph.fuse, matvec=dec.graph.matvec)
+        out.update(memory_gb=(allocated() - before) / 1e9, fuse=dec.graph.fuse, matvec=dec.graph.matvec,
+                   gqa=dec.graph.gqa)
         self.decoder = dec
         return out
 
@@ -197,17 +198,19 @@ class ModelBench:
             torch.cuda.empty_cache()
         return out
 
-    def variant(self, fuse: bool, matvec: str):
-        """The step with other options (`model.graph_fuse`, `model.graph_matvec`), side by side with the step (on a
-        twin of the model when it fuses a model the step did not: fusing moves the weights)."""
+    def variant(self, fuse: bool, matvec: str, gqa: str):
+        """The step with other options (`model.graph_fuse`, `model.graph_matvec`, `model.graph_gqa`), side by side
+        with the step (on a twin of the model when it fuses a model the step did not, fusing moves the weights, or
+        packs its attention, which the model's config then says)."""
         def fn() -> dict:
-            model = self._twin() if fuse and not self.args.fuse else self.model
-            before, name = allocated(), f"fuse={fuse}, matvec={matvec}"
+            twin = (fuse and not self.args.fuse) or (gqa == "packed" and self.info["graph step"].get("gqa") != gqa)
+            model = self._twin() if twin else self.model
+            before, name = allocated(), f"fuse={fuse}, matvec={matvec}, gqa={gqa}"
             dec = GraphDecoder(model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs,
-                               fuse=fuse, matvec=matvec)
+                               fuse=fuse, matvec=matvec, gqa=gqa)
             out = self._step(dec, name)
             out.update(memory_gb=(allocated() - before) / 1e9, fuse=dec.graph.fuse, matvec=dec.graph.matvec,
-                       same_tokens_as_the_step=self.answers[name] == self.answers.get("graph"))
+                       gqa=dec.graph.gqa, same_tokens_as_the_step=self.answers[name] == self.answers.get("graph"))
             self._vs_the_step(out)
             del dec, model
             gc.collect()
@@ -216,13 +219,17 @@ class ModelBench:
             return out
         return fn
 
-    def variants(self) -> list[tuple[str, bool, str]]:
-        """(label, fuse, matvec) of the variants measured beside the step: the other fusion, and the other way to
-        multiply a row when the step's way is not cuBLAS's."""
+    def variants(self) -> list[tuple[str, bool, str, str]]:
+        """(label, fuse, matvec, gqa) of the variants measured beside the step, first what may be made a default
+        next: the attention packed for a model with grouped-query layers whose step copies their heads, cuBLAS's
+        products when the step's are Triton's, the other fusion."""
         step = self.info.get("graph step", {})
-        fused, matvec = step.get("fuse", self.args.fuse), step.get("matvec", "cublas")
-        out = [("cuBLAS" if fused else "plain, cuBLAS", fused, "cublas")] if matvec != "cublas" else []
-        return out + [("not fused" if fused else "fused", not fused, "cublas")]
+        fused, matvec, gqa = step.get("fuse", self.args.fuse), step.get("matvec", "cublas"), step.get("gqa", "repeat")
+        config = self.model.config.get_text_config()
+        out = [("packed attention", fused, matvec, "packed")] if gqa == "repeat" and \
+            config.num_key_value_heads < config.num_attention_heads else []
+        out += [("cuBLAS" if fused else "plain, cuBLAS", fused, "cublas", gqa)] if matvec != "cublas" else []
+        return out + [("not fused" if fused else "fused", not fused, "cublas", gqa)]
 
     def kernels(self) -> dict:
         """What one token of the plain step runs (torch.profiler over 32 tokens after a warm answer: on a GPU the
@@ -335,8 +342,8 @@ class ModelBench:
         run.measure(name, "chat on the graph step", 10, self.chat_graph)
         run.measure(name, "graph step, every page processor", 10, self.page_processors)
         if args.variants:
-            for label, fuse, matvec in self.variants():
-                run.measure(name, f"graph step, variant: {label}", 80, self.variant(fuse, matvec))
+            for label, *options in self.variants():
+                run.measure(name, f"graph step, variant: {label}", 80, self.variant(*options))
         if args.static:
             run.measure(name, "transformers static generate", 30, self.hf_static)
         for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio
@@ -386,6 +393,8 @@ def main() -> None:
                     help="the step's q/k/v and gate/up joined (model.graph_fuse; its default)")
     ap.add_argument("--matvec", default=defaults.graph_matvec, choices=graph.MATVEC,
                     help="the step's one-row products (model.graph_matvec; its default)")
+    ap.add_argument("--gqa", default=defaults.graph_gqa, choices=graph.GQA,
+                    help="the step's grouped-query attention (model.graph_gqa; its default)")
     ap.add_argument("--no-variants", dest="variants", action="store_false",
                     help="skip the step's variants (the other fusion; cuBLAS's products beside Triton's)")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape and a few tokens (runs on a CPU)")

@@ -49,6 +49,7 @@ from decoding.compiled import TRACING
 from decoding.memory import Recall
 from decoding.device_sampler import FULL, DeviceSampler, Kind
 from decoding.fused import OPTIONS as FUSED, fuse_projections, joining
+from decoding.gqa import pack
 from decoding.graph_inputs import Inputs
 from decoding.graph_windows import allocate_strided, cache_windows, window_mask, windowable
 from decoding.graph_loop import Decoded, HostLoop
@@ -58,6 +59,7 @@ from models.modeling import backbone_and_head, head_logits, unwrap_model
 
 log = logging.getLogger("decoding.graph")
 MATVEC = ("auto", "cublas", "triton")  # `GraphStep(matvec=)`
+GQA = ("repeat", "packed")  # `GraphStep(gqa=)`
 MATVEC_AUTO = 1024  # the largest hidden size "auto" multiplies with Triton (faster at 576, slower at 2048: docs/gpu)
 SPANS = (17, 33)  # widths of the wide graphs: a recalled memory's slots and its suffix in one replay (16 + 1, 32 + 1)
 
@@ -86,13 +88,20 @@ class GraphStep:
     "triton" (inductor's coordinate-descent tuning, which turns a one-row product into a Triton reduction that it
     fuses with its neighbours and tunes: fewer, shorter kernels for a small model's small matrices, slower than
     cuBLAS on large ones; a longer compile: only the one-position forward is compiled so); "auto": triton for one
-    row and a hidden size up to `MATVEC_AUTO` on CUDA (rows make the products matrix ones)."""
+    row and a hidden size up to `MATVEC_AUTO` on CUDA (rows make the products matrix ones).
+
+    `gqa`: "repeat" (transformers' SDPA: a grouped-query layer copies its key/value heads once a query head before
+    attending) or "packed" (`decoding.gqa`: one position's query heads that share a key/value head attend as the rows
+    of one attention over it, no copy; the model's attention implementation becomes `decoding.gqa.PACKED`, for every
+    path: SDPA's own but for one position). A model without grouped-query layers, or not on SDPA, keeps its own."""
 
     def __init__(self, model: torch.nn.Module, *, batch: int = 1, max_len: int = 1024,
                  spans: tuple[int, ...] = SPANS, compile: bool = True, graphs: str = "manual", rows: bool = False,
-                 freeze: bool = False, fuse: bool = False, matvec: str = "cublas"):
+                 freeze: bool = False, fuse: bool = False, matvec: str = "cublas", gqa: str = "repeat"):
         if matvec not in MATVEC:
             raise ValueError(f"matvec is {matvec!r}; allowed: {', '.join(MATVEC)}")
+        if gqa not in GQA:
+            raise ValueError(f"gqa is {gqa!r}; allowed: {', '.join(GQA)}")
         self.model = model
         self.fuse = fuse and compile
         if self.fuse:
@@ -104,6 +113,7 @@ class GraphStep:
         param = next(base.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.config = config = base.config.get_text_config(decoder=True)
+        self.gqa = "packed" if gqa == "packed" and self._packs(config) else "repeat"
         self.matvec = matvec if matvec != "auto" else "triton" if self.device.type == "cuda" and batch == 1 and \
             config.hidden_size <= MATVEC_AUTO else "cublas"
         self.batch, self.max_len, self.spans = batch, max_len, tuple(sorted(spans))
@@ -139,6 +149,12 @@ class GraphStep:
         self._fn, self._fn_one = self._compile()
         self._captured: dict = {}  # (width, kind, window) -> (CUDAGraph, (hidden, logits))
         self.compile_seconds: float | None = None
+
+    @staticmethod
+    def _packs(config) -> bool:
+        """`gqa="packed"`: the text model's attention packed (`decoding.gqa.pack`), if it has grouped-query layers."""
+        heads, shared = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+        return bool(shared) and shared < heads and pack(config)
 
     def _compile(self) -> tuple[Callable, Callable]:
         """(the forward of the span graphs, the one-position forward): the latter frozen (`freeze`) or tuned

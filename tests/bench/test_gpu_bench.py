@@ -39,7 +39,11 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir)
     assert recall["span_kernels"]["per_call"] > 15
     plain = model["graph step, variant: not fused"]  # (the same model, each module's own rows)
     assert plain["fuse"] is False and isinstance(plain["same_tokens_as_the_step"], bool)
-    assert set(k for k in model if k.startswith("graph step, variant")) == {"graph step, variant: not fused"}
+    packed = model["graph step, variant: packed attention"]  # (a twin: 4 query heads on 2 key/value heads)
+    assert packed["gqa"] == "packed" and model["graph step"]["gqa"] == "repeat" and packed["fuse"] is True
+    assert isinstance(packed["same_tokens_as_the_step"], bool)
+    assert {k for k in model if k.startswith("graph step, variant")} == {
+        "graph step, variant: not fused", "graph step, variant: packed attention"}
     assert "span_replay_ms" not in recall  # (a CPU has no captured graph to replay)
     long = model["graph step, long cache"]  # (its time is measured, not checked: 6 tokens, 1 repeat under load can
     assert long["positions"] == 512 and isinstance(long["ms_per_token"], float)  # come out below zero)

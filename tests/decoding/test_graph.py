@@ -473,17 +473,19 @@ def test_a_recall_on_the_gpu_replays_exactly(cuda_model, graphed):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("how", ["freeze", "fuse-triton"])
+@pytest.mark.parametrize("how", ["freeze", "fuse-triton", "fuse-triton-packed"])
 def test_a_compile_variant_is_one_graph_without_host_syncs_and_the_loops(cuda_model, how):
     """Inductor's freezing (`freeze=True`: q/k/v and gate/up one matmul each), or q/k/v and gate/up joined in place
     with the one-row products as tuned Triton reductions (`fuse=True, matvec="triton"`: no cuBLAS kernel in a decode
-    step's replay) on the GPU: still one captured graph, no host sync, the loop's greedy tokens and recalls."""
+    step's replay), and with the attention packed (`gqa="packed"`) on the GPU: still one captured graph, no host
+    sync, the loop's greedy tokens and recalls."""
     model = cuda_model if how == "freeze" else tiny_llama(seed=3, device="cuda")  # (fused in place: its own)
     dec = GraphDecoder(model, max_len=256, spans=(17,), freeze=how == "freeze", fuse=how != "freeze",
-                       matvec="cublas" if how == "freeze" else "triton")
+                       matvec="cublas" if how == "freeze" else "triton", gqa="packed" if "packed" in how else "repeat")
     dec.warm_up()
     assert dec.graph.mode == "manual" and dec.graph.fallback is None
     assert dec.graph.freeze if how == "freeze" else dec.graph.fuse and dec.graph.matvec == "triton"
+    assert dec.graph.gqa == ("packed" if "packed" in how else "repeat")
     recall, ids = kv_recall(model), prompt(2)
     s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),))
     dec.generate(ids, s, recall=recall)  # (the first replays of a new path may record)

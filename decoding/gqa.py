@@ -1,0 +1,50 @@
+"""Grouped-query attention of one position without copying its keys and values (`GraphStep(gqa="packed")`).
+
+A model whose query heads share key/value heads (SmolLM2-135M: 9 and 3; Qwen3-VL-2B: 16 and 8) attends, under
+transformers' SDPA with an attention mask (the graph step always passes one), after `repeat_kv` has copied every
+key/value head once a query head: two copies of the cache's window a layer and a position. On GPU run 5's 135M step
+those copies were 58 kernels and 114 µs of its 0.94 ms of kernels a token. For one query position the heads that
+share a key/value head can instead be the rows of one attention over it: the query [B, H, 1, D] viewed as
+[B, H_kv, G, D], the mask [B, 1, 1, S] broadcast over the G rows, the keys and values read as they are; the output
+viewed back. The same dot products and softmax, so the same numbers up to the kernel's summation order (what
+transformers itself does for one position outside torch.compile, `pack_gqa`; it keeps `repeat_kv` under compile).
+
+`PACKED` is an attention implementation registered with transformers (with SDPA's masks): the packed attention for
+one position of a grouped-query layer with a mask shared by its heads, SDPA's own otherwise (a span, a prompt).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+PACKED = "recall_packed_sdpa"
+
+
+def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: query [B, H, L, D], key and value [B, H_kv, S, D] -> ([B, L, H, D], None)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, length, dim = query.shape
+    if groups == 1 or length != 1 or attention_mask is None or attention_mask.shape[1] != 1 or dropout \
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    rows = query.reshape(batch, heads // groups, groups, dim)  # a key/value head's query heads as its rows
+    out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask,
+                                                           scale=scaling)  # [B, H_kv, G, D]
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED, packed_sdpa)
+AttentionMaskInterface.register(PACKED, sdpa_mask)
+
+
+def pack(config) -> bool:
+    """The text model of `config` attends with `PACKED` from now on, if it attended with SDPA; whether it does."""
+    if config._attn_implementation == "sdpa":
+        config._attn_implementation = PACKED
+    return config._attn_implementation == PACKED

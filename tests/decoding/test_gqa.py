@@ -1,0 +1,71 @@
+"""decoding/gqa.py: one position's grouped-query attention with the query heads of a key/value head as its rows."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from decoding import gqa
+from decoding.graph import GraphDecoder
+from decoding.settings import GenerationSettings
+from test_graph import RECALL, kv_recall, prompt, tiny_llama
+
+
+@pytest.fixture
+def shapes(monkeypatch):
+    """The query shapes SDPA is called with."""
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, *args, **kwargs):
+        seen.append(tuple(query.shape))
+        return sdpa(query, *args, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return seen
+
+
+def test_one_position_attends_packed_and_equals_the_copied_heads(shapes):
+    """4 query heads on 2 key/value heads: one position with a mask attends as [B, 2, 2, D] (no head copied), with
+    the logits of SDPA's own; a prompt (several positions) takes SDPA's own path."""
+    model = tiny_llama(seed=5)
+    ids, mask = prompt(1), torch.ones(1, 1, 1, 13, dtype=torch.bool)
+    with torch.no_grad():
+        past = model(ids, use_cache=True).past_key_values
+        step = lambda: model(torch.tensor([[7]]), past_key_values=copy.deepcopy(past), attention_mask=mask,  # noqa: E731
+                             position_ids=torch.tensor([[12]])).logits
+        want = step()
+        assert gqa.pack(model.config.get_text_config()) and model.config._attn_implementation == gqa.PACKED
+        shapes.clear()
+        got = step()
+        assert shapes == [(1, 2, 2, 16)] * 2  # (2 layers: the query heads of each key/value head as its rows)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        shapes.clear()
+        model(ids)  # a prompt: SDPA's own (transformers' masks for the packed name are SDPA's)
+        assert all(s[2] == ids.shape[1] for s in shapes) and len(shapes) == 2
+
+
+def test_a_model_without_grouped_query_layers_keeps_its_attention():
+    model = tiny_llama(seed=5)
+    model.config.num_key_value_heads = model.config.num_attention_heads
+    assert GraphDecoder(model, max_len=64, compile=False, gqa="packed").graph.gqa == "repeat"
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_packed_compiled_step_equals_the_eager_one(shapes):
+    """The graph step with `gqa="packed"`, compiled (inductor on a CPU), gives the tokens, logits and recalls of the
+    eager step with transformers' copied heads; its decode forward attends packed."""
+    model = tiny_llama(seed=3)  # (its own: packing changes the model's attention implementation)
+    eager = GraphDecoder(model, max_len=256, compile=False)
+    recall = kv_recall(model)
+    s = GenerationSettings(max_new_tokens=24, sequence_bias=(((RECALL,), 4.0),))
+    want = eager.generate(prompt(2), s, recall=recall, keep_logits=True)
+    fast = GraphDecoder(model, max_len=256, gqa="packed")
+    assert fast.graph.gqa == "packed" and model.config._attn_implementation == gqa.PACKED
+    shapes.clear()
+    fast.warm_up()
+    assert (1, 2, 2, 16) in shapes  # (traced: the one-position forward's attention, packed)
+    got = fast.generate(prompt(2), s, recall=recall, keep_logits=True)
+    assert got.tokens == want.tokens and want.recalls
+    assert [(r.position, r.memory_index) for r in got.recalls] == [(r.position, r.memory_index) for r in want.recalls]
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
