@@ -126,6 +126,9 @@ class GraphStep:
             allocate_strided(self.cache, config, batch, max_len, self.dtype, self.device)
         self.one = Inputs.zeros(batch, 1, config.hidden_size, self.device, self.dtype)
         self.wide = {w: Inputs.zeros(batch, w, config.hidden_size, self.device, self.dtype) for w in self.spans}
+        # a single row's span inputs, staged by `forward_span` in one copy: ids [W], flags [W], n, last (the span
+        # graph's first kernels copy them into its inputs; rows fill theirs themselves)
+        self.staged = {w: torch.tensor([0] * (2 * w) + [w, 0], device=self.device) for w in self.spans}
         self.offsets = {w: torch.arange(w, device=self.device) for w in (1, *self.spans)}  # [W]
         self.delta = torch.zeros((batch, 1), dtype=torch.long, device=self.device)  # mRoPE: rotary - text position
         # rows: each row its own request (`decoding.graph_rows`): a replay writes the same columns of every row, a
@@ -237,6 +240,12 @@ class GraphStep:
         forget the padding's cache positions, advance the position, and (with a kind) choose and commit the
         token."""
         width, offsets = inputs.ids.shape[1], self.offsets[inputs.ids.shape[1]]
+        if width > 1 and not self.rows:  # a single row's span: its inputs from `forward_span`'s one staged copy
+            staged = self.staged[width]
+            inputs.ids.copy_(staged[:width].expand(self.batch, -1))
+            inputs.flag.copy_((staged[width:2 * width] > 0).expand(self.batch, -1))
+            inputs.n.copy_(staged[-2].expand(self.batch))
+            inputs.last.copy_(staged[-1].expand(self.batch))
         first = width - inputs.n[:, None] if self.rows else 0  # [B, 1]: a row's first real column (rows: right-aligned)
         valid = (offsets >= first) if self.rows else (offsets < inputs.n[:, None])  # [B, W]
         if kind is not None and kind.sees:
@@ -365,16 +374,14 @@ class GraphStep:
                                  f"{self.max_len} positions held)")
             part, w = tokens[start:start + width], self.wide[width]
             n = len(part)
-            staged = torch.zeros(2 * width + 1, dtype=torch.long)  # ids, flags and n in one copy
-            staged[:n] = torch.tensor(part)
             here = [i for i in range(n) if start + i in vectors]
-            staged[width + torch.tensor(here, dtype=torch.long)] = 1
-            staged[-1] = n
-            staged = staged.to(self.device, non_blocking=True)
-            w.ids.copy_(staged[:width].expand(self.batch, -1))
-            w.flag.copy_((staged[width:2 * width] > 0).expand(self.batch, -1))
-            w.n.copy_(staged[-1:])
-            w.last.copy_((staged[-1] - 1).expand(self.batch))
+            # ids, flags, n and the last column in one copy from pinned memory (its block is not reused before the
+            # copy ran: torch's pinned allocator records it); the span graph copies them into its inputs
+            staged = torch.zeros(2 * width + 2, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            staged[:n] = torch.tensor(part)
+            staged[[width + i for i in here]] = 1
+            staged[-2:] = torch.tensor([n, n - 1])
+            self.staged[width].copy_(staged, non_blocking=True)
             if here:  # (a memory's slots are one run of columns: a slice's copy, no index sent to the device)
                 stacked = torch.stack([vectors[start + i] for i in here])
                 columns = slice(here[0], here[-1] + 1) if here[-1] - here[0] + 1 == len(here) else here
