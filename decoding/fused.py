@@ -107,7 +107,10 @@ def _key(value: Any) -> Any:
         return ("node", id(value))
     if isinstance(value, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
         return str(value)
-    return value if value is None or isinstance(value, (int, float, bool, str)) else ("object", id(value))
+    if isinstance(value, float):  # (by type, so that x * 2 and x * 2.0 stay apart; repr: -0.0 is not 0.0)
+        return "float", repr(value)
+    return (type(value).__name__, value) if value is None or isinstance(value, (int, bool, str)) \
+        else ("object", id(value))
 
 
 OPTIONS = {"post_grad_custom_pre_pass": SameProducts()}  # torch.compile's options for a forward of fused groups

@@ -87,8 +87,9 @@ class GraphStep:
     `matvec`: how the compiled forwards multiply a row by a weight: "cublas" (cuBLAS's kernels, one a product) or
     "triton" (inductor's coordinate-descent tuning, which turns a one-row product into a Triton reduction that it
     fuses with its neighbours and tunes: fewer, shorter kernels for a small model's small matrices, slower than
-    cuBLAS on large ones; a longer compile: only the one-position forward is compiled so); "auto": triton for one
-    row and a hidden size up to `MATVEC_AUTO` on CUDA (rows make the products matrix ones).
+    cuBLAS on large ones; a longer compile: only the one-position forward is compiled so); "auto": triton for a
+    hidden size up to `MATVEC_AUTO` on CUDA. A step of several rows is cuBLAS's whatever it says (its products are
+    matrix ones).
 
     `gqa`: "repeat" (transformers' SDPA: a grouped-query layer copies its key/value heads once a query head before
     attending) or "packed" (`decoding.gqa`: one position's query heads that share a key/value head attend as the rows
@@ -114,8 +115,9 @@ class GraphStep:
         self.device, self.dtype = param.device, param.dtype
         self.config = config = base.config.get_text_config(decoder=True)
         self.gqa = "packed" if gqa == "packed" and self._packs(config) else "repeat"
-        self.matvec = matvec if matvec != "auto" else "triton" if self.device.type == "cuda" and batch == 1 and \
-            config.hidden_size <= MATVEC_AUTO else "cublas"
+        # (rows multiply matrices: no one-row product there)
+        self.matvec = "cublas" if batch > 1 else matvec if matvec != "auto" else \
+            "triton" if self.device.type == "cuda" and config.hidden_size <= MATVEC_AUTO else "cublas"
         self.batch, self.max_len, self.spans = batch, max_len, tuple(sorted(spans))
         self.cache = StaticCache(config=config, max_cache_len=max_len)
         # a replay attends over the smallest window of the cache that holds its columns (`decoding.graph_windows`)

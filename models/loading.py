@@ -148,6 +148,10 @@ def base_copy(model: PreTrainedModel) -> PreTrainedModel:
     wrapped = (BaseTunerLayer, AuxiliaryTrainingWrapper)
     adapted = {id(p) for m in model.modules() if isinstance(m, wrapped) for p in m.parameters()}
     shared = {id(p): p for p in model.parameters() if id(p) not in adapted}
+    for m in model.modules():  # a fused group's joined weights (`decoding.fused.FusedPart._whole`): shared too
+        whole = getattr(m, "_whole", None)
+        if isinstance(whole, list) and id(getattr(m, "weight", None)) in shared:
+            shared[id(whole)] = whole
     base = copy.deepcopy(model, shared)
     set_adapter_merged(base, False)
     for name, module in list(base.named_modules()):

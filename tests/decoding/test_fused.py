@@ -132,3 +132,13 @@ def test_the_pass_keeps_one_of_a_groups_products_as_reductions():
     gm.recompile()
     assert count() == 2  # (the group's one and the other product's)
     torch.testing.assert_close(gm(x, w, other), group(x, w, other))
+
+
+def test_the_pass_keeps_apart_products_by_scalars_of_other_types():
+    """x * 2 and x * 2.0 (int64 and float32), x + True and x + 1 on a bool tensor: the same op on "equal" scalars of
+    other types is not one node."""
+    torch._dynamo.reset()
+    pairs = torch.compile(lambda x, b: (x * 2, x * 2.0, b + True, b + 1, x * -0.0, x * 0.0), options=fused.OPTIONS)
+    x, b = torch.arange(-2, 2), torch.tensor([True, False])
+    for got, want in zip(pairs(x, b), (x * 2, x * 2.0, b + True, b + 1, x * -0.0, x * 0.0)):
+        assert got.dtype == want.dtype and torch.equal(got, want) and str(got) == str(want)

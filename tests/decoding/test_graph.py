@@ -509,15 +509,15 @@ def test_a_compile_variant_is_one_graph_without_host_syncs_and_the_loops(cuda_mo
 @gpu
 @pytest.mark.gpu
 def test_the_captured_memory_head_ranks_as_the_eager_search():
-    """From a bank state's second search with one k, the search is one captured CUDA graph (`memory.device._Head`):
-    the same scores and ids as the eager search, for new queries (copied into its buffer) of either dtype and shape,
-    and for another k; a new state captures its own."""
-    from memory.device import _Head
+    """From a bank state's `CAPTURE_AFTER`-th search with one k, the search is one captured CUDA graph
+    (`memory.device._Head`): the same scores and ids as the eager search, for new queries (copied into its buffer) of
+    either dtype and shape, and for another k; a new state captures its own."""
+    from memory.device import CAPTURE_AFTER, _Head
 
     g = torch.Generator().manual_seed(0)
     db = MemoryVectorDB(32)
     db.add(torch.randn(3000, 32, generator=g))
-    queries = [torch.randn(32, generator=g).cuda() for _ in range(4)]
+    queries = [torch.randn(32, generator=g).cuda() for _ in range(CAPTURE_AFTER + 3)]  # (the last 4 captured)
     for k in (5, 40):
         for i, q in enumerate(queries):
             query = q.to(torch.bfloat16)[None] if i % 2 else q

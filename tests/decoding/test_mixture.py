@@ -708,6 +708,26 @@ def test_the_base_copy_drops_modules_to_save_and_shares_what_no_adapter_touches(
     assert base.model.layers[0].self_attn.q_proj.weight is not lm.model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
 
 
+def test_the_base_copy_shares_a_fused_groups_joined_weights(smollm2_dir):
+    """A model whose gate/up the graph step joined in place (`model.graph_fuse`, `decoding.fused`; the adapter wraps
+    q/k/v, so those stay): its base copy shares the joined tensor, as it shares the modules' weights (a copy of it
+    was 40 % of the weights more on the GPU), and gives the base's logits."""
+    from peft import LoraConfig, get_peft_model
+
+    from decoding.fused import fuse_projections
+    from models.loading import base_copy
+
+    lm = make_tiny_llama(smollm2_dir, seed=9)
+    model = get_peft_model(lm.model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])).eval()
+    assert fuse_projections(model) == len(model.get_base_model().model.layers)  # (gate/up only: q/k/v are LoRA's)
+    base = base_copy(model)
+    mlp, copied = model.get_base_model().model.layers[0].mlp, base.model.layers[0].mlp
+    assert copied.gate_proj._whole[0] is mlp.gate_proj._whole[0] and copied.up_proj.weight is mlp.up_proj.weight
+    ids = torch.tensor([lm.tokenizer("the sea at night").input_ids])
+    with torch.no_grad(), model.disable_adapter():
+        torch.testing.assert_close(base(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+
+
 class _FixedDraft:
     def __init__(self, tokens, vocab):
         self.tokens, self.vocab = tokens, vocab
