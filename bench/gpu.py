@@ -203,8 +203,9 @@ class ModelBench:
         with the step (on a twin of the model when it fuses a model the step did not, fusing moves the weights, or
         packs its attention, which the model's config then says)."""
         def fn() -> dict:
-            twin = (fuse and not self.args.fuse) or (gqa == "packed" and self.info["graph step"].get("gqa") != gqa)
-            model = self._twin() if twin else self.model
+            moves = fuse and not self.args.fuse  # (fusing moves the weights: a copy of them)
+            packs = gqa == "packed" and self.info["graph step"].get("gqa") != gqa  # (the config: the same weights)
+            model = self._twin(share=not moves) if moves or packs else self.model
             before, name = allocated(), f"fuse={fuse}, matvec={matvec}, gqa={gqa}"
             dec = GraphDecoder(model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs,
                                fuse=fuse, matvec=matvec, gqa=gqa)
@@ -241,12 +242,18 @@ class ModelBench:
         step = self.info.get("graph step", {}).get("ms_per_token")
         return {**out, **({"busy_of_the_step": out["busy_ms_per_call"] / step} if step else {})}
 
-    def _twin(self) -> torch.nn.Module:
-        """A copy of the model, without the steps attached to it (`graph.enable`: not submodules)."""
+    def _twin(self, share: bool = False) -> torch.nn.Module:
+        """A copy of the model, without the steps attached to it (`graph.enable`: not submodules); `share`: its
+        modules and config its own, its weights the model's (a fused group's joined ones too: a deep copy would copy
+        each part's weight apart from its group's)."""
         base = unwrap_model(self.model)
         held = {k: base.__dict__.pop(k) for k in list(base.__dict__) if k.startswith("_recall_")}
+        memo = {}
+        if share:
+            memo = {id(p): p for p in self.model.parameters()}
+            memo.update({id(w): w for m in self.model.modules() if isinstance(w := getattr(m, "_whole", None), list)})
         try:
-            return copy.deepcopy(self.model)
+            return copy.deepcopy(self.model, memo)
         finally:
             base.__dict__.update(held)
 

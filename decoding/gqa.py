@@ -24,18 +24,17 @@ PACKED = "recall_packed_sdpa"
 
 
 def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: query [B, H, L, D], key and value [B, H_kv, S, D] -> ([B, L, H, D], None)."""
+                attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: query [B, H, L, D], key and value [B, H_kv, S, D] -> ([B, L, H, D], None);
+    `kwargs` as transformers passes them (dropout, scaling, is_causal, ...)."""
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, length, dim = query.shape
-    if groups == 1 or length != 1 or attention_mask is None or attention_mask.shape[1] != 1 or dropout \
-            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+    if groups == 1 or length != 1 or attention_mask is None or attention_mask.shape[1] != 1 \
+            or kwargs.get("dropout") or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = query.reshape(batch, heads // groups, groups, dim)  # a key/value head's query heads as its rows
     out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask,
-                                                           scale=scaling)  # [B, H_kv, G, D]
+                                                           scale=kwargs.get("scaling"))  # [B, H_kv, G, D]
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 

@@ -49,7 +49,7 @@ from decoding.compiled import TRACING
 from decoding.memory import Recall
 from decoding.device_sampler import FULL, DeviceSampler, Kind
 from decoding.fused import OPTIONS as FUSED, fuse_projections, joining
-from decoding.gqa import pack
+from decoding.gqa import PACKED, pack
 from decoding.graph_inputs import Inputs
 from decoding.graph_windows import allocate_strided, cache_windows, window_mask, windowable
 from decoding.graph_loop import Decoded, HostLoop
@@ -94,7 +94,8 @@ class GraphStep:
     `gqa`: "repeat" (transformers' SDPA: a grouped-query layer copies its key/value heads once a query head before
     attending) or "packed" (`decoding.gqa`: one position's query heads that share a key/value head attend as the rows
     of one attention over it, no copy; the model's attention implementation becomes `decoding.gqa.PACKED`, for every
-    path: SDPA's own but for one position). A model without grouped-query layers, or not on SDPA, keeps its own."""
+    path and every step on the model: SDPA's own but for one position; `self.gqa` says what the model does). A
+    model without grouped-query layers, or not on SDPA, keeps its own."""
 
     def __init__(self, model: torch.nn.Module, *, batch: int = 1, max_len: int = 1024,
                  spans: tuple[int, ...] = SPANS, compile: bool = True, graphs: str = "manual", rows: bool = False,
@@ -114,7 +115,9 @@ class GraphStep:
         param = next(base.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.config = config = base.config.get_text_config(decoder=True)
-        self.gqa = "packed" if gqa == "packed" and self._packs(config) else "repeat"
+        if gqa == "packed":
+            self._packs(config)
+        self.gqa = "packed" if getattr(config, "_attn_implementation", None) == PACKED else "repeat"  # (the model's)
         # (rows multiply matrices: no one-row product there)
         self.matvec = "cublas" if batch > 1 else matvec if matvec != "auto" else \
             "triton" if self.device.type == "cuda" and config.hidden_size <= MATVEC_AUTO else "cublas"

@@ -60,8 +60,10 @@ def test_the_packed_compiled_step_equals_the_eager_one(shapes):
     recall = kv_recall(model)
     s = GenerationSettings(max_new_tokens=24, sequence_bias=(((RECALL,), 4.0),))
     want = eager.generate(prompt(2), s, recall=recall, keep_logits=True)
-    fast = GraphDecoder(model, max_len=256, gqa="packed")
+    fast = GraphDecoder(model, max_len=512, gqa="packed")
     assert fast.graph.gqa == "packed" and model.config._attn_implementation == gqa.PACKED
+    assert fast.graph.windowed and fast.graph.windows == (128, 512)  # (packed, it still attends over windows)
+    assert GraphDecoder(model, max_len=512, compile=False, gqa="repeat").graph.windowed  # (a later step on it too)
     shapes.clear()
     fast.warm_up()
     assert (1, 2, 2, 16) in shapes  # (traced: the one-position forward's attention, packed)
