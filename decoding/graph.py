@@ -176,8 +176,8 @@ class GraphStep:
         fn = joining(fn) if self.fuse else fn
         tuned = {"coordinate_descent_tuning": True} if self.matvec == "triton" else {}
         if not self.freeze:
-            one = joining if self.fuse else (lambda f: f)
-            return fn, one(torch.compile(self._forward, dynamic=False, options={**options, **tuned})) if tuned else fn
+            wrap = joining if self.fuse else (lambda f: f)
+            return fn, wrap(torch.compile(self._forward, dynamic=False, options={**options, **tuned})) if tuned else fn
         freezing = {"freezing": True}
         if self.device.type == "cpu":  # (the same concatenation on a CPU, where the tests check the frozen step)
             freezing["cpp.enable_concat_linear"] = True
