@@ -6,8 +6,9 @@
 # Installs nothing from the network: pytest, Pillow and pydantic come from artifacts/gpu/wheels (appended to the path:
 # the machine's own packages come first), the tokenizer from artifacts/gpu/tokenizer (both made by
 # bench/gpu_prepare.sh; carry "artifacts/gpu").
-# About 6-7 minutes on an H200 (tests ~60 s, bench budget 340 s; under the run tool's 600 s a command); each part has its own timeout, and the bench skips
-# what its budget cannot fit (a measure is started only when its estimated cost fits the time left).
+# About 6-7 minutes on an H200 (bench budget 340 s, then the tests ~60-90 s; under the run tool's 600 s a command);
+# each part has its own timeout, and the bench skips what its budget cannot fit (a measure is started only when its
+# estimated cost fits the time left).
 set -uo pipefail
 OUT=${OUT:-artifacts/gpu-run}
 mkdir -p "$OUT"
