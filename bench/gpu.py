@@ -46,7 +46,7 @@ from bench._gpu_measure import Run, allocated, device_profile, per_token  # noqa
 from bench._gpu_report import table  # noqa: E402
 from bench._gpu_serving import SLOTS  # noqa: E402
 from chat.config import ModelConfig  # noqa: E402
-from decoding import graph  # noqa: E402
+from decoding import graph, graph_compile  # noqa: E402
 from decoding.events import DoneEvent  # noqa: E402
 from decoding.graph import GraphDecoder  # noqa: E402
 from decoding.graph_stream import stream_graph  # noqa: E402
@@ -398,9 +398,9 @@ def main() -> None:
     defaults = ModelConfig()
     ap.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=defaults.graph_fuse,
                     help="the step's q/k/v and gate/up joined (model.graph_fuse; its default)")
-    ap.add_argument("--matvec", default=defaults.graph_matvec, choices=graph.MATVEC,
+    ap.add_argument("--matvec", default=defaults.graph_matvec, choices=graph_compile.MATVEC,
                     help="the step's one-row products (model.graph_matvec; its default)")
-    ap.add_argument("--gqa", default=defaults.graph_gqa, choices=graph.GQA,
+    ap.add_argument("--gqa", default=defaults.graph_gqa, choices=graph_compile.GQA,
                     help="the step's grouped-query attention (model.graph_gqa; its default)")
     ap.add_argument("--no-variants", dest="variants", action="store_false",
                     help="skip the step's variants (the other fusion; cuBLAS's products beside Triton's)")

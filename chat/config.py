@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from decoding.graph import GQA, MATVEC
+from decoding.graph_compile import GQA, MATVEC
 from decoding.settings import GenerationSettings, RecallSettings
 from models import LoadOptions
 from models.load import resolve_backend
@@ -54,7 +54,7 @@ class ModelConfig:
     graph_rows: int = 8  # concurrent answers as rows of a second graph step (decoding/graph_rows.py); 0: in the loop
     graph_freeze: bool = False  # the graph steps' decode forward frozen (q/k/v, gate/up one matmul; a copy of them)
     graph_fuse: bool = True  # q/k/v, gate/up joined in place (decoding/fused.py): one matmul each, no copy
-    graph_matvec: str = "auto"  # a one-row product in the graph steps: auto | cublas | triton (decoding/graph.py)
+    graph_matvec: str = "auto"  # one-row products: auto | cublas | triton (decoding/graph_compile.py)
     graph_gqa: str = "repeat"  # grouped-query attention of one position: repeat | packed (decoding/gqa.py)
     quantize: str = "none"  # none | int8: int8 weights and activations on the CPU (models/quantize.py; changes outputs)
     backend: str = "auto"  # auto (llama.cpp on a CPU) | transformers | llamacpp (a GGUF on llama.cpp, models/llamacpp.py)

@@ -74,7 +74,7 @@ class SameProducts(CustomGraphPass):
     group's products, and their views and transposes. Only ops without side effects are merged."""
 
     PURE = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-                      # (a one-row product as inductor decomposes it with coordinate-descent tuning: `graph.MATVEC`)
+                      # (a one-row product as inductor decomposes it with coordinate-descent tuning: `graph_compile.MATVEC`)
                       torch.ops.aten.mul.Tensor, torch.ops.aten.sum.dim_IntList, torch.ops.aten.add.Tensor,
                       torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default,
                       torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.permute.default,

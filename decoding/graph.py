@@ -48,8 +48,8 @@ from transformers import StaticCache
 from decoding.compiled import TRACING
 from decoding.memory import Recall
 from decoding.device_sampler import FULL, DeviceSampler, Kind
-from decoding.fused import OPTIONS as FUSED, fuse_projections, joining
-from decoding.gqa import PACKED, pack
+from decoding.fused import fuse_projections
+from decoding.graph_compile import forwards, gqa_of, matvec_of
 from decoding.graph_inputs import Inputs
 from decoding.graph_windows import allocate_strided, cache_windows, window_mask, windowable
 from decoding.graph_loop import Decoded, HostLoop
@@ -58,9 +58,6 @@ from decoding.settings import GenerationSettings
 from models.modeling import backbone_and_head, head_logits, unwrap_model
 
 log = logging.getLogger("decoding.graph")
-MATVEC = ("auto", "cublas", "triton")  # `GraphStep(matvec=)`
-GQA = ("repeat", "packed")  # `GraphStep(gqa=)`
-MATVEC_AUTO = 1024  # the largest hidden size "auto" multiplies with Triton (faster at 576, slower at 2048: docs/gpu)
 SPANS = (17, 33)  # widths of the wide graphs: a recalled memory's slots and its suffix in one replay (16 + 1, 32 + 1)
 
 
@@ -74,36 +71,12 @@ class GraphStep:
     `mode="reduce-overhead"`; the sampler runs eagerly around it: the first run's path) or "none". A manual
     capture that fails falls back to "trees" (logged in `fallback`).
 
-    `freeze`: the one-position forward (the decode step; not the span graphs) compiled with inductor's freezing:
-    the weights are constants, so q/k/v and gate/up each run as one matmul (inductor's concat-linear patterns),
-    three fewer kernels a layer, at the cost of a copy of those weights (about 2/3 of a Llama's) that the frozen
-    graph keeps. Freezing folds every static input into a constant, so the step's mutable state (the cache, its
-    length, the mRoPE offset, the rows' mask) is then a plain input, not a static address (`_mark_state`).
-
-    `fuse`: the same joined products without the copy (`decoding.fused`): each group's weights moved into one
-    tensor, in place (the modules' weights its views), and every forward of the step compiled to one matmul a
-    group.
-
-    `matvec`: how the compiled forwards multiply a row by a weight: "cublas" (cuBLAS's kernels, one a product) or
-    "triton" (inductor's coordinate-descent tuning, which turns a one-row product into a Triton reduction that it
-    fuses with its neighbours and tunes: fewer, shorter kernels for a small model's small matrices, slower than
-    cuBLAS on large ones; a longer compile: only the one-position forward is compiled so); "auto": triton for a
-    hidden size up to `MATVEC_AUTO` on CUDA. A step of several rows is cuBLAS's whatever it says (its products are
-    matrix ones).
-
-    `gqa`: "repeat" (transformers' SDPA: a grouped-query layer copies its key/value heads once a query head before
-    attending) or "packed" (`decoding.gqa`: one position's query heads that share a key/value head attend as the rows
-    of one attention over it, no copy; the model's attention implementation becomes `decoding.gqa.PACKED`, for every
-    path and every step on the model: SDPA's own but for one position; `self.gqa` says what the model does). A
-    model without grouped-query layers, or not on SDPA, keeps its own."""
+    `freeze`, `fuse`, `matvec` and `gqa`: how its forwards are compiled (`decoding.graph_compile`); `matvec` and
+    `gqa` as resolved for this step and model."""
 
     def __init__(self, model: torch.nn.Module, *, batch: int = 1, max_len: int = 1024,
                  spans: tuple[int, ...] = SPANS, compile: bool = True, graphs: str = "manual", rows: bool = False,
                  freeze: bool = False, fuse: bool = False, matvec: str = "cublas", gqa: str = "repeat"):
-        if matvec not in MATVEC:
-            raise ValueError(f"matvec is {matvec!r}; allowed: {', '.join(MATVEC)}")
-        if gqa not in GQA:
-            raise ValueError(f"gqa is {gqa!r}; allowed: {', '.join(GQA)}")
         self.model = model
         self.fuse = fuse and compile
         if self.fuse:
@@ -115,12 +88,8 @@ class GraphStep:
         param = next(base.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.config = config = base.config.get_text_config(decoder=True)
-        if gqa == "packed":
-            self._packs(config)
-        self.gqa = "packed" if getattr(config, "_attn_implementation", None) == PACKED else "repeat"  # (the model's)
-        # (rows multiply matrices: no one-row product there)
-        self.matvec = "cublas" if batch > 1 else matvec if matvec != "auto" else \
-            "triton" if self.device.type == "cuda" and config.hidden_size <= MATVEC_AUTO else "cublas"
+        self.gqa = gqa_of(config, gqa)
+        self.matvec = matvec_of(matvec, self.device, batch, config.hidden_size)
         self.batch, self.max_len, self.spans = batch, max_len, tuple(sorted(spans))
         self.cache = StaticCache(config=config, max_cache_len=max_len)
         # a replay attends over the smallest window of the cache that holds its columns (`decoding.graph_windows`)
@@ -158,39 +127,12 @@ class GraphStep:
         self._captured: dict = {}  # (width, kind, window) -> (CUDAGraph, (hidden, logits))
         self.compile_seconds: float | None = None
 
-    @staticmethod
-    def _packs(config) -> bool:
-        """`gqa="packed"`: the text model's attention packed (`decoding.gqa.pack`), if it has grouped-query layers."""
-        heads, shared = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-        return bool(shared) and shared < heads and pack(config)
-
     def _compile(self) -> tuple[Callable, Callable]:
-        """(the forward of the span graphs, the one-position forward): the latter frozen (`freeze`) or tuned
-        (`matvec="triton"`: only a one-position forward has one-row products to turn into reductions) in a compile
-        of its own."""
+        """(the forward of the span graphs, the one-position forward): `decoding.graph_compile.forwards`."""
         if not self.compiled:
             return self._forward, self._forward
-        # (torch.compile takes a mode or options: "reduce-overhead" is {"triton.cudagraphs": True})
-        options = {**({"triton.cudagraphs": True} if self.mode == "trees" else {}), **(FUSED if self.fuse else {})}
-        fn = torch.compile(self._forward, dynamic=False, options=options or None)
-        fn = joining(fn) if self.fuse else fn
-        tuned = {"coordinate_descent_tuning": True} if self.matvec == "triton" else {}
-        if not self.freeze:
-            wrap = joining if self.fuse else (lambda f: f)
-            return fn, wrap(torch.compile(self._forward, dynamic=False, options={**options, **tuned})) if tuned else fn
-        freezing = {"freezing": True}
-        if self.device.type == "cpu":  # (the same concatenation on a CPU, where the tests check the frozen step)
-            freezing["cpp.enable_concat_linear"] = True
-        frozen = torch.compile(self._forward, dynamic=False, options={**freezing, **tuned})  # (its own compiles)
-
-        def one(*inputs):
-            # dynamo reads the global setting as it traces (to lift the weights as constants), so it is set too, but
-            # only while the warm-up compiles, under `TRACING`: before torch 2.12 the setting is the process's, and
-            # a compile of another step in that moment (its cache marked static) would fold its cache. A compile
-            # after the warm-up (a missed guard) is not frozen: slower, not wrong.
-            with torch._inductor.config.patch(freezing) if self._freezing else contextlib.nullcontext():
-                return frozen(*inputs)
-        return fn, one
+        return forwards(self._forward, mode=self.mode, device=self.device, fuse=self.fuse, freeze=self.freeze,
+                        matvec=self.matvec, freezing=lambda: self._freezing)
 
     def _mark_state(self) -> None:
         """The step's buffers (inputs and mutable state) as static addresses (torch.compile's CUDA graphs then use

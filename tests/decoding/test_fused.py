@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-import decoding.graph
+import decoding.graph_compile
 from decoding import fused
 from decoding.fused import FusedPart, fuse_projections
 from decoding.graph import GraphDecoder
@@ -84,7 +84,7 @@ def test_the_fused_step_runs_one_matmul_a_group_and_equals_the_eager_step(monkey
     mms, columns = unfused(reference)
     assert mms == 7 * LAYERS + 1
     count = CountProducts()
-    monkeypatch.setattr(decoding.graph, "FUSED", {**fused.OPTIONS, **counting(count)})
+    monkeypatch.setattr(decoding.graph_compile, "FUSED", {**fused.OPTIONS, **counting(count)})
     fast = GraphDecoder(model, max_len=256, fuse=True)
     assert isinstance(model.model.layers[0].self_attn.k_proj, FusedPart)
     fast.warm_up()
