@@ -55,7 +55,7 @@ from decoding.loop import generate  # noqa: E402
 from decoding.processors import to_generation_config  # noqa: E402
 from decoding.settings import GenerationSettings  # noqa: E402
 from models.loading import ensure_special_tokens  # noqa: E402
-from models.modeling import unwrap_model  # noqa: E402
+from models.modeling import shared_weights, unwrap_model  # noqa: E402
 
 SHAPES = {  # the published configs' numbers (HuggingFaceTB/SmolLM2-*, meta-llama/Llama-3.1-8B)
     "135m": ("SmolLM2-135M", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -248,12 +248,8 @@ class ModelBench:
         each part's weight apart from its group's)."""
         base = unwrap_model(self.model)
         held = {k: base.__dict__.pop(k) for k in list(base.__dict__) if k.startswith("_recall_")}
-        memo = {}
-        if share:
-            memo = {id(p): p for p in self.model.parameters()}
-            memo.update({id(w): w for m in self.model.modules() if isinstance(w := getattr(m, "_whole", None), list)})
         try:
-            return copy.deepcopy(self.model, memo)
+            return copy.deepcopy(self.model, shared_weights(self.model) if share else {})
         finally:
             base.__dict__.update(held)
 

@@ -240,7 +240,7 @@ class Service(SessionService):
                                  "read (still shown)")
                 yield from self._noted(s, conv.say(text, images, reply, settings, interrupt) if reply is not None else
                                        conv.stream(text, images, settings, recall, bank, interrupt, recall_first),
-                                       no_memory(bank, recall, self.people.unread(self._model(), s.user, text)))
+                                       lambda: no_memory(bank, recall, self.people.unread(self._model(), s.user, text)))
 
         req = Request("chat", run, s.id, text[:80])
         req.on_withdraw = lambda: self._record_unanswered(s, req)
@@ -295,14 +295,16 @@ class Service(SessionService):
                                  "settings give the same answer; turn sampling on for another")
                 bank = yield from self.recall_bank(s, question)
                 yield from self._noted(s, conv.regenerate(settings, recall, bank, interrupt),
-                                       no_memory(bank, recall, self.people.unread(self._model(), s.user, question)))
+                                       lambda: no_memory(bank, recall,
+                                                         self.people.unread(self._model(), s.user, question)))
 
         return self._start(s, Request("regenerate", run, s.id, "regenerate"))
 
     @staticmethod
-    def _noted(s: Session, events: Iterator[Any], missed: str = "") -> Iterator[Any]:
+    def _noted(s: Session, events: Iterator[Any], missed: Callable[[], str] = str) -> Iterator[Any]:
         """Forward a turn's events; note its speed, and the picture of how it was decoded (entropy over
-        layers, or the mixture's α* per token); `missed` when the model looked for a memory and read none."""
+        layers, or the mixture's α* per token); `missed()` when the model looked for a memory and read none (asked
+        then only: it may open the user's memory)."""
         s.last_plot, s.last_note = None, ""  # a failed turn shows nothing of the one before
         for event in events:
             if isinstance(event, DoneEvent):
@@ -310,7 +312,7 @@ class Service(SessionService):
                 secs = result.decode_seconds  # (none for the app's own answer: no speed of the model's to show)
                 s.last_speed = len(result.new_tokens[0]) / secs if secs > 0 else None
                 if result.missed_recall and result.missed_recall[0]:
-                    yield Notice(missed)
+                    yield Notice(missed())
                 tokens = lambda: [s.conv.lm.tokenizer.decode([t]) for t in result.new_tokens[0].tolist()]  # noqa: E731
                 trace = result.entropy
                 if trace is not None and trace.normalised_entropies.shape[1]:

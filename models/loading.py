@@ -24,7 +24,7 @@ from models.embedded import EMBEDDED_NAME, digest, embedded_model_dir, resolve_a
 from models.encoder import ENCODER_CONFIG, MemoryEncoder
 from models.hidden import HiddenStateSpec
 from models.text_keys import TextEncoder
-from models.modeling import hidden_size, is_peft, set_adapter_merged, unwrap_model
+from models.modeling import hidden_size, is_peft, set_adapter_merged, shared_weights, unwrap_model
 from models.spec import ModelSpec, transformers_spec
 from models.quantize import QUANTIZE, quantize_int8
 
@@ -147,12 +147,7 @@ def base_copy(model: PreTrainedModel) -> PreTrainedModel:
 
     wrapped = (BaseTunerLayer, AuxiliaryTrainingWrapper)
     adapted = {id(p) for m in model.modules() if isinstance(m, wrapped) for p in m.parameters()}
-    shared = {id(p): p for p in model.parameters() if id(p) not in adapted}
-    for m in model.modules():  # a fused group's joined weights (`decoding.fused.FusedPart._whole`): shared too
-        whole = getattr(m, "_whole", None)
-        if isinstance(whole, list) and id(getattr(m, "weight", None)) in shared:
-            shared[id(whole)] = whole
-    base = copy.deepcopy(model, shared)
+    base = copy.deepcopy(model, shared_weights(model, adapted))
     set_adapter_merged(base, False)
     for name, module in list(base.named_modules()):
         if isinstance(module, ModulesToSaveWrapper):  # unload() would keep the adapter's trained copy

@@ -27,6 +27,18 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+def shared_weights(model: nn.Module, but: frozenset[int] | set[int] = frozenset()) -> dict[int, object]:
+    """A `copy.deepcopy` memo under which the copy shares `model`'s parameters (but those whose id is in `but`), and
+    with them the joined weights of its fused groups (`decoding.fused.FusedPart._whole`: not registered parameters,
+    so a plain deep copy would copy them apart from the parts that are views of them)."""
+    memo: dict[int, object] = {id(p): p for p in model.parameters() if id(p) not in but}
+    for m in model.modules():
+        whole = getattr(m, "_whole", None)
+        if isinstance(whole, list) and id(getattr(m, "weight", None)) in memo:
+            memo[id(whole)] = whole
+    return memo
+
+
 def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(backbone returning the normalised `last_hidden_state`, output head)."""
     base = unwrap_model(model)
