@@ -324,10 +324,8 @@ class GraphStep:
             here = [i for i in range(n) if start + i in vectors]
             # ids, flags, n and the last column in one copy from pinned memory (its block is not reused before the
             # copy ran: torch's pinned allocator records it); the span graph copies them into its inputs
-            staged = torch.zeros(2 * width + 2, dtype=torch.long, pin_memory=self.device.type == "cuda")
-            staged[:n] = torch.tensor(part)
-            staged[[width + i for i in here]] = 1
-            staged[-2:] = torch.tensor([n, n - 1])
+            flags = [int(i in here) for i in range(width)]
+            staged = torch.tensor([*part, *[0] * (width - n), *flags, n, n - 1], pin_memory=self.device.type == "cuda")
             self.staged[width].copy_(staged, non_blocking=True)
             if here:  # (a memory's slots are one run of columns: a slice's copy, no index sent to the device)
                 stacked = torch.stack([vectors[start + i] for i in here])

@@ -39,7 +39,7 @@ def test_one_position_attends_packed_and_equals_the_copied_heads(shapes):
         shapes.clear()
         got = step()
         assert shapes == [(1, 2, 2, 16)] * 2  # (2 layers: the query heads of each key/value head as its rows)
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # (seen: 1.2e-7 under transformers 5.17)
         shapes.clear()
         model(ids)  # a prompt: SDPA's own (transformers' masks for the packed name are SDPA's)
         assert all(s[2] == ids.shape[1] for s in shapes) and len(shapes) == 2
