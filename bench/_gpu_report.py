@@ -92,21 +92,22 @@ def _variant(measure: str, label: str, key: str) -> Callable[[dict], list[str]]:
 
 
 def _variants(models: dict) -> list[str]:
-    """The step's variants (`bench.gpu.ModelBench.variant`) beside the step."""
-    lines = header("model", "graph step (fuse, matvec, gqa) ms/token (memory GB, compile s)",
-                   "variant (fuse, matvec, gqa)",
-                   "ms/token (memory GB, compile s)", "variant / the step", "first greedy tokens = eager generate's",
-                   "same tokens as the step")
+    """The step's variants (`bench.gpu.ModelBench.variant`) beside the step: their step, and their recall's span."""
+    options = lambda e: ", ".join(field(e, k) for k in ("fuse", "matvec", "gqa", "autotune"))  # noqa: E731
+    lines = header("model", "graph step (fuse, matvec, gqa, autotune) ms/token (memory GB, compile s)",
+                   "variant (fuse, matvec, gqa, autotune)", "ms/token (memory GB, compile s)", "variant / the step",
+                   "first greedy tokens = eager generate's", "same tokens as the step",
+                   "16-slot span ms (its replay alone)", "a recall in its decode steps")
     for name, m in models.items():
         g = m.get("graph step", {})
         step = f"{cell(g, 'ms_per_token')} ({cell(g, 'memory_gb')}, {cell(g, 'compile_s', '{:.0f}')})"
         for key, v in m.items():
             if key.startswith("graph step, variant: "):
-                lines.append(f"| {name} | ({field(g, 'fuse')}, {field(g, 'matvec')}, {field(g, 'gqa')}) {step} | "
-                             f"{key.split(': ', 1)[1]} ({field(v, 'fuse')}, {field(v, 'matvec')}, {field(v, 'gqa')}) | "
+                lines.append(f"| {name} | ({options(g)}) {step} | {key.split(': ', 1)[1]} ({options(v)}) | "
                              f"{cell(v, 'ms_per_token')} ({cell(v, 'memory_gb')}, {cell(v, 'compile_s', '{:.0f}')}) | "
                              f"{cell(v, 'vs_the_step')} | {field(v, 'agrees_with_eager')} | "
-                             f"{field(v, 'same_tokens_as_the_step')} |")
+                             f"{field(v, 'same_tokens_as_the_step')} | {cell(v, 'span_ms', '{:.3f}')} "
+                             f"({cell(v, 'span_replay_ms', '{:.3f}')}) | {cell(v, 'recall_decode_steps')} |")
     return lines
 
 

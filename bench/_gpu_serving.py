@@ -12,6 +12,7 @@ import torch
 
 from bench._gpu_measure import device_profile, timed
 from decoding import graph, graph_rows
+from decoding.graph import GraphStep
 from decoding.graph_stream import GraphCache
 from decoding.memory import MemorySelector, Recall
 from decoding.settings import GenerationSettings, RecallSettings
@@ -48,10 +49,10 @@ def recall(mb: ModelBench) -> dict:
         head = statistics.median(timed(lambda: selector.choose(query)) for _ in range(20))
         dec.graph.prefill(dec.graph.embed(mb.dev_ids))
         memory = selector.choose(query)
-        one_span = _span(mb, rec.span(memory), rec.embed(rec.values(memory), device, dtype))
+        one_span = _span(dec.graph, rec.span(memory), rec.embed(rec.values(memory), device, dtype))
         one_span()
         span_s = statistics.median(one_span() for _ in range(10))
-        replay_s = _replay_only(mb, len(rec.span(memory)))
+        replay_s = _replay_only(dec.graph, len(rec.span(memory)))
         if size == max(mb.args.memories):  # what a recall runs on the device: the head, the span's replay
             profiles = {"head_kernels": device_profile(lambda: selector.choose(query)),
                         "span_kernels": device_profile(one_span)}
@@ -68,11 +69,25 @@ def recall(mb: ModelBench) -> dict:
     return out
 
 
-def _replay_only(mb: ModelBench, n: int) -> float | None:
+def span_cost(mb: ModelBench, g: GraphStep, step_ms: float) -> dict:
+    """A recall's span on the graph step `g` (a variant's): the wide replay of 16 slots of random vectors and
+    `</recall>` after the prompt, its replay alone, and with the head's time at the largest bank (the recall
+    measure's) a recall in decode steps of `g`'s step (`step_ms`)."""
+    g.prefill(g.embed(mb.dev_ids))
+    vectors = torch.randn(SLOTS, mb.hidden, generator=torch.Generator().manual_seed(0)).to(mb.device, mb.dtype)
+    one_span = _span(g, [mb.vocab - 2] * SLOTS + [mb.vocab - 1], vectors)
+    one_span()
+    span_s = statistics.median(one_span() for _ in range(10))
+    replay_s = _replay_only(g, SLOTS + 1)
+    head_ms = mb.info.get("recall", {}).get(str(max(mb.args.memories)), {}).get("head_ms")
+    return {"span_ms": span_s * 1e3, **({"span_replay_ms": replay_s * 1e3} if replay_s is not None else {}),
+            **({"recall_decode_steps": (head_ms + span_s * 1e3) / step_ms} if head_ms else {})}
+
+
+def _replay_only(g: GraphStep, n: int) -> float | None:
     """Seconds of the span graph's replay alone, from an idle device to its end (the span's inputs staged by the last
     `forward_span`): beside the span's seconds, what its host work before the replay costs. None without a captured
     graph (CPU, a fallback)."""
-    g = mb.step_for("recall").graph
     captured = g._captured.get((SLOTS + 1, None, g.window))
     if captured is None:
         return None
@@ -87,10 +102,9 @@ def _replay_only(mb: ModelBench, n: int) -> float | None:
     return statistics.median(once() for _ in range(10))
 
 
-def _span(mb: ModelBench, span: list[int], vectors: torch.Tensor):
-    """The wide replay of a memory's span, in place: its seconds (what the chat runs), then the cache's position
-    moved back (the bench's own reset, not timed: a kernel a layer)."""
-    g = mb.step_for("recall").graph
+def _span(g: GraphStep, span: list[int], vectors: torch.Tensor):
+    """The wide replay of a memory's span on `g`, in place: its seconds (what the chat runs), then the cache's
+    position moved back (the bench's own reset, not timed: a kernel a layer)."""
 
     def one_span() -> float:
         took = timed(lambda: g.forward_span(span, dict(enumerate(vectors))))

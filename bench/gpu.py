@@ -10,16 +10,17 @@ the forward of 16 `<|memory_pad|>` slots and `</recall>` (one wide replay), in d
 Rows: B rows of one request (equal lengths), aggregate tokens/s. Sessions: 1 / 8 / 32 / 64 chat sessions at once
 through the chat service as a server runs it (`chat.service.Service` over this model with the graph step and the
 graph rows attached (`decoding/graph_rows.py`, as many rows as the most sessions): the worker's rounds, an answer
-alone on the single-row step, answers in progress together as rows of the second, one replay a step for all of
-them), each a greedy answer of --tokens to its own question; aggregate tokens/s from the first submission to the last
-answer's end, and the ratio to one session; then the same with every answer a row ("rows only": one session too). The bound is the weights' bytes over the
-card's memory bandwidth (H200 4.8 TB/s, H100 3.35 TB/s). The measures run in three phases, each for every model
-before the next (the batch-1 step, with the chat's default options (`model.graph_fuse`, `model.graph_matvec`) unless
---fuse / --matvec say otherwise, its kernels, and frozen with --frozen; the sessions and a recall, its kernels at the
-largest bank; the rest, the step's variants first: the other fusion, and cuBLAS's products when the step's are
-Triton's). Every measure runs in its own try/except and is skipped once the time budget is
-spent; results are written after each one (results.json, results.md, and the log beside them), so a run cut short
-keeps what it measured.
+alone on the single-row step, answers in progress together as rows of the second, one replay a step for all of them),
+each a greedy answer of --tokens to its own question; aggregate tokens/s from the first submission to the last
+answer's end, and the ratio to one session; then the same with every answer a row ("rows only": one session too). The
+bound is the weights' bytes over the card's memory bandwidth (H200 4.8 TB/s, H100 3.35 TB/s). The measures run in
+three phases, each for every model before the next (the batch-1 step, with the chat's default options
+(`model.graph_fuse`, `model.graph_matvec`, ...) unless --fuse / --matvec / --gqa / --autotune say otherwise, its
+kernels, and frozen with --frozen; the sessions and a recall, its kernels at the largest bank; the rest, the step's
+variants first (each with its recall's span): the attention packed, the products autotuned, cuBLAS's products when
+the step's are Triton's, the other fusion). Every measure runs in its own try/except and is skipped once the time
+budget is spent; results are written after each one (results.json, results.md, and the log beside them), so a run cut
+short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -73,6 +74,12 @@ SHAPES = {  # the published configs' numbers (HuggingFaceTB/SmolLM2-*, meta-llam
 }
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, HBM
 PROMPT = "<|im_start|>user\nWrite a long story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def options_of(dec: GraphDecoder) -> dict:
+    """How a graph step was compiled, as it resolved its options (`decoding.graph_compile`)."""
+    g = dec.graph
+    return {"fuse": g.fuse, "matvec": g.matvec, "gqa": g.gqa, "autotune": g.autotune}
 
 
 def load_tokenizer(path: str | None):
@@ -145,10 +152,10 @@ class ModelBench:
         # attached to the model (as the chat's service attaches it): the sessions measure answers on it too
         before = allocated()
         dec = graph.enable(self.model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs,
-                           fuse=self.args.fuse, matvec=self.args.matvec, gqa=self.args.gqa)
+                           fuse=self.args.fuse, matvec=self.args.matvec, gqa=self.args.gqa,
+                           autotune=self.args.autotune)
         out = self._step(dec, "graph")
-        out.update(memory_gb=(allocated() - before) / 1e9, fuse=dec.graph.fuse, matvec=dec.graph.matvec,
-                   gqa=dec.graph.gqa)
+        out.update(memory_gb=(allocated() - before) / 1e9, **options_of(dec))
         self.decoder = dec
         return out
 
@@ -198,21 +205,23 @@ class ModelBench:
             torch.cuda.empty_cache()
         return out
 
-    def variant(self, fuse: bool, matvec: str, gqa: str):
-        """The step with other options (`model.graph_fuse`, `model.graph_matvec`, `model.graph_gqa`), side by side
-        with the step (on a twin of the model when it fuses a model the step did not, fusing moves the weights, or
-        packs its attention, which the model's config then says)."""
+    def variant(self, fuse: bool, matvec: str, gqa: str, autotune: bool):
+        """The step with other options (`model.graph_fuse`, `model.graph_matvec`, `model.graph_gqa`,
+        `model.graph_autotune`), side by side with the step (on a twin of the model when it fuses a model the step
+        did not, fusing moves the weights, or packs its attention, which the model's config then says), and its
+        recall's span (`serving.span_cost`)."""
         def fn() -> dict:
             moves = fuse and not self.args.fuse  # (fusing moves the weights: a copy of them)
             packs = gqa == "packed" and self.info["graph step"].get("gqa") != gqa  # (the config: the same weights)
             model = self._twin(share=not moves) if moves or packs else self.model
-            before, name = allocated(), f"fuse={fuse}, matvec={matvec}, gqa={gqa}"
+            before, name = allocated(), f"fuse={fuse}, matvec={matvec}, gqa={gqa}, autotune={autotune}"
             dec = GraphDecoder(model, max_len=self.args.max_len, spans=(SLOTS + 1,), graphs=self.args.graphs,
-                               fuse=fuse, matvec=matvec, gqa=gqa)
+                               fuse=fuse, matvec=matvec, gqa=gqa, autotune=autotune)
             out = self._step(dec, name)
-            out.update(memory_gb=(allocated() - before) / 1e9, fuse=dec.graph.fuse, matvec=dec.graph.matvec,
-                       gqa=dec.graph.gqa, same_tokens_as_the_step=self.answers[name] == self.answers.get("graph"))
+            out.update(memory_gb=(allocated() - before) / 1e9, **options_of(dec),
+                       same_tokens_as_the_step=self.answers[name] == self.answers.get("graph"))
             self._vs_the_step(out)
+            out.update(serving.span_cost(self, dec.graph, out["ms_per_token"]))
             del dec, model
             gc.collect()
             if self.device == "cuda":
@@ -220,17 +229,21 @@ class ModelBench:
             return out
         return fn
 
-    def variants(self) -> list[tuple[str, bool, str, str]]:
-        """(label, fuse, matvec, gqa) of the variants measured beside the step, first what may be made a default
-        next: the attention packed for a model with grouped-query layers whose step copies their heads, cuBLAS's
-        products when the step's are Triton's, the other fusion."""
+    def variants(self) -> list[tuple[str, bool, str, str, bool]]:
+        """(label, fuse, matvec, gqa, autotune) of the variants measured beside the step, first what may be made a
+        default next: the attention packed for a model with grouped-query layers whose step copies their heads, the
+        products autotuned (with the attention packed where it can be), cuBLAS's products when the step's are
+        Triton's, the other fusion."""
         step = self.info.get("graph step", {})
         fused, matvec, gqa = step.get("fuse", self.args.fuse), step.get("matvec", "cublas"), step.get("gqa", "repeat")
+        tuned = step.get("autotune", self.args.autotune)
         config = self.model.config.get_text_config()
-        out = [("packed attention", fused, matvec, "packed")] if gqa == "repeat" and \
-            config.num_key_value_heads < config.num_attention_heads else []
-        out += [("cuBLAS" if fused else "plain, cuBLAS", fused, "cublas", gqa)] if matvec != "cublas" else []
-        return out + [("not fused" if fused else "fused", not fused, "cublas", gqa)]
+        packs = gqa == "repeat" and config.num_key_value_heads < config.num_attention_heads
+        out = [("packed attention", fused, matvec, "packed", tuned)] if packs else []
+        out += [("packed attention, autotuned" if packs else "autotuned", fused, matvec,
+                 "packed" if packs else gqa, True)] if not tuned else []
+        out += [("cuBLAS" if fused else "plain, cuBLAS", fused, "cublas", gqa, tuned)] if matvec != "cublas" else []
+        return out + [("not fused" if fused else "fused", not fused, "cublas", gqa, tuned)]
 
     def kernels(self) -> dict:
         """What one token of the plain step runs (torch.profiler over 32 tokens after a warm answer: on a GPU the
@@ -398,8 +411,11 @@ def main() -> None:
                     help="the step's one-row products (model.graph_matvec; its default)")
     ap.add_argument("--gqa", default=defaults.graph_gqa, choices=graph_compile.GQA,
                     help="the step's grouped-query attention (model.graph_gqa; its default)")
+    ap.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=defaults.graph_autotune,
+                    help="the step's products autotuned (model.graph_autotune; its default)")
     ap.add_argument("--no-variants", dest="variants", action="store_false",
-                    help="skip the step's variants (the other fusion; cuBLAS's products beside Triton's)")
+                    help="skip the step's variants (packed attention, autotuned, cuBLAS's products, the other "
+                    "fusion)")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape and a few tokens (runs on a CPU)")
     args = ap.parse_args()
     if args.smoke:

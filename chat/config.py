@@ -55,7 +55,8 @@ class ModelConfig:
     graph_freeze: bool = False  # the graph steps' decode forward frozen (q/k/v, gate/up one matmul; a copy of them)
     graph_fuse: bool = True  # q/k/v, gate/up joined in place (decoding/fused.py): one matmul each, no copy
     graph_matvec: str = "auto"  # one-row products: auto | cublas | triton (decoding/graph_compile.py)
-    graph_gqa: str = "repeat"  # grouped-query attention of one position: repeat | packed (decoding/gqa.py)
+    graph_gqa: str = "repeat"  # grouped-query attention of a step or span: repeat | packed (decoding/gqa.py)
+    graph_autotune: bool = False  # the graph steps' products autotuned by inductor (decoding/graph_compile.py)
     quantize: str = "none"  # none | int8: int8 weights and activations on the CPU (models/quantize.py; changes outputs)
     backend: str = "auto"  # auto (llama.cpp on a CPU) | transformers | llamacpp (a GGUF on llama.cpp, models/llamacpp.py)
     gguf_type: str = "q8_0"  # the embedded recall model's GGUF on llama.cpp: q8_0 | q4_1 | f16 | f32
@@ -78,6 +79,7 @@ class ModelConfig:
         _check(isinstance(self.graph_fuse, bool), "graph_fuse", self.graph_fuse, "true, false")
         _check(self.graph_matvec in MATVEC, "graph_matvec", self.graph_matvec, ", ".join(MATVEC))
         _check(self.graph_gqa in GQA, "graph_gqa", self.graph_gqa, ", ".join(GQA))
+        _check(isinstance(self.graph_autotune, bool), "graph_autotune", self.graph_autotune, "true, false")
         _check(self.quantize in QUANTIZE, "quantize", self.quantize, ", ".join(QUANTIZE))
         _check(self.backend in ("auto", "transformers", "llamacpp"), "backend", self.backend,
                "auto, transformers, llamacpp")

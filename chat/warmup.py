@@ -33,7 +33,7 @@ class WarmUp:
             model = lm.merged()
             shape = dict(max_slots=self.cfg.memory.max_slots, max_len=model_cfg.graph_max_len,
                          compile=lm.device.type == "cuda", freeze=model_cfg.graph_freeze, fuse=model_cfg.graph_fuse,
-                         matvec=model_cfg.graph_matvec, gqa=model_cfg.graph_gqa)
+                         matvec=model_cfg.graph_matvec, gqa=model_cfg.graph_gqa, autotune=model_cfg.graph_autotune)
             graphs = [graph.enable(model, **shape)]
             if model_cfg.graph_rows and not lm.is_vision:  # (the rows take text answers)
                 graphs.append(graph_rows.enable_rows(model, rows=model_cfg.graph_rows, **shape))

@@ -71,12 +71,13 @@ class GraphStep:
     `mode="reduce-overhead"`; the sampler runs eagerly around it: the first run's path) or "none". A manual
     capture that fails falls back to "trees" (logged in `fallback`).
 
-    `freeze`, `fuse`, `matvec` and `gqa`: how its forwards are compiled (`decoding.graph_compile`); `matvec` and
-    `gqa` as resolved for this step and model."""
+    `freeze`, `fuse`, `matvec`, `autotune` and `gqa`: how its forwards are compiled (`decoding.graph_compile`);
+    `matvec` and `gqa` as resolved for this step and model."""
 
     def __init__(self, model: torch.nn.Module, *, batch: int = 1, max_len: int = 1024,
                  spans: tuple[int, ...] = SPANS, compile: bool = True, graphs: str = "manual", rows: bool = False,
-                 freeze: bool = False, fuse: bool = False, matvec: str = "cublas", gqa: str = "repeat"):
+                 freeze: bool = False, fuse: bool = False, matvec: str = "cublas", gqa: str = "repeat",
+                 autotune: bool = False):
         self.model = model
         self.fuse = fuse and compile
         if self.fuse:
@@ -90,6 +91,7 @@ class GraphStep:
         self.config = config = base.config.get_text_config(decoder=True)
         self.gqa = gqa_of(config, gqa)
         self.matvec = matvec_of(matvec, self.device, batch, config.hidden_size)
+        self.autotune = autotune and compile
         self.batch, self.max_len, self.spans = batch, max_len, tuple(sorted(spans))
         self.cache = StaticCache(config=config, max_cache_len=max_len)
         # a replay attends over the smallest window of the cache that holds its columns (`decoding.graph_windows`)
@@ -132,7 +134,7 @@ class GraphStep:
         if not self.compiled:
             return self._forward, self._forward
         return forwards(self._forward, mode=self.mode, device=self.device, fuse=self.fuse, freeze=self.freeze,
-                        matvec=self.matvec, freezing=lambda: self._freezing)
+                        matvec=self.matvec, autotune=self.autotune, freezing=lambda: self._freezing)
 
     def _mark_state(self) -> None:
         """The step's buffers (inputs and mutable state) as static addresses (torch.compile's CUDA graphs then use

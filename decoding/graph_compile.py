@@ -16,11 +16,19 @@ neighbours and tunes: fewer, shorter kernels for a small model's small matrices,
 longer compile: only the one-position forward is compiled so); "auto": triton for a hidden size up to `MATVEC_AUTO`
 on CUDA. A step of several rows is cuBLAS's whatever it says (its products are matrix ones).
 
+`autotune`: the forwards compiled with inductor's max-autotune: each product is the fastest of cuBLAS's kernel and
+Triton's matmul templates, timed with what inductor fuses into a template (the norm before it, the activation or the
+residual's add after it) and kept only where faster. Aimed at the products `matvec` leaves to cuBLAS: a recall's
+span (its 17 rows; GPU run 5's 135M span ran 622 kernels, 150 of them cuBLAS's products, where the step with Triton's
+reductions ran 463) and a large model's decode step (the 1.7B shape's products ran at half the card's bandwidth). A
+one-row product that `matvec="triton"` turns into a reduction is not a product any more: nothing to tune there. A
+longer compile (every product's candidates are timed once).
+
 `gqa`: "repeat" (transformers' SDPA: a grouped-query layer copies its key/value heads once a query head before
-attending) or "packed" (`decoding.gqa`: one position's query heads that share a key/value head attend as the rows of
-one attention over it, no copy; the model's attention implementation becomes `decoding.gqa.PACKED`, for every path
-and every step on the model: SDPA's own but for one position). A model without grouped-query layers, or not on SDPA,
-keeps its own.
+attending) or "packed" (`decoding.gqa`: the query heads of a step or a span that share a key/value head attend as the
+rows of one attention over it, no copy; the model's attention implementation becomes `decoding.gqa.PACKED`, for every
+path and every step on the model: SDPA's own but for up to `decoding.gqa.MAX_POSITIONS` positions). A model without
+grouped-query layers, or not on SDPA, keeps its own.
 """
 
 from __future__ import annotations
@@ -61,13 +69,14 @@ def gqa_of(config, gqa: str) -> str:
 
 
 def forwards(forward: Callable, *, mode: str, device: torch.device, fuse: bool, freeze: bool, matvec: str,
-             freezing: Callable[[], bool]) -> tuple[Callable, Callable]:
+             autotune: bool, freezing: Callable[[], bool]) -> tuple[Callable, Callable]:
     """(the forward of the span graphs, the one-position forward), `forward` compiled by inductor (`mode` "trees":
-    with torch.compile's CUDA graphs); the latter frozen (`freeze`, frozen only while `freezing()` says the warm-up
-    compiles) or tuned (`matvec="triton"`: only a one-position forward has one-row products to turn into
-    reductions) in a compile of its own."""
+    with torch.compile's CUDA graphs; `autotune`: its products autotuned); the latter frozen (`freeze`, frozen only
+    while `freezing()` says the warm-up compiles) or tuned (`matvec="triton"`: only a one-position forward has
+    one-row products to turn into reductions) in a compile of its own."""
     # (torch.compile takes a mode or options: "reduce-overhead" is {"triton.cudagraphs": True})
-    options = {**({"triton.cudagraphs": True} if mode == "trees" else {}), **(FUSED if fuse else {})}
+    autotuned = {"max_autotune": True} if autotune else {}
+    options = {**({"triton.cudagraphs": True} if mode == "trees" else {}), **(FUSED if fuse else {}), **autotuned}
     wrap = joining if fuse else (lambda f: f)
     fn = wrap(torch.compile(forward, dynamic=False, options=options or None))
     tuned = {"coordinate_descent_tuning": True} if matvec == "triton" else {}
@@ -76,7 +85,7 @@ def forwards(forward: Callable, *, mode: str, device: torch.device, fuse: bool, 
     frozen_options = {"freezing": True}
     if device.type == "cpu":  # (the same concatenation on a CPU, where the tests check the frozen step)
         frozen_options["cpp.enable_concat_linear"] = True
-    frozen = torch.compile(forward, dynamic=False, options={**frozen_options, **tuned})  # (its own compiles)
+    frozen = torch.compile(forward, dynamic=False, options={**frozen_options, **tuned, **autotuned})  # (its own)
 
     def one(*inputs):
         # dynamo reads the global setting as it traces (to lift the weights as constants), so it is set too, but

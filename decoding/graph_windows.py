@@ -33,8 +33,8 @@ def cache_windows(max_len: int) -> tuple[int, ...]:
 
 def windowable(cache: StaticCache, config, max_len: int) -> bool:
     """Whether replays on this cache attend over windows: two or more of them, plain static layers (no sliding ones)
-    and SDPA, or SDPA with one position's heads packed (`decoding.gqa`; the mask `window_mask` builds is SDPA's); else
-    over the whole cache, as transformers masks it."""
+    and SDPA, or SDPA with a step's or a span's heads packed (`decoding.gqa`; the mask `window_mask` builds is
+    SDPA's); else over the whole cache, as transformers masks it."""
     return len(cache_windows(max_len)) > 1 and all(type(layer) is StaticLayer for layer in cache.layers) and \
         getattr(config, "_attn_implementation", None) in ("sdpa", PACKED)
 

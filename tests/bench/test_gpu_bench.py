@@ -42,8 +42,13 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir)
     packed = model["graph step, variant: packed attention"]  # (a twin: 4 query heads on 2 key/value heads)
     assert packed["gqa"] == "packed" and model["graph step"]["gqa"] == "repeat" and packed["fuse"] is True
     assert isinstance(packed["same_tokens_as_the_step"], bool)
+    tuned = model["graph step, variant: packed attention, autotuned"]  # (the candidates for the next defaults)
+    assert tuned["autotune"] is True and tuned["gqa"] == "packed" and model["graph step"]["autotune"] is False
+    for variant in (plain, packed, tuned):  # (each its recall's span, and a recall in its steps with the head's time)
+        assert variant["span_ms"] > 0 and variant["recall_decode_steps"] > 0 and "span_replay_ms" not in variant
     assert {k for k in model if k.startswith("graph step, variant")} == {
-        "graph step, variant: not fused", "graph step, variant: packed attention"}
+        "graph step, variant: not fused", "graph step, variant: packed attention",
+        "graph step, variant: packed attention, autotuned"}
     assert "span_replay_ms" not in recall  # (a CPU has no captured graph to replay)
     long = model["graph step, long cache"]  # (its time is measured, not checked: 6 tokens, 1 repeat under load can
     assert long["positions"] == 512 and isinstance(long["ms_per_token"], float)  # come out below zero)

@@ -323,20 +323,30 @@ def test_the_device_search_ranks_as_the_bank():
     torch.testing.assert_close(scores, want_scores, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("freeze,matvec", [(False, "cublas"), (True, "cublas"), (False, "triton")],
-                         ids=["plain", "frozen", "tuned"])
-def test_the_compiled_step_equals_the_eager_one(model, eager, freeze, matvec):
+@pytest.mark.parametrize("freeze,matvec,autotune", [(False, "cublas", False), (True, "cublas", False),
+                                                     (False, "triton", False), (False, "cublas", True)],
+                         ids=["plain", "frozen", "tuned", "autotuned"])
+def test_the_compiled_step_equals_the_eager_one(model, eager, freeze, matvec, autotune, monkeypatch):
     """torch.compile of the same step (on a CPU: inductor without CUDA graphs) gives the eager step's tokens, logits and
     recalls; frozen too (the weights constants, q/k/v and gate/up one matmul each; the cache a plain input: marked
     static, freezing folds it into a constant and the tokens part at the second step); tuned too (`matvec="triton"`:
     the one-position forward in a compile of its own, with coordinate-descent tuning; on a CPU inductor keeps its
-    products, so this checks the two compiles, the GPU test their reductions)."""
+    products, so this checks the two compiles, the GPU test their reductions); and autotuned (`autotune`: every
+    forward compiled with max-autotune, its products the fastest of inductor's candidates)."""
     from torch._dynamo.utils import counters
 
-    fast = GraphDecoder(model, max_len=256, freeze=freeze, matvec=matvec)
-    assert fast.graph.matvec == matvec and (fast.graph._fn is fast.graph._fn_one) == (not freeze and matvec == "cublas")
+    options, compile_ = [], torch.compile
+
+    def compiling(fn, **kwargs):  # (each compile `decoding.graph_compile.forwards` makes, with its options)
+        options.append(kwargs.get("options") or {})
+        return compile_(fn, **kwargs)
+    monkeypatch.setattr(torch, "compile", compiling)
+    fast = GraphDecoder(model, max_len=256, freeze=freeze, matvec=matvec, autotune=autotune)
+    assert fast.graph.matvec == matvec and fast.graph.autotune == autotune
+    assert (fast.graph._fn is fast.graph._fn_one) == (not freeze and matvec == "cublas")
     fast.warm_up()
     graphs = counters["stats"]["unique_graphs"]
+    assert options and {bool(o.get("max_autotune")) for o in options} == {autotune}  # (every compile of the step)
     recall = kv_recall(model)
     s = GenerationSettings(max_new_tokens=24, sequence_bias=(((RECALL,), 4.0),))
     want = eager.generate(prompt(2), s, recall=recall, keep_logits=True)
@@ -477,11 +487,12 @@ def test_a_recall_on_the_gpu_replays_exactly(cuda_model, graphed):
 def test_a_compile_variant_is_one_graph_without_host_syncs_and_the_loops(cuda_model, how):
     """Inductor's freezing (`freeze=True`: q/k/v and gate/up one matmul each), or q/k/v and gate/up joined in place
     with the one-row products as tuned Triton reductions (`fuse=True, matvec="triton"`: no cuBLAS kernel in a decode
-    step's replay), and with the attention packed (`gqa="packed"`) on the GPU: still one captured graph, no host
-    sync, the loop's greedy tokens and recalls."""
+    step's replay), and with the attention packed (`gqa="packed"`) and the products autotuned (`autotune`) on the
+    GPU: still one captured graph, no host sync, the loop's greedy tokens and recalls."""
     model = cuda_model if how == "freeze" else tiny_llama(seed=3, device="cuda")  # (fused in place: its own)
     dec = GraphDecoder(model, max_len=256, spans=(17,), freeze=how == "freeze", fuse=how != "freeze",
-                       matvec="cublas" if how == "freeze" else "triton", gqa="packed" if "packed" in how else "repeat")
+                       matvec="cublas" if how == "freeze" else "triton", gqa="packed" if "packed" in how else "repeat",
+                       autotune="packed" in how)
     dec.warm_up()
     assert dec.graph.mode == "manual" and dec.graph.fallback is None
     assert dec.graph.freeze if how == "freeze" else dec.graph.fuse and dec.graph.matvec == "triton"

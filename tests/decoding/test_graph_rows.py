@@ -229,7 +229,7 @@ def test_sampled_answers_in_the_rows_draw_as_alone(rowed):
 
 @pytest.mark.parametrize("key,value", [("graph_rows", "-1"), ("graph_freeze", "sometimes"),
                                        ("graph_fuse", "sometimes"), ("graph_matvec", "cutlass"),
-                                       ("graph_gqa", "grouped")])
+                                       ("graph_gqa", "grouped"), ("graph_autotune", "max")])
 def test_a_bad_graph_value_is_refused_by_name(key, value):
     from chat.config import ConfigError, load_config
 
