@@ -16,7 +16,9 @@ def public(entry: dict) -> dict:
 class Remembered:
     """A turn's changes to its author's memory: `written` and `forgotten` entries ({"id", "text", ...}), and the
     older memories the new ones `superseded`; an undo's: what it `removed` (what the change wrote) and `restored`
-    (what it superseded or forgot). An edit is a memory forgotten and one written with the source "edit"."""
+    (what it superseded or forgot). An edit is a memory forgotten and one written with the source "edit"; a
+    correction ("Actually it's Pocket, not Rocket.") each memory it corrects forgotten and its corrected text written
+    with the source "correction", in the same order."""
 
     written: tuple[dict, ...] = ()
     superseded: tuple[dict, ...] = ()
@@ -41,6 +43,9 @@ class Remembered:
         written, forgotten, parts = list(self.written), list(self.forgotten), []
         if written and forgotten and all(e.get("source") == "edit" for e in written):
             parts.append(f"Edited: {forgotten.pop(0)['text']} -> {written.pop(0)['text']}")
+        if len(written) == len(forgotten) and all(e.get("source") == "correction" for e in written):
+            parts += [f"Corrected: {old['text']} -> {new['text']}" for old, new in zip(forgotten, written)]
+            written, forgotten = [], []
         parts += [f"Remembered: {e['text']}" for e in written]
         parts += [f"(replaces: {e['text']})" for e in self.superseded]
         parts += [f"Forgot: {e['text']}" for e in forgotten]

@@ -1,6 +1,7 @@
-"""What a message asks of its author's memory, read from its words: remember something, forget something, or
-nothing (`decide`), and which of their memories a "forget ..." means (`to_forget`). Pure functions over text,
-scores and fit probabilities; `chat.people` does what they decide."""
+"""What a message asks of its author's memory, read from its words: remember something, forget something, correct a
+word of it ("Actually it's Pocket, not Rocket."), or nothing (`decide`), and which of their memories a "forget ..."
+means (`to_forget`) or a correction changes, and how (`corrected`). Pure functions over text, scores and fit
+probabilities; `chat.people` does what they decide."""
 
 from __future__ import annotations
 
@@ -29,6 +30,26 @@ _NEXT_COMMAND = re.compile(r"\s*[,;.!]\s*(?:(?:and|but|then|and then)\s+)?"
 _NAMED = re.compile(r"^\s*(?:please\s*,?\s+)?forget\s+"
                     r"(?:about\s+|that\s+|what\s+i\s+(?:said|told\s+you)\s+about\s+)?"
                     r"(?:my|where|when|how|who|what|which|the\s+user)\b", re.I)
+# a correction: "Actually it's Pocket, not Rocket.", "No, Pocket not Rocket!", "Sorry, I meant Lina, not Lena.",
+# "It's Tuesday, not Monday.", "No, not Rocket, Pocket.", "I said Rocket but I meant Pocket.", "Correction: my dentist
+# is on Friday, not Thursday."; what it corrects is a phrase of one to four words, and what it gives instead one of as
+# many after a mark ("actually", "no", "sorry", ...) or a lead ("it's", "I meant"), or the last as many words of a
+# statement about the user's own ("my ...") after a mark: "Tea, not coffee." is none, nor "Actually I want tea, not
+# coffee." (not about the user's own), nor "No, that is not true." (words that name nothing, `_VAGUE`)
+_PHRASE = r"[\w'’-]+(?:\s+[\w'’-]+){0,3}?"
+_MARK = r"(?P<mark>(?:(?:actually|no|nope|sorry|oops|wait|correction|my (?:bad|mistake))\s*[,:;!.-]?\s*)+)"
+_LEAD = r"(?P<lead>(?:it|that|he|she|they)(?:['’]?s|\s+is|\s+was|['’]re|\s+are|\s+were)|i\s+meant|i\s+mean)"
+_VAGUE = frozenset("""is was are were am be been being not it its it's that this these those so too very really quite
+i me you he she they we true false right wrong correct yes no sure all any some one more less fine ok okay problem
+matter deal thanks""".split())
+_PARTICLES = frozenset("in at on to from by with for of the a an".split())
+_CORRECTIONS = [re.compile(p, re.I) for p in (
+    rf"^\s*{_MARK}?(?:{_LEAD}\s+)?(?P<new>[\w'’-]+(?:\s+[\w'’-]+){{0,7}}?)\s*,?\s+(?:and\s+)?not\s+"
+    rf"(?P<old>{_PHRASE})\s*[.!]*\s*$",
+    rf"^\s*{_MARK}?(?:{_LEAD}\s+)?not\s+(?P<old>{_PHRASE})\s*[,;]?\s+(?:but\s+)?(?:it['’]s\s+|i\s+meant\s+)?"
+    rf"(?P<new>{_PHRASE})\s*[.!]*\s*$",
+    rf"^\s*{_MARK}?(?P<lead>i\s+said)\s+(?P<old>{_PHRASE})\s*,?\s+(?:but\s+)?i\s+meant\s+(?P<new>{_PHRASE})"
+    rf"\s*[.!]*\s*$")]
 FORGET_FLOOR = 0.3  # the least key similarity of a memory to X for the fit check to be asked whether it is about X
 FORGET_ALONE = 0.7  # with no fit check for this model's keys: the least key similarity alone
 FORGET_CANDIDATES = 1024  # the memories "forget X" is read against, closest first
@@ -40,9 +61,10 @@ class Decision:
 
     writes: tuple[str, ...] = ()  # the memories to write (already about the user), in order
     forget: str | None = None  # what to forget (first)
+    correct: tuple[str, str] | None = None  # (the words to correct, the words they become) in every memory saying them
 
     def __bool__(self) -> bool:
-        return bool(self.writes or self.forget)
+        return bool(self.writes or self.forget or self.correct)
 
 
 def refusal(what: str) -> str | None:
@@ -50,6 +72,8 @@ def refusal(what: str) -> str | None:
     to the assistant, a command to forget, more than one command, a single word; None when it is one."""
     if FORGET.match(what):
         return "a command to forget"
+    if correction(what):
+        return "a correction"
     if _several(f"Remember that {what}"):
         return "more than one command"
     if asks(what):
@@ -74,6 +98,7 @@ def to_remember(text: str) -> str:
     if why is not None:
         shown = what if len(what) <= 60 else what[:57] + "..."
         hint = {"a command to forget": " (say it in the chat, or delete the memory from the list)",
+                "a correction": " (say it in the chat, or edit the memory in the list)",
                 "a question": " (ask it in the chat)", "a request": " (ask it in the chat)",
                 "more than one command": " (one memory at a time here; the chat takes several)"}.get(why, "")
         raise ValueError(f"expected a statement to remember, such as \"My dog is called Pocket.\", got {why}: "
@@ -104,16 +129,50 @@ def _one(text: str) -> Decision:
     return Decision()
 
 
+def correction(text: str) -> tuple[str, str] | None:
+    """(the words a correction corrects, the words it gives instead) when `text` is one ("Actually it's Pocket, not
+    Rocket." -> ("Rocket", "Pocket"); see `_CORRECTIONS`), else None: two different phrases, with a mark or a lead."""
+    for pattern in _CORRECTIONS:
+        if not ((m := pattern.match(text)) and (m["mark"] or m["lead"])):
+            continue
+        old, new = m["old"].split(), m["new"].split()
+        if len(new) > 4:  # a statement about the user's own: its last words ("my dentist is on Friday": "Friday"),
+            if not (m["mark"] and new[0].lower() == "my"):  # from the word `old` begins with when it is a particle
+                continue  # ("my sister lives in Oslo, not in Bergen": "in Oslo")
+            at = [i for i, w in enumerate(new) if w.lower() == old[0].lower() in _PARTICLES]
+            start = at[-1] if at else len(new) - len(old)
+            while not at and start > 1 and new[start][:1].isupper() and new[start - 1][:1].isupper():
+                start -= 1  # (a name of several words: "... lives in New York, not Boston": "New York")
+            new = new[start:]
+        if len(old) == len(new) > 1 and old[0].lower() == new[0].lower() == "my":  # (memories say "the user's")
+            old, new = old[1:], new[1:]
+        if " ".join(old).lower() != " ".join(new).lower() and \
+                not {w.lower().replace("’", "'") for w in old + new} & _VAGUE:
+            return " ".join(old), " ".join(new)
+    return None
+
+
+def corrected(memory: str, old: str, new: str) -> str | None:
+    """`memory` with each whole-word `old` (any case) as `new`, or None when it does not say `old` ("The user's dog
+    is called Rocket." -> "... Pocket."; not in "Rocketry" nor in "rocket science" when `old` is "Rocket science")."""
+    pattern = re.compile(r"(?<![\w'’-])" + r"\s+".join(map(re.escape, old.split())) + r"(?![\w-])", re.I)
+    fixed = pattern.sub(lambda _: new, memory)
+    return fixed if fixed != memory else None
+
+
 def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> Decision:
     """The write decision of `memory.remember`: "forget ..." and "remember ..." always (unless `off`), also several
-    in one message ("Forget my dog, and remember that my cat is Tom.": at most one "forget", done first); with `auto`,
-    any other message `wants` (the write decision model) says is worth keeping."""
+    in one message ("Forget my dog, and remember that my cat is Tom.": at most one "forget", done first), and a
+    correction ("Actually it's Pocket, not Rocket.": the memories that say "Rocket" say "Pocket" instead); with
+    `auto`, any other message `wants` (the write decision model) says is worth keeping."""
     if mode == "off" or not text:
         return Decision()
     if each := _several(text):
         return Decision(tuple(w for d in each for w in d.writes), next((d.forget for d in each if d.forget), None))
     if one := _one(text):
         return one
+    if fix := correction(text):
+        return Decision(correct=fix)
     if mode == "auto" and wants is not None and wants(text):
         return Decision((about_the_user(text),))
     return Decision()

@@ -47,7 +47,7 @@ from memory.milvus import MilvusBank
 from memory.personal import CLOSEST, Joined, Newest, Personal, PersonalMemory, Similar, twin
 from memory.personal_milvus import MilvusPersonal, open_people
 from models import LoadedModel
-from chat.decision import FORGET_CANDIDATES, Decision, decide, forget_reading, things, to_forget
+from chat.decision import FORGET_CANDIDATES, Decision, corrected, decide, forget_reading, things, to_forget
 from models.remember import WriteDecision, about_the_user, mentions_the_user
 
 CARRIED = ".carried.json"  # in a user's folder: {memory file: the earlier model's file it was filled from}
@@ -245,12 +245,14 @@ class People:
             return False
 
     def carry_out(self, lm: LoadedModel, user: str, decision: Decision, **meta) -> Remembered:
-        """Carry out a write decision on `user`'s memory: its forget first, then its writes, as one change (one
-        undo); a write that fails takes back what the decision did."""
+        """Carry out a write decision on `user`'s memory: its forget or its correction first, then its writes, as one
+        change (one undo); a write that fails takes back what the decision did."""
         done = Remembered()
         try:
             if decision.forget:
                 done = self.forget(lm, user, decision.forget)
+            if decision.correct:
+                done = done + self.correct(lm, user, *decision.correct, **{**meta, "source": "correction"})
             if decision.writes:  # (all of them at once: one at a time, a refusal named the count after the first)
                 self.check_room(lm, user, len(decision.writes))
             for text in decision.writes:
@@ -340,6 +342,24 @@ class People:
             shown = what if len(what) <= 80 else what[:80] + "…"  # (a whole long message said back is noise)
             return Remembered(note=f"Nothing to forget: no memory of yours is about {shown!r}")
         return Remembered(forgotten=tuple(memory.remove(ids)))
+
+    def correct(self, lm: LoadedModel, user: str, old: str, new: str, **meta) -> Remembered:
+        """Each memory of `user` that says `old` says `new` instead (`corrected`: "The user's dog is called Rocket."
+        for "Actually it's Pocket, not Rocket."): the memory forgotten and its corrected text written, all of them as
+        one change; no change when none says `old` (the message was about something else)."""
+        memory = self.of(lm, user)
+        fixes = [(e["id"], text) for e in memory.entries() if (text := corrected(e["text"], old, new)) is not None]
+        if not fixes:
+            return Remembered()
+        # first, as an edit does: the corrected text may read as a duplicate of the one it replaces
+        done = Remembered(forgotten=tuple(memory.remove([i for i, _ in fixes])))
+        try:
+            for _, text in fixes:
+                done = done + self.write(lm, user, text, **meta)
+        except BaseException:
+            self.undo(lm, user, done)
+            raise
+        return done
 
     @staticmethod
     def _meant(lm: LoadedModel, memory: Personal, what: str) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 
 from chat.config import load_config
 from chat.operations import edit_memory, import_memories, my_memories, remember
-from chat.decision import Decision, decide, forget_reading, to_forget, to_remember
+from chat.decision import Decision, corrected, correction, decide, forget_reading, to_forget, to_remember
 from chat.people import People
 from chat.service import Service
 from chat.worker import ServiceError
@@ -138,7 +138,8 @@ def test_an_attribute_of_a_person_or_pet_is_forgotten_only_from_a_memory_that_sa
                                        ("Forget about my car.", "a command to forget"),
                                        ("Tell me about Port Avel's harbour.", "a request"), ("hello", "a single word"),
                                        ("Remember that", "a single word"),
-                                       ("My cat is Tom, and forget my dog.", "more than one command")])
+                                       ("My cat is Tom, and forget my dog.", "more than one command"),
+                                       ("Actually it's Pocket, not Rocket.", "a correction")])
 def test_what_the_chat_would_not_write_is_refused_naming_what_was_expected(sent, kind):
     with pytest.raises(ValueError, match=rf"^expected a statement to remember, such as .*, got {kind}: .*nothing was "
                                          "written$"):
@@ -236,3 +237,34 @@ def test_a_message_of_several_commands_does_each(said, writes, forget):
 def test_a_statement_with_forget_or_note_in_it_is_one_memory(text):
     """(A review found them refused as "more than one command": an import of an export holding one was refused.)"""
     assert to_remember(text)
+
+
+@pytest.mark.parametrize("said,fix", [
+    ("Actually it's Pocket, not Rocket.", ("Rocket", "Pocket")), ("No, Pocket not Rocket!", ("Rocket", "Pocket")),
+    ("no its pocket not rocket", ("rocket", "pocket")), ("Sorry, I meant Lina, not Lena.", ("Lena", "Lina")),
+    ("It's Tuesday, not Monday.", ("Monday", "Tuesday")), ("No, not Rocket, Pocket.", ("Rocket", "Pocket")),
+    ("Sorry, not Lena but Lina.", ("Lena", "Lina")), ("I said Rocket but I meant Pocket.", ("Rocket", "Pocket")),
+    ("Actually, it was Oslo and not Bergen.", ("Bergen", "Oslo")), ("No, New York not Boston", ("Boston", "New York")),
+    ("It's a cat, not a dog.", ("a dog", "a cat")), ("No, it is my sister not my brother.", ("brother", "sister")),
+    # a statement about the user's own after a mark: its last words, from the particle the corrected words begin with
+    ("Actually my dog is called Pocket, not Rocket.", ("Rocket", "Pocket")),
+    ("Correction: my dentist is on Friday, not on Thursday.", ("on Thursday", "on Friday")),
+    ("Actually my sister lives in New York, not Boston.", ("Boston", "New York")),
+    # none: no mark nor lead, not about the user's own, words that name nothing, nothing given instead
+    ("Tea, not coffee.", None), ("I like tea, not coffee.", None), ("Actually I want tea, not coffee.", None),
+    ("No, that is not true.", None), ("No, not really.", None), ("That's fine, not a problem.", None),
+    ("It is not Rocket.", None), ("No, not me.", None), ("It's not that, it's this.", None)])
+def test_a_correction_is_read_from_its_words(said, fix):
+    assert correction(said) == fix
+    assert decide(said, "explicit") == (Decision(correct=fix) if fix else Decision())
+
+
+@pytest.mark.parametrize("memory,old,new,fixed", [
+    ("The user's dog is called Rocket.", "Rocket", "Pocket", "The user's dog is called Pocket."),
+    ("rocket sleeps on the sofa; Rocket is old.", "Rocket", "Pocket", "Pocket sleeps on the sofa; Pocket is old."),
+    ("The user's sister lives in New  York.", "New York", "Boston", "The user's sister lives in Boston."),
+    ("Rocket's bed is blue.", "Rocket", "Pocket", "Pocket's bed is blue."),
+    ("The user likes rocketry.", "Rocket", "Pocket", None),  # (whole words only)
+    ("The user's sister-in-law is called Lena.", "sister", "brother", None)])
+def test_a_correction_changes_whole_words_of_a_memory(memory, old, new, fixed):
+    assert corrected(memory, old, new) == fixed

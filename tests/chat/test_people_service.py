@@ -239,6 +239,39 @@ def test_a_message_that_forgets_and_remembers_is_one_change_undone_at_once(tiny_
         svc.close()
 
 
+@pytest.mark.parametrize("store", ["faiss", "milvus"])
+def test_a_correction_in_the_chat_corrects_every_memory_saying_it_and_can_be_undone(tiny_llama, tmp_path, store):
+    """("Actually it's Pocket, not Rocket." changed nothing: no "my", no command.) Each memory that says "Rocket"
+    says "Pocket" instead, as one change that the app's own answer names and one Undo takes back; the others stay;
+    a correction of something no memory says changes nothing and the model answers it."""
+    from decoding.events import TokenEvent
+
+    svc = started(config(tmp_path, store), tiny_llama)
+    s = svc.new_session("ada")
+    texts = lambda: sorted(m["text"] for m in svc.run(my_memories, s))  # noqa: E731
+    say = lambda text: drain(svc.chat(s, text, [], GenerationSettings(max_new_tokens=64), RECALL).request)  # noqa
+    try:
+        for told in ("My dog is called Rocket.", "Rocket sleeps on the sofa.", "My sister is called Lena."):
+            result(svc.run(remember, s, told))
+        before = svc.run(my_memories, s)
+        events = say("Actually it's Pocket, not Rocket.")
+        reply = {"Corrected: The user's dog is called Rocket. -> The user's dog is called Pocket.",
+                 "Corrected: Rocket sleeps on the sofa. -> Pocket sleeps on the sofa."}
+        assert set("".join(e.text for e in events if isinstance(e, TokenEvent)).split(" · ")) == reply
+        assert texts() == ["Pocket sleeps on the sofa.", "The user's dog is called Pocket.",
+                           "The user's sister is called Lena."]
+        assert {m["source"] for m in svc.run(my_memories, s) if "Pocket" in m["text"]} == {"correction"}
+        undone = result(svc.run(undo_memory_change, s))
+        assert len(undone.removed) == len(undone.restored) == 2
+        assert sorted(map(str, svc.run(my_memories, s))) == sorted(map(str, before))  # as they were: ids, times
+        events = say("No, it's Oslo, not Bergen.")  # (no memory says Bergen: the model answers)
+        assert texts() == sorted(m["text"] for m in before) and svc.state(s).change == ""
+        assert "".join(e.text for e in events if isinstance(e, TokenEvent)) and not any(
+            isinstance(e, Remembered) for e in events)
+    finally:
+        svc.close()
+
+
 def test_an_edit_to_a_text_close_to_the_old_replaces_it_and_can_be_undone(tiny_llama, tmp_path):
     """(A near-duplicate of the memory it edits was refused as "already remembered" after the old one was deleted:
     the edit lost the memory.)"""
