@@ -79,7 +79,8 @@ def span_cost(mb: ModelBench, g: GraphStep, step_ms: float) -> dict:
     one_span()
     span_s = statistics.median(one_span() for _ in range(10))
     replay_s = _replay_only(g, SLOTS + 1)
-    head_ms = mb.info.get("recall", {}).get(str(max(mb.args.memories)), {}).get("head_ms")
+    largest = str(max(mb.args.memories)) if mb.args.memories else None
+    head_ms = mb.info.get("recall", {}).get(largest, {}).get("head_ms")
     return {"span_ms": span_s * 1e3, **({"span_replay_ms": replay_s * 1e3} if replay_s is not None else {}),
             **({"recall_decode_steps": (head_ms + span_s * 1e3) / step_ms} if head_ms else {})}
 

@@ -221,7 +221,11 @@ class ModelBench:
             out.update(memory_gb=(allocated() - before) / 1e9, **options_of(dec),
                        same_tokens_as_the_step=self.answers[name] == self.answers.get("graph"))
             self._vs_the_step(out)
-            out.update(serving.span_cost(self, dec.graph, out["ms_per_token"]))
+            try:  # (a failure here keeps the step's figures)
+                out.update(serving.span_cost(self, dec.graph, out["ms_per_token"]))
+            except Exception as e:  # noqa: BLE001
+                out["span_error"] = f"{type(e).__name__}: {e}"
+                self.run.log(traceback.format_exc())
             del dec, model
             gc.collect()
             if self.device == "cuda":
@@ -357,9 +361,11 @@ class ModelBench:
         run, name, args = self.run, self.name, self.args
         run.measure(name, "chat on the graph step", 10, self.chat_graph)
         run.measure(name, "graph step, every page processor", 10, self.page_processors)
-        if args.variants:
-            for label, *options in self.variants():
-                run.measure(name, f"graph step, variant: {label}", 80, self.variant(*options))
+        if args.variants:  # (a variant compiles as the step did, an autotuned one longer: a few times as long)
+            compiled = self.info.get("graph step", {}).get("compile_s") or 60
+            for label, fuse, matvec, gqa, autotune in self.variants():
+                run.measure(name, f"graph step, variant: {label}", (3 if autotune else 1.2) * compiled + 20,
+                            self.variant(fuse, matvec, gqa, autotune))
         if args.static:
             run.measure(name, "transformers static generate", 30, self.hf_static)
         for b in sorted(args.graph_rows, reverse=True):  # 32 first: the 32/1 ratio

@@ -3,12 +3,12 @@
 A model whose query heads share key/value heads (SmolLM2-135M: 9 and 3; Qwen3-VL-2B: 16 and 8) attends, under
 transformers' SDPA with an attention mask (the graph step always passes one), after `repeat_kv` has copied every
 key/value head once a query head: two copies of the cache's window a layer and a forward. On GPU run 5's 135M step
-those copies were 58 kernels and 114 µs of its 0.94 ms of kernels a token; in its 17-wide recall span, about as much
-again. The query heads that share a key/value head can instead be the rows of one attention over it: the query
+those copies were 58 kernels and 114 µs of its 0.94 ms of kernels a token; in its 17-wide recall span likely about as
+much again (60 kernels, 89 µs, whose names hold the attention's copy, fused with the rotary embedding). The query heads that share a key/value head can instead be the rows of one attention over it: the query
 [B, H, L, D] viewed as [B, H_kv, G * L, D] (a key/value head's G query heads, each with its L positions), the keys
 and values read as they are, the mask [B, 1, L, S] as it is for one position (broadcast over the G rows) and
-repeated G times for several (a copy of L * G * S flags, shared by every layer: the same expression, which the
-compile computes once, against two copies of S * H * D values a layer); the output viewed back. The same dot products
+repeated G times for several (a copy of L * G * S flags a layer, against two copies of S * H * D values a layer);
+the output viewed back. The same dot products
 and softmax, so the same numbers up to the kernel's summation order (what transformers itself does for one position
 outside torch.compile, `pack_gqa`; it keeps `repeat_kv` under compile).
 
@@ -43,7 +43,7 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         attention_mask = mask.reshape(mask.shape[0], 1, groups * length, mask.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask,
                                                            scale=kwargs.get("scaling"))  # [B, H_kv, G * L, D]
-    return out.reshape(batch, heads, length, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return out.reshape(out.shape[0], heads, length, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(PACKED, packed_sdpa)

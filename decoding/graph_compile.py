@@ -17,12 +17,13 @@ longer compile: only the one-position forward is compiled so); "auto": triton fo
 on CUDA. A step of several rows is cuBLAS's whatever it says (its products are matrix ones).
 
 `autotune`: the forwards compiled with inductor's max-autotune: each product is the fastest of cuBLAS's kernel and
-Triton's matmul templates, timed with what inductor fuses into a template (the norm before it, the activation or the
-residual's add after it) and kept only where faster. Aimed at the products `matvec` leaves to cuBLAS: a recall's
-span (its 17 rows; GPU run 5's 135M span ran 622 kernels, 150 of them cuBLAS's products, where the step with Triton's
-reductions ran 463) and a large model's decode step (the 1.7B shape's products ran at half the card's bandwidth). A
-one-row product that `matvec="triton"` turns into a reduction is not a product any more: nothing to tune there. A
-longer compile (every product's candidates are timed once).
+Triton's matmul templates (timed with the elementwise work inductor fuses into a template: an activation, a
+residual's add after it), and the Triton kernels' configurations are searched wider. Aimed at the products `matvec`
+leaves to cuBLAS: a recall's span (its 17 rows; GPU run 5's 135M span ran 622 kernels, 150 of them cuBLAS's
+products, where the step with Triton's reductions ran 463) and a large model's decode step (run 5's plain 1.7B step
+spent 1.4 of its 1.87 ms of kernels in cuBLAS's products, at 1.5-3.2 TB/s of the card's 4.8). A one-row product
+that `matvec="triton"` turns into a reduction is no product to choose a kernel for, but its reduction's
+configuration is searched too. A longer compile (every candidate is timed once).
 
 `gqa`: "repeat" (transformers' SDPA: a grouped-query layer copies its key/value heads once a query head before
 attending) or "packed" (`decoding.gqa`: the query heads of a step or a span that share a key/value head attend as the

@@ -358,6 +358,22 @@ def test_the_compiled_step_equals_the_eager_one(model, eager, freeze, matvec, au
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("freeze", [False, True])
+@pytest.mark.parametrize("matvec", ["cublas", "triton"])
+def test_every_compile_of_the_step_is_autotuned_when_asked(monkeypatch, freeze, matvec):
+    """`decoding.graph_compile.forwards` with `autotune`: each of its compiles (the spans', the tuned or frozen
+    one-position forward's) has inductor's max-autotune, and none without it."""
+    from decoding.graph_compile import forwards
+
+    for autotune in (False, True):
+        options = []
+        monkeypatch.setattr(torch, "compile", lambda fn, **kw: options.append(kw.get("options") or {}) or fn)
+        forwards(lambda *a: a, mode="manual", device=torch.device("cpu"), fuse=False, freeze=freeze, matvec=matvec,
+                 autotune=autotune, freezing=lambda: False)
+        assert len(options) == 1 + (freeze or matvec == "triton")
+        assert [bool(o.get("max_autotune")) for o in options] == [autotune] * len(options)
+
+
 def windows_seen(step) -> list[int]:
     """The cache windows of `step`'s replays from now on (recorded as each runs: at `_run`, which picks the window;
     on a GPU a replay of a captured graph never calls `_body`)."""
@@ -483,19 +499,20 @@ def test_a_recall_on_the_gpu_replays_exactly(cuda_model, graphed):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("how", ["freeze", "fuse-triton", "fuse-triton-packed"])
+@pytest.mark.parametrize("how", ["freeze", "fuse-triton", "fuse-triton-packed", "fuse-autotuned"])
 def test_a_compile_variant_is_one_graph_without_host_syncs_and_the_loops(cuda_model, how):
     """Inductor's freezing (`freeze=True`: q/k/v and gate/up one matmul each), or q/k/v and gate/up joined in place
     with the one-row products as tuned Triton reductions (`fuse=True, matvec="triton"`: no cuBLAS kernel in a decode
-    step's replay), and with the attention packed (`gqa="packed"`) and the products autotuned (`autotune`) on the
-    GPU: still one captured graph, no host sync, the loop's greedy tokens and recalls."""
+    step's replay), with the attention packed (`gqa="packed"`), or fused with the products autotuned (`autotune`:
+    cuBLAS's or Triton's templates) on the GPU: still one captured graph, no host sync, the loop's greedy tokens and recalls."""
     model = cuda_model if how == "freeze" else tiny_llama(seed=3, device="cuda")  # (fused in place: its own)
     dec = GraphDecoder(model, max_len=256, spans=(17,), freeze=how == "freeze", fuse=how != "freeze",
-                       matvec="cublas" if how == "freeze" else "triton", gqa="packed" if "packed" in how else "repeat",
-                       autotune="packed" in how)
+                       matvec="triton" if "triton" in how else "cublas", gqa="packed" if "packed" in how else "repeat",
+                       autotune="autotuned" in how)
     dec.warm_up()
     assert dec.graph.mode == "manual" and dec.graph.fallback is None
-    assert dec.graph.freeze if how == "freeze" else dec.graph.fuse and dec.graph.matvec == "triton"
+    assert dec.graph.freeze if how == "freeze" else dec.graph.fuse and dec.graph.matvec == (
+        "triton" if "triton" in how else "cublas") and dec.graph.autotune == ("autotuned" in how)
     assert dec.graph.gqa == ("packed" if "packed" in how else "repeat")
     recall, ids = kv_recall(model), prompt(2)
     s = GenerationSettings(max_new_tokens=40, sequence_bias=(((RECALL,), 4.0),))
@@ -507,7 +524,7 @@ def test_a_compile_variant_is_one_graph_without_host_syncs_and_the_loops(cuda_mo
         dec.launch_guard = contextlib.nullcontext
     assert got.recalls
     assert_same_as_loop(got, loop_run(model, ids, s, recall), ids, atol=1e-4)
-    if how != "freeze":  # the decode step's kernels: inductor's reductions, none of cuBLAS's
+    if "triton" in how:  # the decode step's kernels: inductor's reductions, none of cuBLAS's
         replay = next(graph for (width, *_), (graph, _) in dec.graph._captured.items() if width == 1).replay
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             replay()
