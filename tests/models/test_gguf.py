@@ -38,3 +38,16 @@ def test_a_gguf_that_tokenizes_otherwise_is_refused_naming_where(smollm2_dir):
     tok.add_tokens(["lighthouse"])  # one more token, so the GGUF is not larger; the probe now splits otherwise
     with pytest.raises(ValueError, match=r"tokenizes .* differently .* from token \d+ on, \[.*\] where the model has"):
         load_gguf_draft(None, tok)
+
+
+def test_llama_cpp_is_built_without_amx():
+    """(.ci/setup builds llama.cpp for the machine's CPU. On a Xeon VM that advertises AMX the native build ran
+    ggml's AMX kernels, whose first tile instruction killed the process: SIGILL at the app's first answer.) The
+    kernels AMX would add are not in the build: on a machine with AMX this fails when the setup's flags are lost."""
+    from pathlib import Path
+
+    import llama_cpp
+
+    libs = sorted((Path(llama_cpp.__file__).parent / "lib").glob("libggml-cpu*.so*"))
+    assert libs, "no libggml-cpu in llama_cpp/lib"
+    assert not [p.name for p in libs if b"ggml_backend_amx_mul_mat" in p.read_bytes()]
