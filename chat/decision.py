@@ -30,26 +30,51 @@ _NEXT_COMMAND = re.compile(r"\s*[,;.!]\s*(?:(?:and|but|then|and then)\s+)?"
 _NAMED = re.compile(r"^\s*(?:please\s*,?\s+)?forget\s+"
                     r"(?:about\s+|that\s+|what\s+i\s+(?:said|told\s+you)\s+about\s+)?"
                     r"(?:my|where|when|how|who|what|which|the\s+user)\b", re.I)
-# a correction: "Actually it's Pocket, not Rocket.", "No, Pocket not Rocket!", "Sorry, I meant Lina, not Lena.",
-# "It's Tuesday, not Monday.", "No, not Rocket, Pocket.", "I said Rocket but I meant Pocket.", "Correction: my dentist
-# is on Friday, not Thursday."; what it corrects is a phrase of one to four words, and what it gives instead one of as
-# many after a mark ("actually", "no", "sorry", ...) or a lead ("it's", "I meant"), or the last as many words of a
-# statement about the user's own ("my ...") after a mark: "Tea, not coffee." is none, nor "Actually I want tea, not
-# coffee." (not about the user's own), nor "No, that is not true." (words that name nothing, `_VAGUE`)
-_PHRASE = r"[\w'’-]+(?:\s+[\w'’-]+){0,3}?"
-_MARK = r"(?P<mark>(?:(?:actually|no|nope|sorry|oops|wait|correction|my (?:bad|mistake))\s*[,:;!.-]?\s*)+)"
-_LEAD = r"(?P<lead>(?:it|that|he|she|they)(?:['’]?s|\s+is|\s+was|['’]re|\s+are|\s+were)|i\s+meant|i\s+mean)"
-_VAGUE = frozenset("""is was are were am be been being not it its it's that this these those so too very really quite
-i me you he she they we true false right wrong correct yes no sure all any some one more less fine ok okay problem
-matter deal thanks""".split())
-_PARTICLES = frozenset("in at on to from by with for of the a an".split())
+# a correction of what the last turn remembered or recalled (`chat.people.People.correct`): "Actually it's Pocket, not
+# Rocket.", "No, Pocket not Rocket!", "Sorry, I meant Lina, not Lena.", "It's called Pocket, not Rocket.", "No, not
+# Rocket, Pocket.", "I said Rocket but I meant Pocket.", "Actually my name is Ann, not Anna.", "Correction: my
+# dentist is on Friday, not on Thursday."; read from a short message (`_LONGEST`, its spaces collapsed) that has a mark
+# ("actually", "no", "sorry", ...) or a lead ("it's", "I meant"); what it corrects is one to four words, what it gives
+# instead as few, or, in a statement about the user's own ("my ..."), its last name, number or phrase from the
+# particle the corrected words begin with; none with words that name nothing ("No, that is not true.", "It's a, not
+# the.", "..., not the user."): a correction is never a guess
+_W = r"[\w'’-]+"
+_PHRASE = rf"{_W}(?: {_W}){{0,3}}?"
+# (each repeat of a mark begins with a word and ends in punctuation: one way to read it, so a run of "no no no ..."
+# reads in linear time; a mark that could end in spaces or punctuation either way took seconds for 22 "no"s)
+_MARK = r"(?P<mark>(?:(?:actually|no|nope|sorry|oops|wait|correction|my (?:bad|mistake))\b[ ,:;!.-]*)+)"
+_LEAD = (r"(?P<lead>(?:it|that|he|she|they)(?:['’]?s| is| was|['’]re| are| were)(?: (?:called|named|spelled|spelt))?"
+         r"|i meant(?: to say)?|i mean)")
 _CORRECTIONS = [re.compile(p, re.I) for p in (
-    rf"^\s*{_MARK}?(?:{_LEAD}\s+)?(?P<new>[\w'’-]+(?:\s+[\w'’-]+){{0,7}}?)\s*,?\s+(?:and\s+)?not\s+"
-    rf"(?P<old>{_PHRASE})\s*[.!]*\s*$",
-    rf"^\s*{_MARK}?(?:{_LEAD}\s+)?not\s+(?P<old>{_PHRASE})\s*[,;]?\s+(?:but\s+)?(?:it['’]s\s+|i\s+meant\s+)?"
-    rf"(?P<new>{_PHRASE})\s*[.!]*\s*$",
-    rf"^\s*{_MARK}?(?P<lead>i\s+said)\s+(?P<old>{_PHRASE})\s*,?\s+(?:but\s+)?i\s+meant\s+(?P<new>{_PHRASE})"
-    rf"\s*[.!]*\s*$")]
+    rf"^{_MARK}?(?:{_LEAD} )?(?P<new>{_W}(?: {_W}){{0,7}}?),? (?:and )?not (?P<old>{_PHRASE})[.!]*$",
+    rf"^{_MARK}?(?:{_LEAD} )?not (?P<old>{_PHRASE})[,;]? (?:but )?(?:it['’]s |i meant )?(?P<new>{_PHRASE})[.!]*$",
+    rf"^{_MARK}?(?P<lead>i said) (?P<old>{_PHRASE}),? (?:but )?i meant (?P<new>{_PHRASE})[.!]*$")]
+_LONGEST = 200  # characters of a message read for a correction (a correction is short)
+_VAGUE = frozenset("""is was are were am be been being not it its it's that this these those so too very really quite
+i i'm me you he she they we true false right wrong correct yes no sure all any some one more less fine ok okay problem
+matter deal thanks user users assistant""".split())  # (words that name nothing a memory says)
+_PARTICLES = frozenset("in at on to from by with for of the a an".split())
+_FUNCTION = _PARTICLES | {"and", "or", "but", "nor", "as", "than"}
+
+
+def _value(statement: list[str], old: list[str]) -> list[str] | None:
+    """The words of a statement about the user's own ("my sister lives in Oslo") that a correction gives in place of
+    `old`: from the particle `old` begins with ("in Bergen": "in Oslo"), its last number for a number, the run of
+    capitalised words it ends with for a name ("New York"); None when it ends in no such thing ("my son is 12 years
+    old" for "11", "my favourite food is ice cream" for "pizza": not a guess)."""
+    first = old[0].lower()
+    if first in _PARTICLES:
+        at = [i for i, w in enumerate(statement) if w.lower() == first]
+        return statement[at[-1]:] if at else None
+    if all(re.fullmatch(r"\d+(?:[.,]\d+)?", w) for w in old):
+        return statement[-1:] if re.fullmatch(r"\d+(?:[.,]\d+)?", statement[-1]) else None
+    if old[0][:1].isupper() and statement[-1][:1].isupper():
+        start = len(statement) - 1
+        while start > 1 and statement[start - 1][:1].isupper():
+            start -= 1
+        return statement[start:]
+    return None
+
 FORGET_FLOOR = 0.3  # the least key similarity of a memory to X for the fit check to be asked whether it is about X
 FORGET_ALONE = 0.7  # with no fit check for this model's keys: the least key similarity alone
 FORGET_CANDIDATES = 1024  # the memories "forget X" is read against, closest first
@@ -61,7 +86,8 @@ class Decision:
 
     writes: tuple[str, ...] = ()  # the memories to write (already about the user), in order
     forget: str | None = None  # what to forget (first)
-    correct: tuple[str, str] | None = None  # (the words to correct, the words they become) in every memory saying them
+    correct: tuple[str, str] | None = None  # (the words to correct, the words they become) in the last turn's memories
+    unless_corrected: tuple[str, ...] = ()  # what to write when the correction corrects none (`auto`'s write)
 
     def __bool__(self) -> bool:
         return bool(self.writes or self.forget or self.correct)
@@ -72,8 +98,6 @@ def refusal(what: str) -> str | None:
     to the assistant, a command to forget, more than one command, a single word; None when it is one."""
     if FORGET.match(what):
         return "a command to forget"
-    if correction(what):
-        return "a correction"
     if _several(f"Remember that {what}"):
         return "more than one command"
     if asks(what):
@@ -98,7 +122,6 @@ def to_remember(text: str) -> str:
     if why is not None:
         shown = what if len(what) <= 60 else what[:57] + "..."
         hint = {"a command to forget": " (say it in the chat, or delete the memory from the list)",
-                "a correction": " (say it in the chat, or edit the memory in the list)",
                 "a question": " (ask it in the chat)", "a request": " (ask it in the chat)",
                 "more than one command": " (one memory at a time here; the chat takes several)"}.get(why, "")
         raise ValueError(f"expected a statement to remember, such as \"My dog is called Pocket.\", got {why}: "
@@ -131,51 +154,58 @@ def _one(text: str) -> Decision:
 
 def correction(text: str) -> tuple[str, str] | None:
     """(the words a correction corrects, the words it gives instead) when `text` is one ("Actually it's Pocket, not
-    Rocket." -> ("Rocket", "Pocket"); see `_CORRECTIONS`), else None: two different phrases, with a mark or a lead."""
+    Rocket." -> ("Rocket", "Pocket"); see `_CORRECTIONS`), else None."""
+    text = " ".join(text.split())
+    if len(text) > _LONGEST:
+        return None
     for pattern in _CORRECTIONS:
         if not ((m := pattern.match(text)) and (m["mark"] or m["lead"])):
             continue
         old, new = m["old"].split(), m["new"].split()
-        if len(new) > 4:  # a statement about the user's own: its last words ("my dentist is on Friday": "Friday"),
-            if not (m["mark"] and new[0].lower() == "my"):  # from the word `old` begins with when it is a particle
-                continue  # ("my sister lives in Oslo, not in Bergen": "in Oslo")
-            at = [i for i, w in enumerate(new) if w.lower() == old[0].lower() in _PARTICLES]
-            start = at[-1] if at else len(new) - len(old)
-            while not at and start > 1 and new[start][:1].isupper() and new[start - 1][:1].isupper():
-                start -= 1  # (a name of several words: "... lives in New York, not Boston": "New York")
-            new = new[start:]
+        if new[0].lower() == "my" and len(new) > 1 and not (len(old) > 1 and old[0].lower() == "my"):
+            if not m["mark"] or (new := _value(new, old)) is None:  # (a statement about the user's own)
+                continue
+        elif len(new) > 4:
+            continue
         if len(old) == len(new) > 1 and old[0].lower() == new[0].lower() == "my":  # (memories say "the user's")
             old, new = old[1:], new[1:]
-        if " ".join(old).lower() != " ".join(new).lower() and \
-                not {w.lower().replace("’", "'") for w in old + new} & _VAGUE:
+        words = [w.lower().replace("’", "'") for w in old + new]
+        if " ".join(old).lower() != " ".join(new).lower() and not set(words) & _VAGUE \
+                and not set(w.lower() for w in old) <= _FUNCTION and not set(w.lower() for w in new) <= _FUNCTION \
+                and all(re.search(r"[^\W_]", w) for w in old + new):
             return " ".join(old), " ".join(new)
     return None
 
 
 def corrected(memory: str, old: str, new: str) -> str | None:
-    """`memory` with each whole-word `old` (any case) as `new`, or None when it does not say `old` ("The user's dog
-    is called Rocket." -> "... Pocket."; not in "Rocketry" nor in "rocket science" when `old` is "Rocket science")."""
-    pattern = re.compile(r"(?<![\w'’-])" + r"\s+".join(map(re.escape, old.split())) + r"(?![\w-])", re.I)
-    fixed = pattern.sub(lambda _: new, memory)
+    """`memory` with each whole-word `old` (any case; either apostrophe) as `new`, or None when it does not say `old`
+    ("The user's dog is called Rocket." -> "... Pocket."; not in "Rocketry", "rocket@example.com" or "/home/rocket/").
+    `new` typed in lower case takes the title case of a name it replaces ("pocket" for "Rocket": "Pocket")."""
+    words = [re.sub(r"['’]", "['’]", re.escape(w)) for w in old.split()]
+    pattern = re.compile(r"(?<![\w@/-])" + r"\s+".join(words) + r"(?![\w@-])(?![./]\w)", re.I)
+
+    def instead(m: re.Match) -> str:
+        return new.title() if new.islower() and m[0] == m[0].title() and m[0] != m[0].lower() else new
+    fixed = pattern.sub(instead, memory)
     return fixed if fixed != memory else None
 
 
 def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> Decision:
     """The write decision of `memory.remember`: "forget ..." and "remember ..." always (unless `off`), also several
     in one message ("Forget my dog, and remember that my cat is Tom.": at most one "forget", done first), and a
-    correction ("Actually it's Pocket, not Rocket.": the memories that say "Rocket" say "Pocket" instead); with
-    `auto`, any other message `wants` (the write decision model) says is worth keeping."""
+    correction ("Actually it's Pocket, not Rocket.": the last turn's memories that say "Rocket" say "Pocket" instead);
+    with `auto`, any other message `wants` (the write decision model) says is worth keeping (a correction's: when it
+    corrects none)."""
     if mode == "off" or not text:
         return Decision()
     if each := _several(text):
         return Decision(tuple(w for d in each for w in d.writes), next((d.forget for d in each if d.forget), None))
     if one := _one(text):
         return one
+    wanted = (about_the_user(text),) if mode == "auto" and wants is not None and wants(text) else ()
     if fix := correction(text):
-        return Decision(correct=fix)
-    if mode == "auto" and wants is not None and wants(text):
-        return Decision((about_the_user(text),))
-    return Decision()
+        return Decision(correct=fix, unless_corrected=wanted)
+    return Decision(wanted)
 
 
 # words of "forget X" that say nothing of what X is

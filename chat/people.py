@@ -30,7 +30,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -244,18 +244,21 @@ class People:
         except (ServiceError, BankError):
             return False
 
-    def carry_out(self, lm: LoadedModel, user: str, decision: Decision, **meta) -> Remembered:
-        """Carry out a write decision on `user`'s memory: its forget or its correction first, then its writes, as one
-        change (one undo); a write that fails takes back what the decision did."""
-        done = Remembered()
+    def carry_out(self, lm: LoadedModel, user: str, decision: Decision, recent: Collection[str] = (),
+                  **meta) -> Remembered:
+        """Carry out a write decision on `user`'s memory: its forget or its correction (of the `recent` memories: the
+        texts the last turn wrote or recalled) first, then its writes, as one change (one undo); a write that fails
+        takes back what the decision did."""
+        done, writes = Remembered(), decision.writes
         try:
             if decision.forget:
                 done = self.forget(lm, user, decision.forget)
             if decision.correct:
-                done = done + self.correct(lm, user, *decision.correct, **{**meta, "source": "correction"})
-            if decision.writes:  # (all of them at once: one at a time, a refusal named the count after the first)
-                self.check_room(lm, user, len(decision.writes))
-            for text in decision.writes:
+                done = done + self.correct(lm, user, *decision.correct, recent, **{**meta, "source": "correction"})
+                writes = writes if done.forgotten else writes + decision.unless_corrected
+            if writes:  # (all of them at once: one at a time, a refusal named the count after the first)
+                self.check_room(lm, user, len(writes))
+            for text in writes:
                 done = done + self.write(lm, user, text, **meta)
         except BaseException:
             if done.written or done.forgotten:
@@ -343,12 +346,15 @@ class People:
             return Remembered(note=f"Nothing to forget: no memory of yours is about {shown!r}")
         return Remembered(forgotten=tuple(memory.remove(ids)))
 
-    def correct(self, lm: LoadedModel, user: str, old: str, new: str, **meta) -> Remembered:
-        """Each memory of `user` that says `old` says `new` instead (`corrected`: "The user's dog is called Rocket."
-        for "Actually it's Pocket, not Rocket."): the memory forgotten and its corrected text written, all of them as
-        one change; no change when none says `old` (the message was about something else)."""
+    def correct(self, lm: LoadedModel, user: str, old: str, new: str, recent: Collection[str], **meta) -> Remembered:
+        """Each memory of `user` among the `recent` texts (what the last turn wrote or recalled: what a correction
+        answers) that says `old` says `new` instead (`corrected`: "The user's dog is called Rocket." for "Actually
+        it's Pocket, not Rocket."): the memory forgotten and its corrected text written, all of them as one change;
+        no change when none says `old` (the message was about something else: "It's red, not blue." after an
+        answer about paint leaves "The user's car is blue." as it is)."""
         memory = self.of(lm, user)
-        fixes = [(e["id"], text) for e in memory.entries() if (text := corrected(e["text"], old, new)) is not None]
+        fixes = [(e["id"], text) for e in memory.entries()
+                 if e["text"] in recent and (text := corrected(e["text"], old, new)) is not None]
         if not fixes:
             return Remembered()
         # first, as an edit does: the corrected text may read as a duplicate of the one it replaces

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from concurrent import futures
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Concatenate
 
@@ -196,7 +196,7 @@ class Service(SessionService):
             with s.lock:
                 conv = self.conversation(s)
                 _check_tokens(conv, settings)
-                s.last_change = None
+                recent, s.last_change = self.recent(s, conv), None
                 if unread:
                     yield Notice(f"the model reads the last {len(conv.messages)} of the {unread + len(conv.messages)} "
                                  f"earlier messages: from a user's message, at most {self.window.turns or 'all'} "
@@ -212,7 +212,7 @@ class Service(SessionService):
                 # model, asked, would guess)
                 try:  # (a message stopped before here changes no memory: the stop came before its answer began)
                     if not interrupt.is_set() and (changed := self.remember(s, decision := self.people.decide(
-                            conv.lm, text))):
+                            conv.lm, text), recent=recent)):
                         s.last_change = changed if changed.written or changed.forgotten else None
                         yield changed
                         reply = changed.describe() if (decision.forget or decision.correct) and changed.forgotten \
@@ -261,9 +261,19 @@ class Service(SessionService):
         """Delete every memory of the session's user and their history, whichever model wrote them."""
         return self.people.forget_all(self.wait_model(), s.user)
 
-    def remember(self, s: Session, decision: Decision, source: str = "chat") -> Remembered:
-        """Carry out a write decision on the session's user's memory (on the worker thread: it encodes)."""
-        return self.people.carry_out(self._model(), s.user, decision, source=source, conversation=f"session-{s.id}")
+    def remember(self, s: Session, decision: Decision, source: str = "chat",
+                 recent: Collection[str] = ()) -> Remembered:
+        """Carry out a write decision on the session's user's memory (on the worker thread: it encodes); `recent`:
+        the memory texts of the last turn, which a correction corrects (`Service.recent`)."""
+        return self.people.carry_out(self._model(), s.user, decision, recent, source=source,
+                                     conversation=f"session-{s.id}")
+
+    @staticmethod
+    def recent(s: Session, conv: Conversation) -> frozenset[str]:
+        """The memory texts of the session's last turn: what its message wrote, what its answer recalled."""
+        wrote = {e["text"] for e in s.last_change.written} if s.last_change is not None else set()
+        last = conv.messages[-1] if conv.messages and conv.messages[-1].role == "assistant" else None
+        return frozenset(wrote | ({r.text for r in last.recalls} if last is not None else set()))
 
     def undo_change(self, s: Session) -> Remembered:
         """Undo the last message's change to the session's user's memory (on the worker thread: it encodes)."""

@@ -16,6 +16,7 @@ from chat.config import load_config
 from chat.operations import (edit_memory, forget_all_memories, forget_memories, my_memories, remember,
                              undo_memory_change)
 from chat.changes import Remembered
+from chat.decision import Decision
 from chat.service import Service
 from chat.worker import Notice, ServiceError
 from memory import BankError
@@ -240,34 +241,35 @@ def test_a_message_that_forgets_and_remembers_is_one_change_undone_at_once(tiny_
 
 
 @pytest.mark.parametrize("store", ["faiss", "milvus"])
-def test_a_correction_in_the_chat_corrects_every_memory_saying_it_and_can_be_undone(tiny_llama, tmp_path, store):
-    """("Actually it's Pocket, not Rocket." changed nothing: no "my", no command.) Each memory that says "Rocket"
-    says "Pocket" instead, as one change that the app's own answer names and one Undo takes back; the others stay;
-    a correction of something no memory says changes nothing and the model answers it."""
+def test_a_correction_corrects_what_the_last_turn_remembered_and_can_be_undone(tiny_llama, tmp_path, store):
+    """("Actually it's Pocket, not Rocket." changed nothing: no "my", no command.) The last turn's memories that say
+    "Rocket" say "Pocket" instead, one change that the app's own answer names and one Undo takes back; a memory told
+    before that stays as it is (a review: "It's red, not blue." about anything rewrote "The user's car is blue."), and
+    a correction of nothing the last turn remembered changes nothing: the model answers it."""
     from decoding.events import TokenEvent
 
     svc = started(config(tmp_path, store), tiny_llama)
     s = svc.new_session("ada")
     texts = lambda: sorted(m["text"] for m in svc.run(my_memories, s))  # noqa: E731
     say = lambda text: drain(svc.chat(s, text, [], GenerationSettings(max_new_tokens=64), RECALL).request)  # noqa
+    answer = lambda events: "".join(e.text for e in events if isinstance(e, TokenEvent))  # noqa: E731
     try:
-        for told in ("My dog is called Rocket.", "Rocket sleeps on the sofa.", "My sister is called Lena."):
-            result(svc.run(remember, s, told))
+        say("Remember that Rocket sleeps on the sofa.")
+        say("Remember that my dog is called Rocket.")
         before = svc.run(my_memories, s)
         events = say("Actually it's Pocket, not Rocket.")
-        reply = {"Corrected: The user's dog is called Rocket. -> The user's dog is called Pocket.",
-                 "Corrected: Rocket sleeps on the sofa. -> Pocket sleeps on the sofa."}
-        assert set("".join(e.text for e in events if isinstance(e, TokenEvent)).split(" · ")) == reply
-        assert texts() == ["Pocket sleeps on the sofa.", "The user's dog is called Pocket.",
-                           "The user's sister is called Lena."]
+        assert answer(events) == "Corrected: The user's dog is called Rocket. -> The user's dog is called Pocket."
+        assert texts() == ["Rocket sleeps on the sofa.", "The user's dog is called Pocket."]
         assert {m["source"] for m in svc.run(my_memories, s) if "Pocket" in m["text"]} == {"correction"}
         undone = result(svc.run(undo_memory_change, s))
-        assert len(undone.removed) == len(undone.restored) == 2
+        assert len(undone.removed) == len(undone.restored) == 1
         assert sorted(map(str, svc.run(my_memories, s))) == sorted(map(str, before))  # as they were: ids, times
-        events = say("No, it's Oslo, not Bergen.")  # (no memory says Bergen: the model answers)
+        events = say("No, it's Pocket, not Rocket.")  # (the last turn was the correction, undone: nothing of it)
         assert texts() == sorted(m["text"] for m in before) and svc.state(s).change == ""
-        assert "".join(e.text for e in events if isinstance(e, TokenEvent)) and not any(
-            isinstance(e, Remembered) for e in events)
+        assert answer(events) and not any(isinstance(e, Remembered) for e in events)  # (the model's answer)
+        done = svc.people.carry_out(tiny_llama, "ada", Decision(correct=("Rocket", "Pocket"),
+                                                                unless_corrected=("The user's cat is Tom.",)))
+        assert [e["text"] for e in done.written] == ["The user's cat is Tom."] and not done.forgotten  # (`auto`'s)
     finally:
         svc.close()
 
@@ -715,3 +717,15 @@ def test_a_users_file_broken_while_running_is_a_notice_and_the_answer_goes_on(ti
         assert s.conv.messages[-1].role == "assistant" and not svc.people.unread(tiny_llama, s.user, "Hello there.")
     finally:
         svc.close()
+
+
+def test_a_correction_reads_what_the_last_message_wrote_and_the_last_answer_recalled():
+    """`Service.recent`: the memory texts a correction may correct, the last turn's: written by its message (an edit
+    too), recalled in its answer; none before the first answer."""
+    from types import SimpleNamespace
+
+    answered = SimpleNamespace(role="assistant", recalls=[RecallEvent(0, 10, 0.84, 3, "The user's dog is Rex.")])
+    s = SimpleNamespace(last_change=Remembered(written=({"id": "m1", "text": "The user's cat is Tom."},)))
+    conv = SimpleNamespace(messages=[SimpleNamespace(role="user", recalls=[]), answered])
+    assert Service.recent(s, conv) == {"The user's cat is Tom.", "The user's dog is Rex."}
+    assert Service.recent(SimpleNamespace(last_change=None), SimpleNamespace(messages=[])) == frozenset()
