@@ -206,9 +206,13 @@ class MemorySelector:
 
     def scores(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores [k], memory ids [k]) on the CPU, best first, from the bank's search (a query on an accelerator
-        is searched there when the search is exact: only the k scores and ids come back)."""
+        is searched there when the search is exact: only the k scores and ids come back). A greedy choice with no
+        processors (and no debug log of the candidates) takes the best, whatever the warpers: it asks for k = 1 (on a
+        GPU one reduction over the scores instead of a top-k's radix select)."""
         query = hidden if self.query is None else self.query(hidden)
-        return self.db.topk(query.detach().float(), self.recall.top_k or None)
+        r = self.recall
+        best_only = not r.use_sampling and self.processors is None and not r.debug
+        return self.db.topk(query.detach().float(), 1 if best_only else r.top_k or None)
 
     def choose(self, hidden: torch.Tensor, required: bool = True) -> Memory | None:
         """The memory read for the query of `hidden`: a memory under `min_score` is not a candidate; with none

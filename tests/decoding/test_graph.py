@@ -546,7 +546,7 @@ def test_the_captured_memory_head_ranks_as_the_eager_search():
     db = MemoryVectorDB(32)
     db.add(torch.randn(3000, 32, generator=g))
     queries = [torch.randn(32, generator=g).cuda() for _ in range(CAPTURE_AFTER + 3)]  # (the last 4 captured)
-    for k in (5, 40):
+    for k in (1, 5, 40):  # (1: a greedy head, one reduction)
         for i, q in enumerate(queries):
             query = q.to(torch.bfloat16)[None] if i % 2 else q
             keys = db.device_keys(query.device)

@@ -284,6 +284,34 @@ def test_memory_head_greedy_picks_highest_cosine():
         assert choice.score == pytest.approx(float(cos.max()), abs=1e-5)
 
 
+def test_a_greedy_head_without_processors_asks_the_bank_for_the_best_alone(monkeypatch):
+    """(GPU run 5: torch.topk's radix select was a third of the head's kernels over 100k keys.) Greedy with no memory
+    processor and no debug log, the choice is the best memory whatever the warpers: the search asks for k = 1 (on a
+    device one reduction, `memory.device._topk`), which ranks as the k-best search's first; sampling, a processor or
+    the debug log ask for top_k."""
+    from memory.device import _topk
+
+    db = MemoryVectorDB(32)
+    db.add(torch.randn(300, 32, generator=torch.Generator().manual_seed(0)))
+    asked, topk = [], db.topk
+    monkeypatch.setattr(db, "topk", lambda q, k=None: asked.append(k) or topk(q, k))
+    q = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    for recall, processors, k in [(RecallSettings(use_sampling=False, top_k=5), None, 1),
+                                  (RecallSettings(use_sampling=True, top_k=5), None, 5),
+                                  (RecallSettings(use_sampling=False, top_k=5), lambda ids, s: s, 5),
+                                  (RecallSettings(use_sampling=False, top_k=5, debug=True), None, 5)]:
+        asked.clear()
+        chosen = MemorySelector(db, recall, processors=processors).choose(q)
+        assert asked == [k] and (recall.use_sampling or chosen.index == int(topk(q, 5)[1][0]))
+    snap = db._snap
+    keys, ids = torch.from_numpy(snap.normed), torch.from_numpy(snap.ids)
+    for seed in range(5):
+        q = torch.randn(32, generator=torch.Generator().manual_seed(seed))
+        best, five = _topk(keys, ids, q, 1), _topk(keys, ids, q, 5)
+        assert best[1].tolist() == five[1][:1].tolist() and best[0].shape == (1,)
+        torch.testing.assert_close(best[0], five[0][:1])
+
+
 def test_a_memory_processor_acts_on_the_memory_logits_before_the_warpers():
     """Seed 000's optional logits processor over the memory logits (`Recall.processors`): it sees the candidates'
     memory ids as a token processor sees token ids; one that bans memories already read makes the head read the
