@@ -55,26 +55,6 @@ i i'm me you he she they we true false right wrong correct yes no sure all any s
 matter deal thanks user users assistant""".split())  # (words that name nothing a memory says)
 _PARTICLES = frozenset("in at on to from by with for of the a an".split())
 _FUNCTION = _PARTICLES | {"and", "or", "but", "nor", "as", "than"}
-
-
-def _value(statement: list[str], old: list[str]) -> list[str] | None:
-    """The words of a statement about the user's own ("my sister lives in Oslo") that a correction gives in place of
-    `old`: from the particle `old` begins with ("in Bergen": "in Oslo"), its last number for a number, the run of
-    capitalised words it ends with for a name ("New York"); None when it ends in no such thing ("my son is 12 years
-    old" for "11", "my favourite food is ice cream" for "pizza": not a guess)."""
-    first = old[0].lower()
-    if first in _PARTICLES:
-        at = [i for i, w in enumerate(statement) if w.lower() == first]
-        return statement[at[-1]:] if at else None
-    if all(re.fullmatch(r"\d+(?:[.,]\d+)?", w) for w in old):
-        return statement[-1:] if re.fullmatch(r"\d+(?:[.,]\d+)?", statement[-1]) else None
-    if old[0][:1].isupper() and statement[-1][:1].isupper():
-        start = len(statement) - 1
-        while start > 1 and statement[start - 1][:1].isupper():
-            start -= 1
-        return statement[start:]
-    return None
-
 FORGET_FLOOR = 0.3  # the least key similarity of a memory to X for the fit check to be asked whether it is about X
 FORGET_ALONE = 0.7  # with no fit check for this model's keys: the least key similarity alone
 FORGET_CANDIDATES = 1024  # the memories "forget X" is read against, closest first
@@ -150,6 +130,25 @@ def _one(text: str) -> Decision:
     if (m := REMEMBER.match(text)) and refusal(m["what"]) is None:
         return Decision((about_the_user(m["what"]),))
     return Decision()
+
+
+def _value(statement: list[str], old: list[str]) -> list[str] | None:
+    """The words of a statement about the user's own ("my sister lives in Oslo") that a correction gives in place of
+    `old`: from the particle `old` begins with ("in Bergen": "in Oslo"), its last number for a number, the run of
+    capitalised words it ends with for a name ("New York"); None when it ends in no such thing ("my son is 12 years
+    old" for "11", "my favourite food is ice cream" for "pizza": not a guess)."""
+    first = old[0].lower()
+    if first in _PARTICLES:
+        at = [i for i, w in enumerate(statement) if w.lower() == first]
+        return statement[at[-1]:] if at else None
+    if all(re.fullmatch(r"\d+(?:[.,]\d+)?", w) for w in old):
+        return statement[-1:] if re.fullmatch(r"\d+(?:[.,]\d+)?", statement[-1]) else None
+    if old[0][:1].isupper() and statement[-1][:1].isupper():
+        start = len(statement) - 1
+        while start > 1 and statement[start - 1][:1].isupper():
+            start -= 1
+        return statement[start:]
+    return None
 
 
 def correction(text: str) -> tuple[str, str] | None:
