@@ -51,8 +51,9 @@ _CORRECTIONS = [re.compile(p, re.I) for p in (
     rf"^{_MARK}?(?P<lead>i said) (?P<old>{_PHRASE}),? (?:but )?i meant (?P<new>{_PHRASE})[.!]*$")]
 _LONGEST = 200  # characters of a message read for a correction (a correction is short)
 _VAGUE = frozenset("""is was are were am be been being not it its it's that this these those so too very really quite
-i i'm me you he she they we true false right wrong correct yes no sure all any some one more less fine ok okay problem
-matter deal thanks user users assistant""".split())  # (words that name nothing a memory says)
+i i'm me you he she they we him her his hers them their theirs us our ours your yours mine my there here true false
+right wrong correct yes no sure all any some one more less fine ok okay problem matter deal thanks user users
+assistant""".split())  # (words that name nothing a memory says, a possessive's "'s" aside)
 _PARTICLES = frozenset("in at on to from by with for of the a an".split())
 _FUNCTION = _PARTICLES | {"and", "or", "but", "nor", "as", "than"}
 FORGET_FLOOR = 0.3  # the least key similarity of a memory to X for the fit check to be asked whether it is about X
@@ -138,9 +139,9 @@ def _value(statement: list[str], old: list[str]) -> list[str] | None:
     capitalised words it ends with for a name ("New York"); None when it ends in no such thing ("my son is 12 years
     old" for "11", "my favourite food is ice cream" for "pizza": not a guess)."""
     first = old[0].lower()
-    if first in _PARTICLES:
+    if first in _PARTICLES:  # (as many words: "on Friday at 3" for "on Thursday" is "on Friday")
         at = [i for i, w in enumerate(statement) if w.lower() == first]
-        return statement[at[-1]:] if at else None
+        return statement[at[-1]:at[-1] + len(old)] if at else None
     if all(re.fullmatch(r"\d+(?:[.,]\d+)?", w) for w in old):
         return statement[-1:] if re.fullmatch(r"\d+(?:[.,]\d+)?", statement[-1]) else None
     if old[0][:1].isupper() and statement[-1][:1].isupper():
@@ -168,8 +169,13 @@ def correction(text: str) -> tuple[str, str] | None:
             continue
         if len(old) == len(new) > 1 and old[0].lower() == new[0].lower() == "my":  # (memories say "the user's")
             old, new = old[1:], new[1:]
-        words = [w.lower().replace("’", "'") for w in old + new]
+        if len(new) > 1 and new[0].lower() in _PARTICLES and old[0].lower() not in _PARTICLES:
+            new = new[1:]  # ("it's on Friday, not Thursday": "on Thursday" would read "on on Friday")
+        elif len(old) > 1 and old[0].lower() in _PARTICLES and new[0].lower() not in _PARTICLES:
+            new = [old[0], *new]  # ("it's Oslo, not in Bergen": "in Oslo")
+        words = [re.sub(r"'s$", "", w.lower().replace("’", "'")) for w in old + new]
         if " ".join(old).lower() != " ".join(new).lower() and not set(words) & _VAGUE \
+                and not re.search(r"['’]s$", old[-1]) \
                 and not set(w.lower() for w in old) <= _FUNCTION and not set(w.lower() for w in new) <= _FUNCTION \
                 and all(re.search(r"[^\W_]", w) for w in old + new):
             return " ".join(old), " ".join(new)
@@ -177,16 +183,19 @@ def correction(text: str) -> tuple[str, str] | None:
 
 
 def corrected(memory: str, old: str, new: str) -> str | None:
-    """`memory` with each whole-word `old` (any case; either apostrophe) as `new`, or None when it does not say `old`
-    ("The user's dog is called Rocket." -> "... Pocket."; not in "Rocketry", "rocket@example.com" or "/home/rocket/").
-    `new` typed in lower case takes the title case of a name it replaces ("pocket" for "Rocket": "Pocket")."""
+    """`memory` with the whole words `old` (either apostrophe; in any case when typed in lower case, else as typed)
+    as `new`, or None when it does not say `old` once ("The user's dog is called Rocket." -> "... Pocket."; not
+    "Rocketry", "rocket@example.com", "/home/rocket/", the "rose" of "rose gardens" for "Rose", nor "at 2 pm on May
+    2" for "2": which one is meant?). `new` typed in lower case takes the title case of a name it replaces
+    ("pocket" for "Rocket": "Pocket")."""
     words = [re.sub(r"['’]", "['’]", re.escape(w)) for w in old.split()]
-    pattern = re.compile(r"(?<![\w@/-])" + r"\s+".join(words) + r"(?![\w@-])(?![./]\w)", re.I)
-
-    def instead(m: re.Match) -> str:
-        return new.title() if new.islower() and m[0] == m[0].title() and m[0] != m[0].lower() else new
-    fixed = pattern.sub(instead, memory)
-    return fixed if fixed != memory else None
+    pattern = re.compile(r"(?<![\w@/-])" + r"\s+".join(words) + r"(?![\w@-])(?![./]\w)", re.I if old.islower() else 0)
+    found = pattern.findall(memory)
+    if len(found) != 1:
+        return None
+    said = found[0]
+    instead = new.title() if new.islower() and said == said.title() and said != said.lower() else new
+    return pattern.sub(lambda _: instead, memory)
 
 
 def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> Decision:
