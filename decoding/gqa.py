@@ -4,13 +4,13 @@ A model whose query heads share key/value heads (SmolLM2-135M: 9 and 3; Qwen3-VL
 transformers' SDPA with an attention mask (the graph step always passes one), after `repeat_kv` has copied every
 key/value head once a query head: two copies of the cache's window a layer and a forward. On GPU run 5's 135M step
 those copies were 58 kernels and 114 µs of its 0.94 ms of kernels a token; in its 17-wide recall span likely about as
-much again (60 kernels, 89 µs, whose names hold the attention's copy, fused with the rotary embedding). The query heads that share a key/value head can instead be the rows of one attention over it: the query
-[B, H, L, D] viewed as [B, H_kv, G * L, D] (a key/value head's G query heads, each with its L positions), the keys
-and values read as they are, the mask [B, 1, L, S] as it is for one position (broadcast over the G rows) and
-repeated G times for several (a copy of L * G * S flags a layer, against two copies of S * H * D values a layer);
-the output viewed back. The same dot products
-and softmax, so the same numbers up to the kernel's summation order (what transformers itself does for one position
-outside torch.compile, `pack_gqa`; it keeps `repeat_kv` under compile).
+much again (60 kernels, 89 µs, whose names hold the attention's copy, fused with the rotary embedding). The query
+heads that share a key/value head can instead be the rows of one attention over it: the query [B, H, L, D] viewed as
+[B, H_kv, G * L, D] (a key/value head's G query heads, each with its L positions), the keys and values read as they
+are, the mask [B, 1, L, S] as it is for one position (broadcast over the G rows) and repeated G times for several (a
+copy of L * G * S flags a layer, against two copies of S * H * D values a layer); the output viewed back. The same
+dot products and softmax, so the same numbers up to the kernel's summation order (what transformers itself does for
+one position outside torch.compile, `pack_gqa`; it keeps `repeat_kv` under compile).
 
 `PACKED` is an attention implementation registered with transformers (with SDPA's masks): the packed attention for
 up to `MAX_POSITIONS` positions (a decode step, a recall's span graphs) of a grouped-query layer with a mask shared

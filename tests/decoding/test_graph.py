@@ -504,7 +504,8 @@ def test_a_compile_variant_is_one_graph_without_host_syncs_and_the_loops(cuda_mo
     """Inductor's freezing (`freeze=True`: q/k/v and gate/up one matmul each), or q/k/v and gate/up joined in place
     with the one-row products as tuned Triton reductions (`fuse=True, matvec="triton"`: no cuBLAS kernel in a decode
     step's replay), with the attention packed (`gqa="packed"`), or fused with the products autotuned (`autotune`:
-    cuBLAS's or Triton's templates) on the GPU: still one captured graph, no host sync, the loop's greedy tokens and recalls."""
+    cuBLAS's or Triton's templates) on the GPU: still one captured graph, no host sync, the loop's greedy tokens and
+    recalls."""
     model = cuda_model if how == "freeze" else tiny_llama(seed=3, device="cuda")  # (fused in place: its own)
     dec = GraphDecoder(model, max_len=256, spans=(17,), freeze=how == "freeze", fuse=how != "freeze",
                        matvec="triton" if "triton" in how else "cublas", gqa="packed" if "packed" in how else "repeat",
