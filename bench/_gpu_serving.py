@@ -26,8 +26,9 @@ SLOTS = 16  # a recalled memory's value slots
 
 
 def recall(mb: ModelBench) -> dict:
-    """The memory head over each bank size, the wide replay of a memory's 16 slots and `</recall>`, in decode
-    steps of the graph step; and a recall through the decoder."""
+    """The memory head over each bank size, the chosen memory's lookup (its token ids' input embeddings), the wide
+    replay of its 16 slots and `</recall>`: a recall in decode steps of the graph step; and a recall through the
+    decoder."""
     dec, hidden, device, dtype = mb.step_for("recall"), mb.hidden, mb.device, mb.dtype
     recall_id, pad_id, end_id = mb.vocab - 3, mb.vocab - 2, mb.vocab - 1  # random weights: any ids do
     step_ms = mb.info["graph step"]["ms_per_token"]
@@ -49,6 +50,9 @@ def recall(mb: ModelBench) -> dict:
         head = statistics.median(timed(lambda: selector.choose(query)) for _ in range(20))
         dec.graph.prefill(dec.graph.embed(mb.dev_ids))
         memory = selector.choose(query)
+        # the chosen memory's value slots as input embeddings on the device (what the chat's recall does between
+        # the head and the span: its token ids looked up in the model's embedding)
+        lookup = statistics.median(timed(lambda: rec.embed(rec.values(memory), device, dtype)) for _ in range(20))
         one_span = _span(dec.graph, rec.span(memory), rec.embed(rec.values(memory), device, dtype))
         one_span()
         span_s = statistics.median(one_span() for _ in range(10))
@@ -57,12 +61,12 @@ def recall(mb: ModelBench) -> dict:
             profiles = {"head_kernels": device_profile(lambda: selector.choose(query)),
                         "span_kernels": device_profile(one_span)}
         full = dec.generate(torch.cat([mb.ids, torch.tensor([[recall_id]])], 1), mb.greedy(4), recall=rec)
+        whole = head + lookup + span_s
         out[f"{size}"] = {"bank_build_s": built, "first_search_s": upload, "head_ms": head * 1e3,
-                          "span_ms": span_s * 1e3, "slots": memory.slots,
+                          "lookup_ms": lookup * 1e3, "span_ms": span_s * 1e3, "slots": memory.slots,
                           **({"span_replay_ms": replay_s * 1e3} if replay_s is not None else {}),
-                          "decode_steps": (head + span_s) * 1e3 / step_ms,
-                          **({"decode_steps_of_the_frozen_step": (head + span_s) * 1e3 / frozen_ms}
-                             if frozen_ms else {}),
+                          "decode_steps": whole * 1e3 / step_ms,
+                          **({"decode_steps_of_the_frozen_step": whole * 1e3 / frozen_ms} if frozen_ms else {}),
                           "recalled_through_the_decoder": bool(full.recalls),
                           **(profiles if size == max(mb.args.memories) else {})}
         selector = rec = None  # (the keys on the device go before the next size's)
@@ -71,8 +75,8 @@ def recall(mb: ModelBench) -> dict:
 
 def span_cost(mb: ModelBench, g: GraphStep, step_ms: float) -> dict:
     """A recall's span on the graph step `g` (a variant's): the wide replay of 16 slots of random vectors and
-    `</recall>` after the prompt, its replay alone, and with the head's time at the largest bank (the recall
-    measure's) a recall in decode steps of `g`'s step (`step_ms`)."""
+    `</recall>` after the prompt, its replay alone, and with the head's and the lookup's time at the largest bank
+    (the recall measure's) a recall in decode steps of `g`'s step (`step_ms`)."""
     g.prefill(g.embed(mb.dev_ids))
     vectors = torch.randn(SLOTS, mb.hidden, generator=torch.Generator().manual_seed(0)).to(mb.device, mb.dtype)
     one_span = _span(g, [mb.vocab - 2] * SLOTS + [mb.vocab - 1], vectors)
@@ -80,7 +84,8 @@ def span_cost(mb: ModelBench, g: GraphStep, step_ms: float) -> dict:
     span_s = statistics.median(one_span() for _ in range(10))
     replay_s = _replay_only(g, SLOTS + 1)
     largest = str(max(mb.args.memories)) if mb.args.memories else None
-    head_ms = mb.info.get("recall", {}).get(largest, {}).get("head_ms")
+    at = mb.info.get("recall", {}).get(largest, {})
+    head_ms = at["head_ms"] + at["lookup_ms"] if "head_ms" in at else None
     return {"span_ms": span_s * 1e3, **({"span_replay_ms": replay_s * 1e3} if replay_s is not None else {}),
             **({"recall_decode_steps": (head_ms + span_s * 1e3) / step_ms} if head_ms else {})}
 

@@ -44,6 +44,12 @@ def text_only_message(lm: LoadedModel, images: int) -> str:
             "load a vision-language model (Qwen3-VL) to chat about images")
 
 
+def on_host(vectors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Memory vectors as the conversation keeps them, on the CPU (a recall on a GPU injects them from the device;
+    the next prompt places them with the ones read before, and a saved conversation writes them)."""
+    return {p: v.cpu() for p, v in vectors.items()}
+
+
 @dataclass
 class Message:
     role: str  # "user" | "assistant"
@@ -135,7 +141,7 @@ class Conversation:
             new_ids += tok("\n", add_special_tokens=False)["input_ids"] + [self.lm.tokens.recall]
             span, vectors, event = place(len(self.ids) + len(new_ids))
             new_ids += span
-            self.memory = {**self.memory, **vectors}
+            self.memory = {**self.memory, **on_host(vectors)}
             self.placed.append(event)
         new_ids += tok(after, add_special_tokens=False)["input_ids"]
         if recall_first and place is None:
@@ -378,7 +384,7 @@ class Conversation:
             self.cache = None
             if result is not None:  # the turn is stored whole, or not at all
                 self.ids = result.sequences[0].tolist()
-                self.memory = result.memory_vectors[0]
+                self.memory = on_host(result.memory_vectors[0])
                 self.cache = result.cache
                 answer.text = self.lm.tokenizer.decode(self.ids[prompt_len:], skip_special_tokens=True)
                 answer.recalls = [*self.placed, *result.injections]

@@ -45,7 +45,9 @@ class Recall:
     placed at their `<|memory_pad|>` positions with `embedding`). `query` turns the `<recall>`
     hidden state into the query (None: the state itself, for a bank whose keys are hidden states).
     `suffix`: token ids forced right after a memory's slots. `tokens`: the model's input embedding of token
-    ids (float32 [k, H] on the CPU), for banks whose values are token ids (`with_tokens` fills it in).
+    ids (float32 [k, H] on the embedding's device: a recall on a GPU never copies them to the host; the
+    conversation keeps what it injected on the host, `chat.session`), for banks whose values are token ids
+    (`with_tokens` fills it in).
     `without_memory`: what `<recall>` is while recall is off (no bank, an empty one, or disabled): `token`, a
     plain token the model may write (the seeds' loop); `answer`, suppressed, so the model answers from what it
     knows, and the result says whether it would have recalled (`NoMemory`; what the chat does).
@@ -96,7 +98,8 @@ class Recall:
         return vectors.to(dtype)
 
     def values(self, memory: Memory) -> torch.Tensor:
-        """The memory's value vectors [k, H] float32: its own, or the input embeddings of its token ids."""
+        """The memory's value vectors [k, H] float32: its own (on the CPU), or the input embeddings of its token
+        ids (on the embedding's device)."""
         if not memory.token_ids:
             return memory.values
         if self.tokens is None:
@@ -108,7 +111,7 @@ class Recall:
         """This recall context with `tokens` looked up in `embed` (the model's input embedding), unless set."""
         if self.tokens is not None:
             return self
-        lookup = lambda ids: embed(ids.to(embed.weight.device)).detach().float().cpu()  # noqa: E731
+        lookup = lambda ids: embed(ids.to(embed.weight.device)).detach().float()  # noqa: E731
         return dataclasses.replace(self, tokens=lookup)
 
     def span(self, memory: Memory) -> list[int]:

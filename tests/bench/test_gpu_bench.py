@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -37,6 +39,9 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir)
     recall = model["recall"]["2000"]  # (the largest bank: what the head and the span's replay run)
     assert {"aten::mm", "aten::addmv_"} & {t["name"] for t in recall["head_kernels"]["top"]}  # (the keys' product)
     assert recall["span_kernels"]["per_call"] > 15
+    assert recall["lookup_ms"] > 0  # (the memory's token ids looked up: part of the recall, between head and span)
+    steps = (recall["head_ms"] + recall["lookup_ms"] + recall["span_ms"]) / model["graph step"]["ms_per_token"]
+    assert recall["decode_steps"] == pytest.approx(steps)
     plain = model["graph step, variant: not fused"]  # (the same model, each module's own rows)
     assert plain["fuse"] is False and isinstance(plain["same_tokens_as_the_step"], bool)
     packed = model["graph step, variant: packed attention"]  # (a twin: 4 query heads on 2 key/value heads)

@@ -234,6 +234,23 @@ def test_a_bank_of_token_ids_recalls_as_the_bank_of_their_embeddings(tiny_llama)
     check_slots(lm, a, vectors, (lm.tokens.recall_end,))
 
 
+def test_a_token_memory_is_looked_up_where_the_embedding_lives():
+    """(A recall on a GPU looked its token ids up on the device, copied the embeddings to the host and back: a host
+    sync between the head and the span.) The lookup stays on the embedding's device; a conversation keeps what it
+    injected on the host (`chat.session.on_host`). A meta-device embedding stands for a GPU's: no copy out of it."""
+    from chat.session import on_host
+    from decoding.memory import Recall
+    from memory.shape import Memory
+
+    embed = torch.nn.Embedding(50, 8, device="meta")
+    recall = Recall(1, 2).with_tokens(embed)
+    memory = Memory(index=0, score=1.0, values=torch.tensor([3, 4, 5]), text="a fact")
+    vectors = recall.values(memory)
+    assert vectors.device.type == "meta" and vectors.shape == (3, 8) and vectors.dtype == torch.float32
+    kept = on_host({7: torch.ones(8)})
+    assert kept[7].device.type == "cpu" and torch.equal(kept[7], torch.ones(8))
+
+
 def test_replay_tiny_qwen3vl_with_image(tiny_qwen3vl, small_image):
     lm = tiny_qwen3vl
     db = bank_for(lm)
