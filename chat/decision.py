@@ -56,6 +56,7 @@ right wrong correct yes no sure all any some one more less fine ok okay problem 
 assistant""".split())  # (words that name nothing a memory says, a possessive's "'s" aside)
 _PARTICLES = frozenset("in at on to from by with for of the a an".split())
 _FUNCTION = _PARTICLES | {"and", "or", "but", "nor", "as", "than"}
+_OWN = frozenset({"my", "i", "i'm", "i’m"})  # how a statement about the user's own begins ("my sister ...", "I live ...")
 FORGET_FLOOR = 0.3  # the least key similarity of a memory to X for the fit check to be asked whether it is about X
 FORGET_ALONE = 0.7  # with no fit check for this model's keys: the least key similarity alone
 FORGET_CANDIDATES = 1024  # the memories "forget X" is read against, closest first
@@ -134,10 +135,10 @@ def _one(text: str) -> Decision:
 
 
 def _value(statement: list[str], old: list[str]) -> list[str] | None:
-    """The words of a statement about the user's own ("my sister lives in Oslo") that a correction gives in place of
-    `old`: from the particle `old` begins with ("in Bergen": "in Oslo"), its last number for a number, the run of
-    capitalised words it ends with for a name ("New York"); None when it ends in no such thing ("my son is 12 years
-    old" for "11", "my favourite food is ice cream" for "pizza": not a guess)."""
+    """The words of a statement about the user's own ("my sister lives in Oslo", "I live in Oslo") that a correction
+    gives in place of `old`: from the particle `old` begins with ("in Bergen": "in Oslo"), its last number for a
+    number, the run of capitalised words it ends with for a name ("New York"); None when it ends in no such thing
+    ("my son is 12 years old" for "11", "my favourite food is ice cream" for "pizza": not a guess)."""
     first = old[0].lower()
     if first in _PARTICLES:  # (as many words: "on Friday at 3" for "on Thursday" is "on Friday")
         at = [i for i, w in enumerate(statement) if w.lower() == first]
@@ -162,7 +163,7 @@ def correction(text: str) -> tuple[str, str] | None:
         if not ((m := pattern.match(text)) and (m["mark"] or m["lead"])):
             continue
         old, new = m["old"].split(), m["new"].split()
-        if new[0].lower() == "my" and len(new) > 1 and not (len(old) > 1 and old[0].lower() == "my"):
+        if new[0].lower() in _OWN and len(new) > 1 and not (len(old) > 1 and old[0].lower() == "my"):
             if not m["mark"] or (new := _value(new, old)) is None:  # (a statement about the user's own)
                 continue
         elif len(new) > 4:

@@ -256,6 +256,12 @@ def test_a_statement_with_forget_or_note_in_it_is_one_memory(text):
     ("Correction: my dentist is on Friday, not on Thursday.", ("on Thursday", "on Friday")),
     ("Actually my sister lives in New York, not Boston.", ("Boston", "New York")),
     ("Actually my son is 12, not 11.", ("11", "12")),
+    # the same in the first person (left alone before: "Actually I live in Oslo, not Bergen." corrected nothing)
+    ("Actually I live in Oslo, not Bergen.", ("Bergen", "Oslo")), ("Actually I'm 34, not 33.", ("33", "34")),
+    ("No, I work at Google, not at Apple.", ("at Apple", "at Google")), ("No, I am 34, not 33.", ("33", "34")),
+    ("Actually I moved to New York, not Boston.", ("Boston", "New York")),
+    ("Actually I live in Oslo now, not Bergen.", None), ("Actually I live with Tom, not alone.", None),
+    ("Actually I, not Bob.", None),
     # a particle on one side only, as many words from the particle (a second review: "... is on on Friday.")
     ("Actually it's on Friday, not Thursday.", ("Thursday", "Friday")), ("No, it's at 5, not 4.", ("4", "5")),
     ("No, it's Oslo, not in Bergen.", ("in Bergen", "in Oslo")),

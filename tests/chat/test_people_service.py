@@ -274,6 +274,23 @@ def test_a_correction_corrects_what_the_last_turn_remembered_and_can_be_undone(t
         svc.close()
 
 
+def test_a_correction_in_the_first_person_corrects_what_the_last_turn_remembered(tiny_llama, tmp_path):
+    """("Actually I live in Oslo, not Bergen." corrected nothing: only "my ..." statements were read.)"""
+    from decoding.events import TokenEvent
+
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    s = svc.new_session("ada")
+    say = lambda text: drain(svc.chat(s, text, [], GenerationSettings(max_new_tokens=64), RECALL).request)  # noqa
+    try:
+        say("Remember that I live in Bergen.")
+        events = say("Actually I live in Oslo, not Bergen.")
+        assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == \
+            "Corrected: The user lives in Bergen. -> The user lives in Oslo."
+        assert [m["text"] for m in svc.run(my_memories, s)] == ["The user lives in Oslo."]
+    finally:
+        svc.close()
+
+
 def test_an_edit_to_a_text_close_to_the_old_replaces_it_and_can_be_undone(tiny_llama, tmp_path):
     """(A near-duplicate of the memory it edits was refused as "already remembered" after the old one was deleted:
     the edit lost the memory.)"""
