@@ -26,6 +26,7 @@ class Remembered:
     note: str = ""  # why nothing changed, when a change was asked for
     removed: tuple[dict, ...] = ()
     restored: tuple[dict, ...] = ()
+    corrected: tuple[tuple[str, str], ...] = ()  # a correction's (old text, new text), as `describe` names them
 
     def __bool__(self) -> bool:
         return bool(self.written or self.forgotten or self.note or self.removed or self.restored)
@@ -37,15 +38,18 @@ class Remembered:
         return Remembered(tuple(e for e in self.written if e["id"] not in gone) + later.written,
                           self.superseded + tuple(e for e in later.superseded if e["id"] not in mine),
                           self.forgotten + later.forgotten, " · ".join(filter(None, [self.note, later.note])),
-                          self.removed + later.removed, self.restored + later.restored)
+                          self.removed + later.removed, self.restored + later.restored,
+                          self.corrected + later.corrected)
 
     def describe(self) -> str:
         written, forgotten, parts = list(self.written), list(self.forgotten), []
         if written and forgotten and all(e.get("source") == "edit" for e in written):
             parts.append(f"Edited: {forgotten.pop(0)['text']} -> {written.pop(0)['text']}")
-        if len(written) == len(forgotten) and all(e.get("source") == "correction" for e in written):
-            parts += [f"Corrected: {old['text']} -> {new['text']}" for old, new in zip(forgotten, written)]
-            written, forgotten = [], []
+        if self.corrected:  # (a corrected text already remembered wrote nothing: "(already remembered)")
+            parts += [f"Corrected: {old} -> {new}" for old, new in self.corrected]
+            olds, news = {old for old, _ in self.corrected}, {new for _, new in self.corrected}
+            written = [e for e in written if e["text"] not in news]
+            forgotten = [e for e in forgotten if e["text"] not in olds]
         parts += [f"Remembered: {e['text']}" for e in written]
         parts += [f"(replaces: {e['text']})" for e in self.superseded]
         parts += [f"Forgot: {e['text']}" for e in forgotten]

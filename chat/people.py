@@ -22,6 +22,7 @@ A write is a `Remembered` event of the turn: the page shows it under the message
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -353,15 +354,17 @@ class People:
         no change when none says `old` (the message was about something else: "It's red, not blue." after an
         answer about paint leaves "The user's car is blue." as it is)."""
         memory = self.of(lm, user)
-        fixes = [(e["id"], text) for e in memory.entries()
+        fixes = [(e["id"], e["text"], text) for e in memory.entries()
                  if e["text"] in recent and (text := corrected(e["text"], old, new)) is not None]
         if not fixes:
             return Remembered()
         # first, as an edit does: the corrected text may read as a duplicate of the one it replaces
-        done = Remembered(forgotten=tuple(memory.remove([i for i, _ in fixes])))
+        done = Remembered(forgotten=tuple(memory.remove([i for i, _, _ in fixes])))
         try:
-            for _, text in fixes:
-                done = done + self.write(lm, user, text, **meta)
+            for _, old_text, text in fixes:
+                wrote = self.write(lm, user, text, **meta)
+                new_text = wrote.written[0]["text"] if wrote.written else f"{text} (already remembered)"
+                done = done + dataclasses.replace(wrote, note="", corrected=((old_text, new_text),))
         except BaseException:
             self.undo(lm, user, done)
             raise

@@ -291,6 +291,27 @@ def test_a_correction_in_the_first_person_corrects_what_the_last_turn_remembered
         svc.close()
 
 
+def test_a_correction_to_a_text_already_remembered_says_so(tiny_llama, tmp_path, monkeypatch):
+    """(It said "Forgot: The user's dog is called Rocket. · Already remembered: The user's dog is called Pocket.":
+    the correction was named as two things it is not.) The memory is corrected to one kept already: it is named
+    as a correction, and one Undo brings the old memory back."""
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    s = svc.new_session("ada")
+    try:
+        drain(svc.chat(s, "Remember that my dog is called Rocket.", [], SHORT, RECALL).request)
+        before = svc.run(my_memories, s)
+        monkeypatch.setattr(svc.people, "write", lambda lm, user, text, **meta: Remembered(
+            note=f"Already remembered: {text}"))  # (what `write` gives for a duplicate of a memory kept)
+        done = svc.people.correct(tiny_llama, "ada", "Rocket", "Pocket", {"The user's dog is called Rocket."})
+        assert done.describe() == ("Corrected: The user's dog is called Rocket. -> The user's dog is called Pocket. "
+                                   "(already remembered)")
+        assert svc.run(my_memories, s) == [] and not done.written
+        svc.people.undo(tiny_llama, "ada", done)
+        assert [m["text"] for m in svc.run(my_memories, s)] == [m["text"] for m in before]
+    finally:
+        svc.close()
+
+
 def test_an_edit_to_a_text_close_to_the_old_replaces_it_and_can_be_undone(tiny_llama, tmp_path):
     """(A near-duplicate of the memory it edits was refused as "already remembered" after the old one was deleted:
     the edit lost the memory.)"""
