@@ -27,6 +27,10 @@ def main() -> None:
     ap.add_argument("--seed", default="recency-heldout")
     ap.add_argument("--margins", default="0,0.05,0.1,0.15,0.2")
     ap.add_argument("--same", default="0.4,0.45,0.5")
+    ap.add_argument("--fit", default="0,0.9", help="the fit check's least probability for a newer memory to be read "
+                    "over the best (0: none)")
+    ap.add_argument("--split", default="eval", help="the people's words: eval (held out) or train (the plainest: \"I "
+                    "live in Porto.\", \"Where do I live?\")")
     args = ap.parse_args()
 
     import torch
@@ -40,37 +44,43 @@ def main() -> None:
     embed = lambda t: normalize(lm.encoder.query(t).float().reshape(-1), dim=-1)  # noqa: E731
     query = lambda q: lm.encoder.message_query(q).float().reshape(-1)  # noqa: E731 - the chat's query
     rng = random.Random(args.seed)
-    names = Names("eval", rng)
-    rows = []  # (category, scores [M], keys [M, D], the right memory); a memory's index is its age order
+    names = Names(args.split, rng)
+    check = lm.encoder.fit_check
+    fit = lambda q, keys: check.probability(q.reshape(1, -1).expand_as(keys), keys)  # noqa: E731
+    rows = []  # (category, scores [M], keys [M, D], fits [M], the right memory); a memory's index is its age order
     for _ in range(args.people):
-        things = person("eval", rng, names, 5)
+        things = person(args.split, rng, names, 5)
         old = next((t for t in things if t.kind.split(":")[0] in UPDATABLE), None)
         if old is None:
             continue
-        new = update(old, "eval", rng, names)
+        new = update(old, args.split, rng, names)
         keys = torch.stack([embed(t.memory) for t in things] + [embed(new.memory)])
-        rows.append(("update", keys @ query(new.questions[0]), keys, len(things)))
-        rows += [("single", keys @ query(t.questions[0]), keys, i) for i, t in enumerate(things) if t is not old]
+        asked = [(query(new.questions[0]), "update", len(things))] + [
+            (query(t.questions[0]), "single", i) for i, t in enumerate(things) if t is not old]
+        rows += [(what, keys @ q, keys, fit(q, keys), right) for q, what, right in asked]
 
-    def pick(scores, keys, margin: float, same: float) -> int:
-        """The rule as `memory.personal.Newest` reads: the older of the near ties about the same thing are
-        dropped, then the most similar of what is left."""
+    def pick(scores, keys, fits, margin: float, same: float, least: float) -> int:
+        """The rule as `memory.personal.Newest` reads: the older of the near ties about the same thing (and, with
+        a `least` fit, that the fit check says answer the question) are dropped, then the most similar of what is
+        left."""
         top = int(scores.argmax())
         near = [i for i in range(len(scores)) if scores[i] >= scores[top] - margin
-                and (i == top or float(keys[i] @ keys[top]) >= same)]
+                and (i == top or (float(keys[i] @ keys[top]) >= same and float(fits[i]) >= least))]
         left = [i for i in range(len(scores)) if i not in near or i == max(near)]
         return max(left, key=lambda i: float(scores[i]))
 
-    def rate(category: str, margin: float, same: float) -> float:
+    def rate(category: str, margin: float, same: float, least: float) -> float:
         mine = [r for r in rows if r[0] == category]
-        return sum(pick(s, k, margin, same) == right for _, s, k, right in mine) / len(mine)
+        return sum(pick(s, k, f, margin, same, least) == right for _, s, k, f, right in mine) / len(mine)
 
     print(f"{sum(r[0] == 'update' for r in rows)} update questions, {sum(r[0] == 'single' for r in rows)} others "
-          f"(seed {args.seed!r})\n\n| same >= | margin | update's question: right memory | others: right memory |\n"
-          "|---|---|---|---|")
+          f"(seed {args.seed!r}, {args.split} words)\n\n| same >= | margin | a newer one's fit >= | update's question: right "
+          "memory | others: right memory |\n|---|---|---|---|---|")
     for same in (float(x) for x in args.same.split(",")):
         for margin in (float(x) for x in args.margins.split(",")):
-            print(f"| {same:.2f} | {margin:.2f} | {rate('update', margin, same):.3f} | {rate('single', margin, same):.3f} |")
+            for least in (float(x) for x in args.fit.split(",")):
+                print(f"| {same:.2f} | {margin:.2f} | {least:.2f} | {rate('update', margin, same, least):.3f} | "
+                      f"{rate('single', margin, same, least):.3f} |")
 
 
 if __name__ == "__main__":
