@@ -113,11 +113,18 @@ def _joined_subject(words: list[_Word], i: int) -> bool:
 
 
 _FIRST_PERSON = re.compile(r"\b(?:i|me|my|mine|myself|i'm|i've|i'd|i'll|we|our|ours|us)\b", re.I)
+# a request's verb: the "me" or "us" right after it is whom the assistant serves, not what the message is about
+_ASKED_OF = re.compile(r"\b(?:tell|give|show|help|let|send|teach|write|make|find|get|bring|explain|recommend|suggest|"
+                       r"sing|draw|lend|buy|hand|pass|read)\s+$", re.I)
 
 
 def mentions_the_user(text: str) -> bool:
-    """Whether a message speaks of its author ("What is my dog's name?", "Where do I live?")."""
-    return _FIRST_PERSON.search(text.replace("\u2019", "'")) is not None
+    """Whether a message speaks of its author ("What is my dog's name?", "Where do I live?", "What do you know about
+    me?"); a request's "me" does not ("Tell me a joke.", "Can you help me?": a hostile probe's joke read the user's
+    car into it)."""
+    text = text.replace("\u2019", "'")
+    return any(m[0].lower() not in ("me", "us") or not _ASKED_OF.search(text, 0, m.start())
+               for m in _FIRST_PERSON.finditer(text))
 
 
 def about_the_user(text: str) -> str:

@@ -625,6 +625,9 @@ def test_the_no_memory_notice_says_when_a_users_own_memories_were_not_read(tiny_
         drain(svc.chat(s, "Remember that my dog is called Rocket.", [], SHORT, RECALL).request)
         assert svc.people.unread(tiny_llama, s.user, "Actually it's Pocket not Rocket.")
         assert not svc.people.unread(tiny_llama, s.user, "What is my dog's name?")  # (read: it speaks of its author)
+        # (a probe: "Tell me a joke." read the user's car into the joke; a request's "me" is not its author's own)
+        assert svc.people.unread(tiny_llama, s.user, "Tell me a joke.")
+        assert not svc.people.unread(tiny_llama, s.user, "What do you know about me?")
         assert "no bank to read for this message (your own memories are read for one that speaks of you" in \
             no_memory(None, RECALL, yours_unread=True)
         assert not svc.people.unread(tiny_llama, "bob", "Actually it's Pocket.")  # (another user's are not)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chat.decision import decide
-from models.remember import WriteDecision, about_the_user, asks, is_request
+from models.remember import WriteDecision, about_the_user, asks, is_request, mentions_the_user
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -77,3 +77,14 @@ def test_held_out_requests_are_not_written_and_held_out_facts_are(decision):
     assert rate["training.remember eval: others"] == 0.0
     for text in ["I live in Porto.", "My sister is called Lena."]:
         assert decide(text, "auto", wants).writes == (about_the_user(text),)
+
+
+@pytest.mark.parametrize("text,mine", [
+    ("Tell me a joke.", False), ("Can you help me?", False), ("Give us a recipe.", False),
+    ("What colour is the sky?", False), ("What do you know about me?", True), ("Tell me my dog's name.", True),
+    ("Tell me about myself.", True), ("Where do I live?", True), ("Do you remember me?", True),
+    ("Tell me what you know about me.", True), ("Show me where I live.", True)])
+def test_a_requests_me_is_not_a_message_about_its_author(text, mine):
+    """(A hostile probe: "Tell me a joke." read the user's "The user's car is a blue Volvo." into the joke: its "me"
+    made it a message about its author, whose memories it then reads.)"""
+    assert mentions_the_user(text) is mine
