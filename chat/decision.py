@@ -6,6 +6,7 @@ probabilities; `chat.people` does what they decide."""
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -91,15 +92,27 @@ def refusal(what: str) -> str | None:
     return None
 
 
+def plain(text: str) -> str:
+    """`text` as a memory keeps it: one line, control characters as spaces, invisible format characters (zero-width
+    spaces, bidirectional overrides, a byte-order mark) gone but the joiner of emoji sequences, runs of spaces as one
+    (a probe: "Remember that" and two zero-width spaces wrote the memory "That\u200b\u200b.", and "\x00\x07" stayed
+    in one)."""
+    return " ".join("".join(" " if unicodedata.category(c) == "Cc" else c for c in text
+                            if c == "\u200d" or unicodedata.category(c) != "Cf").split())
+
+
 def to_remember(text: str) -> str:
     """The memory the Remember box, `POST /v1/memories` and each item of an import write: `text` as "remember ..."
     in the chat writes it (a leading "remember (that)" goes; the rest in the third person). `ValueError` naming what
     was expected and what came for what the chat would not write either: a question ("What is my name?" was kept
     as a memory and superseded "The user's name is Bob."), a request ("Tell me about Porto."), a "forget ..." (kept as
     a memory; nothing forgotten), a single word."""
-    text = text.strip()
+    text = plain(text).strip()
     m = None if FORGET.match(text) else REMEMBER.match(text)
     what = m["what"] if m else text
+    if not what.strip():
+        raise ValueError(f"expected a statement to remember, such as \"My dog is called Pocket.\", got "
+                         f"{'nothing' if not text else repr(text)}; nothing was written")
     why = refusal(what)
     if why is not None:
         shown = what if len(what) <= 60 else what[:57] + "..."
@@ -205,6 +218,7 @@ def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> 
     correction ("Actually it's Pocket, not Rocket.": the last turn's memories that say "Rocket" say "Pocket" instead);
     with `auto`, any other message `wants` (the write decision model) says is worth keeping (a correction's: when it
     corrects none)."""
+    text = plain(text)
     if mode == "off" or not text:
         return Decision()
     if each := _several(text):

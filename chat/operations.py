@@ -26,7 +26,7 @@ from chat import transcript
 from chat.banks import Banks
 from chat.config import Config
 from chat.inputs import read_upload_text
-from chat.decision import Decision, to_remember
+from chat.decision import Decision, plain, to_remember
 from chat.changes import Imported, Remembered, public
 from chat.people import People
 from chat.session import Conversation, Session
@@ -280,7 +280,7 @@ def remember(svc: ModelSide, s: Session, text: str, source: str = "api") -> Requ
     """Queue writing a memory of the session's user, as a "remember that ..." in the chat writes it
     (`chat.decision.to_remember`: a question, a request, a "forget ..." or a single word is refused by name, as the chat
     does not write them either)."""
-    text = (text or "").strip()
+    text = plain(text or "").strip()
     if not text:
         raise ServiceError("text: expected what to remember, got nothing")
     if len(text) > svc.cfg.app.max_message_chars:
@@ -320,7 +320,7 @@ def edit_memory(svc: ModelSide, s: Session, memory_id: str, text: str) -> Reques
     mine = svc.personal(s)
     if mine.find(memory_id) is None:
         raise ServiceError(f"memory {memory_id!r}: no such memory of yours")
-    text = (text or "").strip()
+    text = plain(text or "").strip()
     if not text:
         raise ServiceError("text: expected the memory's new text, got nothing")
     if len(text) > svc.cfg.app.max_message_chars:

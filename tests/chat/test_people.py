@@ -75,6 +75,9 @@ def test_each_user_remembers_their_own_and_keeps_it_across_a_restart(default_lm,
         assert again.status_code == 200 and again.json()["duplicate"] is True  # not written twice
         bad = httpx.post(url + "v1/memories", json={"txt": "x"}, headers={"Authorization": f"Bearer {keys['bob']}"})
         assert bad.status_code == 400 and "text" in bad.text
+        blank = httpx.post(url + "v1/memories", json={"text": "\u200b\u200b"},  # (a probe: kept as "\u200b\u200b.")
+                           headers={"Authorization": f"Bearer {keys['bob']}"}, timeout=300)
+        assert blank.status_code == 400 and "expected what to remember, got nothing" in blank.text
 
     with serve(default_lm, *overrides) as server:  # a restart: a new server over the same folder
         url = server.url

@@ -11,7 +11,8 @@ import pytest
 
 from chat.config import load_config
 from chat.operations import edit_memory, import_memories, my_memories, remember
-from chat.decision import Decision, corrected, correction, decide, forget_reading, to_forget, to_remember
+from chat.decision import (Decision, corrected, correction, decide, forget_reading, plain, to_forget,
+                           to_remember)
 from chat.people import People
 from chat.service import Service
 from chat.worker import ServiceError
@@ -309,3 +310,16 @@ def test_a_correction_writes_in_auto_mode_what_it_would_without_and_remember_tha
     ("Write to rocket@example.com, see rocket.com or /home/rocket/.", "rocket", "pocket", None)])
 def test_a_correction_changes_whole_words_of_a_memory(memory, old, new, fixed):
     assert corrected(memory, old, new) == fixed
+
+
+def test_a_memory_is_kept_without_invisible_or_control_characters():
+    """(A probe: "Remember that" and two zero-width spaces wrote the memory "That\u200b\u200b.", `POST /v1/memories`
+    took "\u200b\u200b" as a memory, and "\x00\x07" stayed in "The user's pin is \x00\x07 1234.")"""
+    assert plain("my pin is \x00\x07 1234.\u200b\u202e") == "my pin is 1234."
+    assert plain("Family: \U0001F468\u200d\U0001F469\u200d\U0001F467") == "Family: \U0001F468\u200d\U0001F469\u200d\U0001F467"
+    assert to_remember("Remember that my pin is \x00\x07 1234.") == "The user's pin is 1234."
+    for empty in ("\u200b\u200b", "Remember that \u200b", "\ufeff \x00"):
+        with pytest.raises(ValueError, match="expected a statement to remember.*got"):
+            to_remember(empty)
+    assert decide("Remember that\u200b\u200b", "explicit") == Decision()
+    assert decide("Remember that my pin is \x00\x07 1234.", "explicit") == Decision(("The user's pin is 1234.",))
