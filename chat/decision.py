@@ -10,7 +10,7 @@ import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from models.remember import about_the_user, asks, is_request
+from models.remember import about_the_user, asks, is_request, mentions_the_user
 
 REMEMBER = re.compile(r"^\s*(?:please\s*,?\s+)?(?:remember|note|keep in mind|don['’]?t forget|do not forget)"
                       r"(?:\s+that)?(?:\s*[,:]\s*|\s+)(?P<what>.+?)\s*$", re.I | re.S)
@@ -138,12 +138,36 @@ def _several(text: str) -> list[Decision] | None:
     return each
 
 
+# where a sentence ends: after ".", "!" or "?" and a space, before a capital or a digit; not after a title or an
+# initial ("Dr. Smith", "J. K. Rowling", "St. Ives")
+_SENTENCE_END = re.compile(r"(?<=[.!?])(?<!\b[A-Z]\.)(?<!\bDr\.)(?<!\bMr\.)(?<!\bMrs\.)(?<!\bMs\.)(?<!\bSt\.)"
+                           r"(?<!\bProf\.)(?<!\bJr\.)(?<!\bSr\.)(?<!\bNo\.)\s+(?=[\"'“‘(]?[A-Z0-9])")
+
+
+def sentences(text: str) -> list[str]:
+    """The sentences of `text` ("My niece is Lena. My nephew is Tom." -> two)."""
+    return [part for part in _SENTENCE_END.split(text.strip()) if part.strip()]
+
+
+def statements(text: str) -> list[str] | None:
+    """The sentences of `text` to keep as memories of their own, questions and requests left out, when it has
+    several and each of those speaks of its author ("My niece is Lena. My nephew is Tom.", "I live in Porto. Where
+    is the beach?": a probe's eight "My friend ... is a ..." wrote nothing, two wrote one memory); None to judge it
+    whole ("My doctor is Dr. Smith. She works in St. Ives.": the second needs the first)."""
+    each = sentences(text)
+    kept = [one for one in each if not asks(one) and not is_request(one)]
+    return kept if len(each) > 1 and kept and all(map(mentions_the_user, kept)) else None
+
+
 def _one(text: str) -> Decision:
-    """One command: "forget X", or "remember X" whose X is a statement to remember."""
+    """One command: "forget X", or "remember X" whose X is a statement to remember (or several: `statements`)."""
     if m := FORGET.match(text):
         return Decision(forget=m["what"].rstrip(".!?"))
-    if (m := REMEMBER.match(text)) and refusal(m["what"]) is None:
-        return Decision((about_the_user(m["what"]),))
+    if m := REMEMBER.match(text):
+        if (each := statements(m["what"])) is not None:
+            return Decision(tuple(about_the_user(one) for one in each if refusal(one) is None))
+        if refusal(m["what"]) is None:
+            return Decision((about_the_user(m["what"]),))
     return Decision()
 
 
@@ -225,7 +249,8 @@ def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> 
         return Decision(tuple(w for d in each for w in d.writes), next((d.forget for d in each if d.forget), None))
     if one := _one(text):
         return one
-    wanted = (about_the_user(text),) if mode == "auto" and wants is not None and wants(text) else ()
+    wanted = tuple(about_the_user(one) for one in statements(text) or [text] if wants(one)) \
+        if mode == "auto" and wants is not None else ()
     if fix := correction(text):
         return Decision(correct=fix, unless_corrected=wanted)
     return Decision(wanted)

@@ -164,6 +164,7 @@ def about_the_user(text: str) -> str:
             out.append(w.space + w.text)
     sentence = "".join(out).strip()
     sentence = sentence[:1].upper() + sentence[1:]
+    sentence = re.sub(r"([.!?]\s+)the user\b", r"\1The user", sentence)  # (a later sentence's "My ...": "The user's")
     return sentence if sentence.endswith((".", "!", "?", "。", "！", "？")) else sentence + "."
 
 

@@ -17,7 +17,7 @@ from chat.people import People
 from chat.service import Service
 from chat.worker import ServiceError
 from memory.personal import Similar
-from models.remember import about_the_user
+from models.remember import about_the_user, asks, is_request
 from test_app import serve
 from tests_helpers import result
 
@@ -323,3 +323,24 @@ def test_a_memory_is_kept_without_invisible_or_control_characters():
             to_remember(empty)
     assert decide("Remember that\u200b\u200b", "explicit") == Decision()
     assert decide("Remember that my pin is \x00\x07 1234.", "explicit") == Decision(("The user's pin is 1234.",))
+
+
+@pytest.mark.parametrize("said,explicit,auto", [
+    # (a probe: "My friend Ana is a pilot. My friend Bo is a cook. ..." wrote nothing, and two sentences were one
+    # memory with "... Lena. the user's nephew ...")
+    ("Remember that my niece is called Lena. My nephew is called Tom.",
+     ("The user's niece is called Lena.", "The user's nephew is called Tom."), None),
+    ("My niece is called Lena. My nephew is called Tom.", (),
+     ("The user's niece is called Lena.", "The user's nephew is called Tom.")),
+    ("My friend Ana is a pilot. My friend Bo is a cook. I am a poet.", (),
+     ("The user's friend Ana is a pilot.", "The user's friend Bo is a cook.", "The user is a poet.")),
+    ("I live in Porto. Where is the nearest beach?", (), ("The user lives in Porto.",)),  # (the question is asked)
+    ("Remember that my dog is Rex. Tell me a joke.", ("The user's dog is Rex.",), None),
+    # one memory: a sentence that needs the one before, a title or an initial is no sentence's end
+    ("My doctor is Dr. Smith. She works in St. Ives.", (), ("The user's doctor is Dr. Smith. She works in St. Ives.",)),
+    ("Remember that I love J. K. Rowling.", ("The user loves J. K. Rowling.",), None),
+    ("Remember that my niece is Lena; my nephew is Tom.", ("The user's niece is Lena; the user's nephew is Tom.",), None)])
+def test_each_sentence_about_the_user_is_a_memory_of_its_own(said, explicit, auto):
+    assert decide(said, "explicit").writes == explicit
+    statement = lambda text: not asks(text) and not is_request(text)  # noqa: E731 - the write decision's part here
+    assert decide(said, "auto", statement).writes == (explicit if auto is None else auto)
