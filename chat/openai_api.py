@@ -154,6 +154,11 @@ class OpenAIRoutes:
                 role = "system" if message.role == "developer" else message.role
                 past.append((role, text, images if role == "user" else []))
             text, images = parts(last, len(history))
+            if not text.strip() and not images:  # (the service's own "type a message" names no field)
+                got = (repr(last.content) if last.content else "an empty string") if isinstance(last.content, str) \
+                    else "no text and no image"
+                raise APIError(400, f"messages.{len(history)}.content: expected the message's text or an image, got "
+                               f"{got}", param="messages")
             return s, svc.chat(s, text, self.files(s, images), settings, recall, body.recall_first, past)
         except APIError:
             svc.end_session(s)

@@ -99,7 +99,7 @@ class ChatRequest(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1, strict=True)
     typical_p: float | None = Field(None, gt=0, le=1, strict=True)
     repetition_penalty: float | None = Field(None, gt=0, strict=True, allow_inf_nan=False)
-    recall_first: bool = False  # start the answer with <recall>
+    recall_first: bool = Field(False, strict=True)  # start the answer with <recall> (strict, as `stream`)
     settings: dict[str, Any] = {}  # any `generation.*`, `mixture.*` or `recall.*` setting, by its configuration key
     num_beams: int | None = None  # beam search's settings: passed on so the settings refuse them by name
     num_beam_groups: int | None = None

@@ -192,7 +192,13 @@ def test_bad_requests_get_openai_style_errors(api, kw, error, words):
     # (accepted as numbers or true: lax types; a full-width "１２" as token 12; infinity, refused later by no field)
     (dict(temperature=True), "temperature", "temperature: Input should be a valid number"),
     (dict(extra_body={"stream": "yes"}), "stream", "stream: Input should be a valid boolean"),
-    (dict(logit_bias={"１２": 5}), "logit_bias", "logit_bias: expected token ids as keys")])
+    (dict(extra_body={"recall_first": "yes"}), "recall_first", "recall_first: Input should be a valid boolean"),
+    (dict(logit_bias={"１２": 5}), "logit_bias", "logit_bias: expected token ids as keys"),
+    # (a probe: "type a message (or attach an image)", with no field and not what came)
+    (dict(messages=[{"role": "user", "content": "  "}]), "messages",
+     "messages.0.content: expected the message's text or an image, got '  '"),
+    (dict(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": []}]), "messages",
+     "messages.1.content: expected the message's text or an image, got no text and no image")])
 def test_a_refusal_names_the_field_the_request_sent(api, kw, param, words):
     """(These came with no field, or the engine's name for it: "max_new_tokens", "mixture"; a mixture target, draft
     GGUF or head of any path of the server was loaded, each kept: 600 MB a spelling of one folder, or a 500 that
