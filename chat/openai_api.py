@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.routing import Match
 
 from chat.api import ChatService
 from chat.config import request_settings
@@ -55,6 +56,18 @@ class OpenAIRoutes:
         self.router.add_api_route("/memories", self.add_memory, methods=["POST"])
         self.router.add_api_route("/memories", self.delete_memories, methods=["DELETE"])
         self.router.add_api_route("/memories/{memory_id}", self.delete_memory, methods=["DELETE"])
+        self.router.add_api_route("/{path:path}", self.unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+
+    async def unknown(self, request: Request, path: str):
+        """Any other /v1 request, in OpenAI's error JSON (FastAPI's own said {"detail": "Not Found"}): 405 naming the
+        methods of a route it has, else 404 naming the routes."""
+        methods = sorted({m for r in self.router.routes[:-1] if r.matches(request.scope)[0] != Match.NONE
+                          for m in r.methods})
+        if methods:
+            return APIError(405, f"{request.method} {request.url.path}: expected {' or '.join(methods)}",
+                            code="method_not_allowed").response()
+        return APIError(404, f"{request.url.path}: no such route; expected /v1/models, /v1/chat/completions, "
+                             "/v1/memories or /v1/memories/<id>", code="not_found").response()
 
     @property
     def model_id(self) -> str:

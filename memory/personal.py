@@ -133,7 +133,8 @@ def chosen(entries: Iterable[dict], memory_ids: Sequence[str]) -> list[dict]:
     """The entries of `memory_ids`, in that order; `KeyError` naming the first id that is not among them."""
     by_id = {e.get("id"): e for e in entries}
     if missing := [i for i in memory_ids if i not in by_id]:
-        raise KeyError(f"memory {missing[0]!r}: no such memory of yours")
+        shown = missing[0] if len(str(missing[0])) <= 80 else f"{str(missing[0])[:40]}... ({len(missing[0])} characters)"
+        raise KeyError(f"memory {shown!r}: no such memory of yours")
     return [by_id[i] for i in memory_ids]
 
 

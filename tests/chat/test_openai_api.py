@@ -429,3 +429,17 @@ def test_a_body_past_the_upload_limit_or_an_infinite_number_is_refused_by_name(s
                           content=b'{"model": "recall-chat", "messages": [{"role": "user", "content": "hi"}], '
                                   b'"repetition_penalty": Infinity}')
     assert infinite.status_code == 400 and infinite.json()["error"]["param"] == "repetition_penalty"
+
+
+def test_an_unknown_route_or_method_gets_an_openai_style_error(server):
+    """(A probe: {"detail": "Not Found"} and {"detail": "Method Not Allowed"}, not the error JSON of the rest; a
+    5,000-character id came back whole in its message.)"""
+    missing = httpx.get(server.url + "v1/embeddings", timeout=30)
+    assert missing.status_code == 404 and "/v1/embeddings: no such route" in missing.json()["error"]["message"]
+    wrong = httpx.put(server.url + "v1/memories", timeout=30)
+    assert wrong.status_code == 405 and wrong.json()["error"]["message"] == \
+        "PUT /v1/memories: expected DELETE or GET or POST"
+    long = httpx.delete(server.url + "v1/memories/m-" + "a" * 5000, timeout=60)
+    assert long.status_code == 404 and "(5002 characters)" in long.json()["error"]["message"]
+    assert len(long.json()["error"]["message"]) < 200
+    assert httpx.get(server.url + "v1/models", timeout=30).status_code == 200  # (the routes it has still answer)
