@@ -167,6 +167,7 @@ def read_bank(path: str | os.PathLike, *, max_bytes: int | None = None) -> BankD
         raise BankError(f"{path.name}: file is {size} bytes, over the limit of {max_bytes} bytes")
     if size == 0:
         raise BankError(f"{path.name}: expected a {FORMATS[ext]} memory bank, got an empty file (0 bytes)")
+    _check_start(path, ext)
     try:
         return _READERS[ext](path)
     except BankError:
@@ -174,6 +175,24 @@ def read_bank(path: str | os.PathLike, *, max_bytes: int | None = None) -> BankD
     except Exception as e:  # library errors on corrupt / hostile files
         raise BankError(f"{path.name}: expected a readable {FORMATS[ext]} file, got a corrupt or refused one "
                         f"({_describe(e)})") from e
+
+
+_STARTS = {".pt": (b"PK\x03\x04", b"\x80"), ".pth": (b"PK\x03\x04", b"\x80"), ".npy": (b"\x93NUMPY",),
+           ".safetensors": ()}  # (a zip archive or a pickle; numpy's magic; safetensors: a length, then "{")
+
+
+def _check_start(path: Path, ext: str) -> None:
+    """`BankError` saying what the file is when its first bytes are not its format's (a text file named bank.pt
+    said "corrupt or refused (KeyError: 101)")."""
+    with open(path, "rb") as fh:
+        head = fh.read(16)
+    ok = head[8:9] == b"{" if ext == ".safetensors" else head.startswith(_STARTS[ext])
+    if ok:
+        return
+    text = head.decode("utf-8", errors="ignore")  # (a character cut at the 16th byte)
+    got = f"text ({text[:12]!r}...)" if text.strip() and all(c.isprintable() or c.isspace() for c in text) else None
+    raise BankError(f"{path.name}: expected a {FORMATS[ext]} file, got {got or f'other bytes (starting {head[:8]!r})'}"
+                    "; not loaded")
 
 
 def _describe(error: Exception) -> str:

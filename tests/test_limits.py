@@ -157,9 +157,9 @@ def test_uploads_over_the_limit_are_refused_before_they_are_stored(smollm2, tmp_
 
 
 def test_bad_bank_uploads_get_clear_messages(client, tmp_path):
-    (tmp_path / "random.pt").write_bytes(os.urandom(4096))
+    (tmp_path / "random.pt").write_bytes(b"\x00" + os.urandom(4096))  # (not a zip's or a pickle's start)
     _, _, status, _, _ = client.predict(handle_file(str(tmp_path / "random.pt")), api_name="/upload_bank")
-    assert "corrupt" in status and "Python objects" not in status
+    assert "expected a PyTorch .pt file, got other bytes" in status and "Python objects" not in status
     db = MemoryVectorDB(576)
     db.add(torch.randn(3, 576), ["a", "b", "c"])
     db.save(tmp_path / "UPPER.PT")

@@ -558,12 +558,12 @@ def test_upload_bank_and_refusals_keep_the_current_bank(tmp_path, tiny_llama, te
         current = svc.banks.of(s)
         marker = tmp_path / "pwned"
         torch.save({"embeddings": Evil(marker)}, tmp_path / "evil.pt")
-        (tmp_path / "corrupt.pt").write_bytes(os.urandom(2000))
+        (tmp_path / "corrupt.pt").write_bytes(b"\x00" + os.urandom(2000))  # (not a zip's or a pickle's start)
         (tmp_path / "corrupt.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}" + bytes(64))
         np.save(tmp_path / "big.npy", np.ones((600, 576), np.float32))
         (tmp_path / "bank.txt").write_text("hello")
         cases = {bank_file(tmp_path / "wrong.pt", 576): "dimension 64, got dimension 576",
-                 tmp_path / "evil.pt": "corrupt or refused", tmp_path / "corrupt.pt": "corrupt or refused",
+                 tmp_path / "evil.pt": "corrupt or refused", tmp_path / "corrupt.pt": "expected a PyTorch .pt file, got other bytes",
                  tmp_path / "corrupt.safetensors": "corrupt or refused", tmp_path / "big.npy": "over the limit",
                  tmp_path / "bank.txt": "expected a memory bank file"}
         for path, message in cases.items():

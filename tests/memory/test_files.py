@@ -227,8 +227,17 @@ def test_empty_file(tmp_path, ext):
 
 @pytest.mark.parametrize("ext, fmt", [(".pt", "PyTorch .pt"), (".safetensors", "safetensors"), (".npy", "NumPy .npy")])
 def test_corrupt_file(tmp_path, ext, fmt):
+    """Bytes of no format, text (a probe's text file named .pt said "corrupt or refused one (KeyError: 101)"), and the
+    right start with nothing readable after it."""
     path = tmp_path / f"bank{ext}"
-    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    path.write_bytes(b"\x00" + np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with pytest.raises(BankError, match=rf"bank{ext}: expected a {fmt} file, got other bytes \(starting b'\\x00"):
+        MemoryVectorDB.load(path)
+    path.write_text("embedding,text\n0.1,hello\n")
+    with pytest.raises(BankError, match=rf"bank{ext}: expected a {fmt} file, got text \('embedding,te'...\); not loaded"):
+        MemoryVectorDB.load(path)
+    start = {".pt": b"PK\x03\x04", ".safetensors": b"\x10" + bytes(7) + b"{", ".npy": b"\x93NUMPY"}[ext]
+    path.write_bytes(start + bytes(100))
     with pytest.raises(BankError, match=rf"bank{ext}: expected a readable {fmt} file, got a corrupt or refused one"):
         MemoryVectorDB.load(path)
 
