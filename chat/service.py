@@ -206,6 +206,10 @@ class Service(SessionService):
                                  f"{self.cfg.app.session_ttl_s} s), so its conversation and its bank were let go: "
                                  "this message starts a new conversation")
                     s.expired = None
+                if s.lost:
+                    yield Notice("the conversation this page shows is not on the server any more (it restarted): "
+                                 "this message starts a new conversation")
+                    s.lost = False
                 yield from self.window.slide(conv)
                 yield from self._read_ahead(conv, text, images, settings, recall_first, interrupt)
                 reply = None  # the app's own answer: what a "forget ..." forgot, what a correction corrected (the

@@ -417,6 +417,7 @@ class Session:
     files: Path | None = None  # its own folder: saved conversations, banks, images of loaded conversations
     last_used: float = field(default_factory=time.monotonic)
     expired: float | None = None  # freed for being idle this many seconds (`chat.janitor`): said at its next answer
+    lost: bool = False  # its page shows a conversation it never held (the server restarted): said at its next answer
 
     def __deepcopy__(self, memo: dict) -> Session:
         return self  # a live handle: Gradio's State deep-copies initial values, this one must stay itself

@@ -134,7 +134,9 @@ class Handlers:
     @owned
     async def chat(self, message: dict | None, recall_first: bool, s: Session, request: gr.Request = None,
                    **values):
-        text = (message or {}).get("text", "")
+        text, shown = (message or {}).get("text", ""), values.pop("shown", None)
+        if shown and s.expired is None and not self.service.state(s).messages:
+            s.lost = True  # (a restart: the page shows a conversation its new session never held; said with the answer)
         try:
             settings, recall = controls.settings(self.cfg, values)
             turn = self.service.chat(s, text, (message or {}).get("files", []), settings, recall, recall_first)

@@ -151,8 +151,9 @@ def build_demo(service: ChatService) -> gr.Blocks:
                           api_visibility="private", queue=False)
         view = [chatbot, answer, recall_log, status]
         bank_outputs = [m["bank_md"], m["sample"], status, m["bank_use"]]
-        sent = box.submit(h.chat, [box, recall_first, session], [*view, decoding_plot, box], inputs_kwargs=controls,
-                          api_name="chat", **MODEL_EVENTS)
+        # (`shown`: the messages the page shows, to tell its next message when the server no longer holds them)
+        sent = box.submit(h.chat, [box, recall_first, session], [*view, decoding_plot, box],
+                          inputs_kwargs={**controls, "shown": chatbot}, api_name="chat", **MODEL_EVENTS)
         box.stop(h.stop, session, status, api_name="stop", concurrency_limit=None)
         c["regen"].click(h.regenerate, [session], [*view, decoding_plot], inputs_kwargs=controls,
                          api_name="regenerate", **MODEL_EVENTS)

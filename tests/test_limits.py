@@ -220,6 +220,23 @@ def test_the_janitor_frees_a_session_after_its_time_to_live(smollm2, tmp_path):
         assert len(again[0]) == 2  # (the chat holds the new message and its answer alone)
         assert "idle" not in client.predict(message=message("And?"), api_name="/chat")[STATUS]  # (said once)
 
+def test_a_page_whose_conversation_the_server_lost_is_told(smollm2, tmp_path):
+    """(A probe: after a restart of the app, an open page's next message started a new conversation without a word,
+    and its earlier messages vanished from the chat.) The page sends what it shows; a session that never held it
+    says so at its answer, once."""
+    with serve(smollm2, "generation.max_new_tokens=4") as s:
+        client = Client(s.url, verbose=False, download_files=str(tmp_path))
+        first = client.predict(message=message("Hello."), api_name="/chat")
+        assert "not on the server" not in first[STATUS]
+        second = client.predict(message=message("And?"), shown=first[0], api_name="/chat")  # (the session holds it)
+        assert "not on the server" not in second[STATUS] and len(second[0]) == 4
+        restarted = Client(s.url, verbose=False, download_files=str(tmp_path))  # (a new session: the server's view
+        again = restarted.predict(message=message("Hello again."), shown=second[0], api_name="/chat")  # of a restart)
+        assert "the conversation this page shows is not on the server any more (it restarted)" in again[STATUS]
+        assert "not on the server" not in restarted.predict(message=message("And?"), shown=again[0],
+                                                            api_name="/chat")[STATUS]  # (said once)
+
+
 def test_sigterm_removes_every_session_folder(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"}
     with socket.socket() as sock:
