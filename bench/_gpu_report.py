@@ -145,15 +145,16 @@ def _recalls(models: dict) -> Iterator[tuple[str, str, dict]]:
 
 def _recall(models: dict) -> list[str]:
     lines = header("model", "recall: memories", "head ms", "lookup ms", "16-slot span ms (its replay alone)",
-                   "in decode steps", "in decode steps of the frozen step")
+                   "in decode steps", "in decode steps of the frozen step", "in the decoder's loop: ms (steps)")
     shown = set()
     for name, size, v in _recalls(models):
         shown.add(name)
         lines.append(f"| {name} | {int(size):,} | {v['head_ms']:.3f} | {cell(v, 'lookup_ms', '{:.3f}')} | "
                      f"{v['span_ms']:.3f} "
                      f"({cell(v, 'span_replay_ms', '{:.3f}')}) | {v['decode_steps']:.2f} | "
-                     f"{cell(v, 'decode_steps_of_the_frozen_step')} |")
-    lines += [f"| {name} | — | {cell(m.get('recall', {}), 'x')} | | | | |" for name, m in models.items()
+                     f"{cell(v, 'decode_steps_of_the_frozen_step')} | {cell(v, 'decoder_recall_ms', '{:.3f}')} "
+                     f"({cell(v, 'decoder_recall_steps')}) |")
+    lines += [f"| {name} | — | {cell(m.get('recall', {}), 'x')} | | | | | |" for name, m in models.items()
               if name not in shown]
     return lines
 

@@ -60,7 +60,14 @@ def recall(mb: ModelBench) -> dict:
         if size == max(mb.args.memories):  # what a recall runs on the device: the head, the span's replay
             profiles = {"head_kernels": device_profile(lambda: selector.choose(query)),
                         "span_kernels": device_profile(one_span)}
-        full = dec.generate(torch.cat([mb.ids, torch.tensor([[recall_id]])], 1), mb.greedy(4), recall=rec)
+        asking = torch.cat([mb.ids, torch.tensor([[recall_id]])], 1)
+        full = dec.generate(asking, mb.greedy(4), recall=rec)
+        # the same recall as the chat's loop runs it (head, lookup, span, the host's work between them): a prompt that
+        # ends with <recall> read to the first token after the memory, less the same prompt's first token without it
+        n = len(rec.span(memory)) + 1  # (the span is forced whole, then one token: no decode step after it)
+        recalling = statistics.median(timed(lambda: dec.generate(asking, mb.greedy(n), recall=rec)) for _ in range(10))
+        plain = torch.cat([mb.ids, mb.ids[:, -1:]], 1)
+        answering = statistics.median(timed(lambda: dec.generate(plain, mb.greedy(1), recall=rec)) for _ in range(10))
         whole = head + lookup + span_s
         out[f"{size}"] = {"bank_build_s": built, "first_search_s": upload, "head_ms": head * 1e3,
                           "lookup_ms": lookup * 1e3, "span_ms": span_s * 1e3, "slots": memory.slots,
@@ -68,6 +75,8 @@ def recall(mb: ModelBench) -> dict:
                           "decode_steps": whole * 1e3 / step_ms,
                           **({"decode_steps_of_the_frozen_step": whole * 1e3 / frozen_ms} if frozen_ms else {}),
                           "recalled_through_the_decoder": bool(full.recalls),
+                          "decoder_recall_ms": (recalling - answering) * 1e3,
+                          "decoder_recall_steps": (recalling - answering) * 1e3 / step_ms,
                           **(profiles if size == max(mb.args.memories) else {})}
         selector = rec = None  # (the keys on the device go before the next size's)
     return out
