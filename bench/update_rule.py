@@ -74,8 +74,8 @@ def main() -> None:
         return sum(pick(s, k, f, margin, same, least) == right for _, s, k, f, right in mine) / len(mine)
 
     print(f"{sum(r[0] == 'update' for r in rows)} update questions, {sum(r[0] == 'single' for r in rows)} others "
-          f"(seed {args.seed!r}, {args.split} words)\n\n| same >= | margin | a newer one's fit >= | update's question: right "
-          "memory | others: right memory |\n|---|---|---|---|---|")
+          f"(seed {args.seed!r}, {args.split} words)\n\n| same >= | margin | a newer one's fit >= | "
+          "update's question: right memory | others: right memory |\n|---|---|---|---|---|")
     for same in (float(x) for x in args.same.split(",")):
         for margin in (float(x) for x in args.margins.split(",")):
             for least in (float(x) for x in args.fit.split(",")):

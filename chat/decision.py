@@ -57,7 +57,12 @@ right wrong correct yes no sure all any some one more less fine ok okay problem 
 assistant""".split())  # (words that name nothing a memory says, a possessive's "'s" aside)
 _PARTICLES = frozenset("in at on to from by with for of the a an".split())
 _FUNCTION = _PARTICLES | {"and", "or", "but", "nor", "as", "than"}
-_OWN = frozenset({"my", "i", "i'm", "i’m"})  # how a statement about the user's own begins ("my sister ...", "I live ...")
+# how a statement about the user's own begins ("my sister ...", "I live ...")
+_OWN = frozenset({"my", "i", "i'm", "i’m", "i've", "i’ve"})
+# what a first-person "correction" says that is no fact of the user's: a wish, a question, a plan ("No, I want to go to
+# Paris, not London." rewrote "The user's sister lives in London.")
+_NO_FACT = frozenset("""want wanted wish asked ask prefer meant mean said say think thought guess hope need would will
+could should might may i'll i’ll i'd i’d""".split())
 FORGET_FLOOR = 0.3  # the least key similarity of a memory to X for the fit check to be asked whether it is about X
 FORGET_ALONE = 0.7  # with no fit check for this model's keys: the least key similarity alone
 FORGET_CANDIDATES = 1024  # the memories "forget X" is read against, closest first
@@ -92,13 +97,18 @@ def refusal(what: str) -> str | None:
     return None
 
 
+_KEPT_FORMAT = "\u200c\u200d\u200e\u200f"  # the (non-)joiners of Persian, Indic and emoji spelling; LRM, RLM
+
+
 def plain(text: str) -> str:
     """`text` as a memory keeps it: one line, control characters as spaces, invisible format characters (zero-width
-    spaces, bidirectional overrides, a byte-order mark) gone but the joiner of emoji sequences, runs of spaces as one
+    spaces, bidirectional overrides, a byte-order mark) gone but those that spell (`_KEPT_FORMAT`, an emoji flag's
+    tags), runs of spaces as one
     (a probe: "Remember that" and two zero-width spaces wrote the memory "That\u200b\u200b.", and "\x00\x07" stayed
     in one)."""
     return " ".join("".join(" " if unicodedata.category(c) == "Cc" else c for c in text
-                            if c == "\u200d" or unicodedata.category(c) != "Cf").split())
+                            if c in _KEPT_FORMAT or "\U000e0000" <= c <= "\U000e007f"
+                            or unicodedata.category(c) != "Cf").split())
 
 
 def to_remember(text: str) -> str:
@@ -138,25 +148,37 @@ def _several(text: str) -> list[Decision] | None:
     return each
 
 
-# where a sentence ends: after ".", "!" or "?" and a space, before a capital or a digit; not after a title or an
-# initial ("Dr. Smith", "J. K. Rowling", "St. Ives")
-_SENTENCE_END = re.compile(r"(?<=[.!?])(?<!\b[A-Z]\.)(?<!\bDr\.)(?<!\bMr\.)(?<!\bMrs\.)(?<!\bMs\.)(?<!\bSt\.)"
-                           r"(?<!\bProf\.)(?<!\bJr\.)(?<!\bSr\.)(?<!\bNo\.)\s+(?=[\"'“‘(]?[A-Z0-9])")
+# where a statement about the user begins another: after ".", "!" or "?" and a space, before "My", "I", "I'm", "I've"
+# (a single letter before the mark is an initial or "e.g.": no end; "Dr. Smith" is no end either, "I climbed Mt.
+# Everest" has no "I" after its mark)
+_SENTENCE_END = re.compile(r"(?<=[.!?])(?<!\b\w\.)(?<!\bDr\.)(?<!\bMr\.)(?<!\bMrs\.)(?<!\bMs\.)(?<!\bSt\.)"
+                           r"\s+(?=(?:My|I|I['’]m|I['’]ve)\b)")
+# a word that leans on a sentence before it: its sentence is no memory alone ("I have a cat. I love her.")
+_LEANS_BACK = frozenset("""it its itself he him his she her hers they them their theirs we us our ours there that this
+these those then before after later same too also either neither both each other one ones so not such""".split())
+MOST_STATEMENTS = 12  # sentences one message writes as memories of their own; a longer one is judged whole
 
 
 def sentences(text: str) -> list[str]:
-    """The sentences of `text` ("My niece is Lena. My nephew is Tom." -> two)."""
+    """`text` cut where a statement about the user begins another ("My niece is Lena. My nephew is Tom." -> two)."""
     return [part for part in _SENTENCE_END.split(text.strip()) if part.strip()]
 
 
 def statements(text: str) -> list[str] | None:
-    """The sentences of `text` to keep as memories of their own, questions and requests left out, when it has
-    several and each of those speaks of its author ("My niece is Lena. My nephew is Tom.", "I live in Porto. Where
-    is the beach?": a probe's eight "My friend ... is a ..." wrote nothing, two wrote one memory); None to judge it
-    whole ("My doctor is Dr. Smith. She works in St. Ives.": the second needs the first)."""
+    """The sentences of `text` to keep as memories of their own: when it has several (at most `MOST_STATEMENTS`),
+    each a statement about the user that stands alone ("My niece is Lena. My nephew is Tom.": a probe's eight "My
+    friend ... is a ..." wrote nothing, two wrote one memory with "... Lena. the user's nephew"); None to judge it
+    whole, as before: a sentence that leans on the one before ("I have a cat. I love her.", "My wife is Anna. We met
+    in 2010."), a question or a request among them, quoted words ("I said "Hi. My name is Bob."")."""
+    if re.search(r"[\"“”«»]", text):
+        return None
     each = sentences(text)
-    kept = [one for one in each if not asks(one) and not is_request(one)]
-    return kept if len(each) > 1 and kept and all(map(mentions_the_user, kept)) else None
+    if not 1 < len(each) <= MOST_STATEMENTS:
+        return None
+    words = lambda one: {w.strip("'’").lower() for w in re.findall(r"[\w'’]+", one)}  # noqa: E731
+    alone = all(mentions_the_user(one) and not asks(one) and not is_request(one) for one in each) and \
+        not any(words(one) & _LEANS_BACK for one in each[1:])
+    return each if alone else None
 
 
 def _one(text: str) -> Decision:
@@ -164,8 +186,8 @@ def _one(text: str) -> Decision:
     if m := FORGET.match(text):
         return Decision(forget=m["what"].rstrip(".!?"))
     if m := REMEMBER.match(text):
-        if (each := statements(m["what"])) is not None:
-            return Decision(tuple(about_the_user(one) for one in each if refusal(one) is None))
+        if (each := statements(m["what"])) is not None and all(refusal(one) is None for one in each):
+            return Decision(tuple(map(about_the_user, each)))
         if refusal(m["what"]) is None:
             return Decision((about_the_user(m["what"]),))
     return Decision()
@@ -177,9 +199,16 @@ def _value(statement: list[str], old: list[str]) -> list[str] | None:
     number, the run of capitalised words it ends with for a name ("New York"); None when it ends in no such thing
     ("my son is 12 years old" for "11", "my favourite food is ice cream" for "pizza": not a guess)."""
     first = old[0].lower()
-    if first in _PARTICLES:  # (as many words: "on Friday at 3" for "on Thursday" is "on Friday")
-        at = [i for i, w in enumerate(statement) if w.lower() == first]
-        return statement[at[-1]:at[-1] + len(old)] if at else None
+    if first in _PARTICLES:  # (a name's capitalised words, else as many words: "on Friday at 3" for "on Thursday" is
+        at = [i for i, w in enumerate(statement) if w.lower() == first]  # "on Friday", "in New York" for "in Boston")
+        if not at:
+            return None
+        if len(old) > 1 and old[1][:1].isupper():
+            end = at[-1] + 1
+            while end < len(statement) and statement[end][:1].isupper():
+                end += 1
+            return statement[at[-1]:end] if end > at[-1] + 1 else None
+        return statement[at[-1]:at[-1] + len(old)]
     if all(re.fullmatch(r"\d+(?:[.,]\d+)?", w) for w in old):
         return statement[-1:] if re.fullmatch(r"\d+(?:[.,]\d+)?", statement[-1]) else None
     if old[0][:1].isupper() and statement[-1][:1].isupper():
@@ -200,6 +229,8 @@ def correction(text: str) -> tuple[str, str] | None:
         if not ((m := pattern.match(text)) and (m["mark"] or m["lead"])):
             continue
         old, new = m["old"].split(), m["new"].split()
+        if new[0].lower() in _NO_FACT or (new[0].lower() == "i" and len(new) > 1 and new[1].lower() in _NO_FACT):
+            continue
         if new[0].lower() in _OWN and len(new) > 1 and not (len(old) > 1 and old[0].lower() == "my"):
             if not m["mark"] or (new := _value(new, old)) is None:  # (a statement about the user's own)
                 continue
@@ -250,7 +281,7 @@ def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> 
     if one := _one(text):
         return one
     wanted = tuple(about_the_user(one) for one in statements(text) or [text] if wants(one)) \
-        if mode == "auto" and wants is not None else ()
+        if mode == "auto" and wants is not None else ()  # (each statement judged alone: its own memory, or none)
     if fix := correction(text):
         return Decision(correct=fix, unless_corrected=wanted)
     return Decision(wanted)

@@ -24,7 +24,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 from starlette.routing import Match
 
 from chat.api import ChatService
@@ -59,15 +59,23 @@ class OpenAIRoutes:
         self.router.add_api_route("/{path:path}", self.unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
 
     async def unknown(self, request: Request, path: str):
-        """Any other /v1 request, in OpenAI's error JSON (FastAPI's own said {"detail": "Not Found"}): 405 naming the
-        methods of a route it has, else 404 naming the routes."""
-        methods = sorted({m for r in self.router.routes[:-1] if r.matches(request.scope)[0] != Match.NONE
-                          for m in r.methods})
-        if methods:
-            return APIError(405, f"{request.method} {request.url.path}: expected {' or '.join(methods)}",
-                            code="method_not_allowed").response()
-        return APIError(404, f"{request.url.path}: no such route; expected /v1/models, /v1/chat/completions, "
-                             "/v1/memories or /v1/memories/<id>", code="not_found").response()
+        """Any other /v1 request, in OpenAI's error JSON (FastAPI's own said {"detail": "Not Found"}): a route's path
+        with a trailing slash redirected to it (as FastAPI does), 405 naming the methods of a route it has (`Allow`),
+        else 404 naming the routes."""
+        def methods(scope) -> list[str]:
+            return sorted({m for r in self.router.routes[:-1] if r.matches(scope)[0] != Match.NONE for m in r.methods})
+
+        asked = request.url.path
+        if asked.endswith("/") and methods({**request.scope, "path": asked.rstrip("/")}):
+            return RedirectResponse(str(request.url.replace(path=asked.rstrip("/"))), status_code=307)
+        shown = asked if len(asked) <= 80 else f"{asked[:60]}... ({len(asked)} characters)"
+        if allowed := methods(request.scope):
+            response = APIError(405, f"{request.method} {shown}: expected {' or '.join(allowed)}",
+                                code="method_not_allowed").response()
+            response.headers["Allow"] = ", ".join(allowed)
+            return response
+        return APIError(404, f"{shown}: no such route; expected /v1/models, /v1/chat/completions, /v1/memories or "
+                             "/v1/memories/<id>", code="not_found").response()
 
     @property
     def model_id(self) -> str:

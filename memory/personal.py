@@ -133,7 +133,8 @@ def chosen(entries: Iterable[dict], memory_ids: Sequence[str]) -> list[dict]:
     """The entries of `memory_ids`, in that order; `KeyError` naming the first id that is not among them."""
     by_id = {e.get("id"): e for e in entries}
     if missing := [i for i in memory_ids if i not in by_id]:
-        shown = missing[0] if len(str(missing[0])) <= 80 else f"{str(missing[0])[:40]}... ({len(missing[0])} characters)"
+        shown = str(missing[0])
+        shown = shown if len(shown) <= 80 else f"{shown[:40]}... ({len(shown)} characters)"
         raise KeyError(f"memory {shown!r}: no such memory of yours")
     return [by_id[i] for i in memory_ids]
 

@@ -113,17 +113,17 @@ def _joined_subject(words: list[_Word], i: int) -> bool:
 
 
 _FIRST_PERSON = re.compile(r"\b(?:i|me|my|mine|myself|i'm|i've|i'd|i'll|we|our|ours|us)\b", re.I)
-# a request's verb: the "me" or "us" right after it is whom the assistant serves, not what the message is about
-_ASKED_OF = re.compile(r"\b(?:tell|give|show|help|let|send|teach|write|make|find|get|bring|explain|recommend|suggest|"
-                       r"sing|draw|lend|buy|hand|pass|read)\s+$", re.I)
+# a request to say or show something: the "me" or "us" right after its verb is whom it is for, not what it is about
+# (not "recommend me", "find me", "make me": a person's memories bear on those, "Cats make me sneeze.")
+_ASKED_OF = re.compile(r"\b(?:tell|show|teach|explain|sing|draw|read|write)\s+$", re.I)
 
 
 def mentions_the_user(text: str) -> bool:
     """Whether a message speaks of its author ("What is my dog's name?", "Where do I live?", "What do you know about
-    me?"); a request's "me" does not ("Tell me a joke.", "Can you help me?": a hostile probe's joke read the user's
-    car into it)."""
+    me?"); a request's "me" to say or show something does not ("Tell me a joke.": a hostile probe's joke read the
+    user's car into it). Linear: each "me" looks back a few characters for its verb."""
     text = text.replace("\u2019", "'")
-    return any(m[0].lower() not in ("me", "us") or not _ASKED_OF.search(text, 0, m.start())
+    return any(m[0].lower() not in ("me", "us") or not _ASKED_OF.search(text, max(0, m.start() - 12), m.start())
                for m in _FIRST_PERSON.finditer(text))
 
 
@@ -164,7 +164,8 @@ def about_the_user(text: str) -> str:
             out.append(w.space + w.text)
     sentence = "".join(out).strip()
     sentence = sentence[:1].upper() + sentence[1:]
-    sentence = re.sub(r"([.!?]\s+)the user\b", r"\1The user", sentence)  # (a later sentence's "My ...": "The user's")
+    sentence = re.sub(r"(?<!\b\w)([.!?]\s+)the user\b", r"\1The user", sentence)  # (a later sentence's "My ...", not
+    # after "e.g.")
     return sentence if sentence.endswith((".", "!", "?", "。", "！", "？")) else sentence + "."
 
 

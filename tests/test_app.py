@@ -299,7 +299,8 @@ def test_bank_upload_and_bad_uploads_leave_the_bank_untouched(client, tmp_path):
     torch.save({"embeddings": Evil(marker)}, tmp_path / "payload.pt")
     (tmp_path / "corrupt.pt").write_bytes(b"\x00" + os.urandom(4096))  # (not a zip's or a pickle's start)
     bad = {bank_file(tmp_path / "small.pt", 64): "expected vectors of dimension 576, got dimension 64",
-           tmp_path / "payload.pt": "corrupt or refused", tmp_path / "corrupt.pt": "expected a PyTorch .pt file, got other bytes"}
+           tmp_path / "payload.pt": "corrupt or refused", tmp_path / "corrupt.pt":
+               "expected a PyTorch .pt file, got other bytes"}
     for path, expected in bad.items():
         md, _, status, use, box = client.predict(handle_file(str(path)), api_name="/upload_bank")
         assert status.count("⚠") == 1 and expected in status and "current bank is kept" in status

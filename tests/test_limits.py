@@ -220,6 +220,7 @@ def test_the_janitor_frees_a_session_after_its_time_to_live(smollm2, tmp_path):
         assert len(again[0]) == 2  # (the chat holds the new message and its answer alone)
         assert "idle" not in client.predict(message=message("And?"), api_name="/chat")[STATUS]  # (said once)
 
+
 def test_a_page_whose_conversation_the_server_lost_is_told(smollm2, tmp_path):
     """(A probe: after a restart of the app, an open page's next message started a new conversation without a word,
     and its earlier messages vanished from the chat.) The page sends what it shows; a session that never held it

@@ -42,7 +42,8 @@ def test_the_gpu_bench_runs_every_measure_on_a_tiny_shape(tmp_path, smollm2_dir)
     assert recall["lookup_ms"] > 0  # (the memory's token ids looked up: part of the recall, between head and span)
     steps = (recall["head_ms"] + recall["lookup_ms"] + recall["span_ms"]) / model["graph step"]["ms_per_token"]
     assert recall["decode_steps"] == pytest.approx(steps)
-    assert recall["decoder_recall_ms"] == pytest.approx(recall["decoder_recall_steps"] * model["graph step"]["ms_per_token"])
+    step_ms = model["graph step"]["ms_per_token"]
+    assert recall["decoder_recall_ms"] == pytest.approx(recall["decoder_recall_steps"] * step_ms)
     plain = model["graph step, variant: not fused"]  # (the same model, each module's own rows)
     assert plain["fuse"] is False and isinstance(plain["same_tokens_as_the_step"], bool)
     packed = model["graph step, variant: packed attention"]  # (a twin: 4 query heads on 2 key/value heads)

@@ -438,7 +438,12 @@ def test_an_unknown_route_or_method_gets_an_openai_style_error(server):
     assert missing.status_code == 404 and "/v1/embeddings: no such route" in missing.json()["error"]["message"]
     wrong = httpx.put(server.url + "v1/memories", timeout=30)
     assert wrong.status_code == 405 and wrong.json()["error"]["message"] == \
-        "PUT /v1/memories: expected DELETE or GET or POST"
+        "PUT /v1/memories: expected DELETE or GET or POST" and wrong.headers["allow"] == "DELETE, GET, POST"
+    # (a review: a trailing slash answered 404, FastAPI's own redirect gone; a long path came back whole)
+    slash = httpx.get(server.url + "v1/models/", timeout=30)
+    assert slash.status_code == 307 and slash.headers["location"].endswith("/v1/models")
+    far = httpx.get(server.url + "v1/" + "x" * 3000, timeout=30)
+    assert far.status_code == 404 and "(3004 characters)" in far.json()["error"]["message"]
     long = httpx.delete(server.url + "v1/memories/m-" + "a" * 5000, timeout=60)
     assert long.status_code == 404 and "(5002 characters)" in long.json()["error"]["message"]
     assert len(long.json()["error"]["message"]) < 200

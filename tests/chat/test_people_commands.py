@@ -263,6 +263,14 @@ def test_a_statement_with_forget_or_note_in_it_is_one_memory(text):
     ("Actually I moved to New York, not Boston.", ("Boston", "New York")),
     ("Actually I live in Oslo now, not Bergen.", None), ("Actually I live with Tom, not alone.", None),
     ("Actually I, not Bob.", None),
+    # (a review: a wish, a question or a plan rewrote the last turn's memories; a name of two words was cut to one;
+    # "I've got Rex" was kept whole as the new name)
+    ("No, I want to go to Paris, not London.", None), ("No, I asked about Paris, not London.", None),
+    ("Sorry, I prefer Tom, not Max.", None), ("No, I'll see Anna, not Lena.", None),
+    ("Actually I'd rather visit Rome, not Berlin.", None),
+    ("Sorry, I live in New York, not in Boston.", ("in Boston", "in New York")),
+    ("Sorry, my sister lives in New York, not in Boston.", ("in Boston", "in New York")),
+    ("Actually I've got Rex, not Max.", ("Max", "Rex")),
     # a particle on one side only, as many words from the particle (a second review: "... is on on Friday.")
     ("Actually it's on Friday, not Thursday.", ("Thursday", "Friday")), ("No, it's at 5, not 4.", ("4", "5")),
     ("No, it's Oslo, not in Bergen.", ("in Bergen", "in Oslo")),
@@ -316,7 +324,12 @@ def test_a_memory_is_kept_without_invisible_or_control_characters():
     """(A probe: "Remember that" and two zero-width spaces wrote the memory "That\u200b\u200b.", `POST /v1/memories`
     took "\u200b\u200b" as a memory, and "\x00\x07" stayed in "The user's pin is \x00\x07 1234.")"""
     assert plain("my pin is \x00\x07 1234.\u200b\u202e") == "my pin is 1234."
-    assert plain("Family: \U0001F468\u200d\U0001F469\u200d\U0001F467") == "Family: \U0001F468\u200d\U0001F469\u200d\U0001F467"
+    family = "Family: \U0001F468\u200d\U0001F469\u200d\U0001F467"
+    assert plain(family) == family
+    # (a review: what spells was taken out too: Persian's and Indic's non-joiner, a flag's tags)
+    scotland = "\U0001F3F4\U000E0067\U000E0062\U000E0073\U000E0063\U000E0074\U000E007F"
+    for spelled in ("\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645", "\u0915\u094d\u200c\u0937", scotland):
+        assert plain(spelled) == spelled
     assert to_remember("Remember that my pin is \x00\x07 1234.") == "The user's pin is 1234."
     for empty in ("\u200b\u200b", "Remember that \u200b", "\ufeff \x00"):
         with pytest.raises(ValueError, match="expected a statement to remember.*got"):
@@ -325,21 +338,37 @@ def test_a_memory_is_kept_without_invisible_or_control_characters():
     assert decide("Remember that my pin is \x00\x07 1234.", "explicit") == Decision(("The user's pin is 1234.",))
 
 
+MANY = " ".join(f"My friend number {i} is called Ann." for i in range(13))
+
+
 @pytest.mark.parametrize("said,explicit,auto", [
-    # (a probe: "My friend Ana is a pilot. My friend Bo is a cook. ..." wrote nothing, and two sentences were one
-    # memory with "... Lena. the user's nephew ...")
+    # (a probe: "My friend Ana is a pilot. My friend Bo is a cook. ..." wrote nothing: the write decision judged it
+    # whole)
     ("Remember that my niece is called Lena. My nephew is called Tom.",
      ("The user's niece is called Lena.", "The user's nephew is called Tom."), None),
     ("My niece is called Lena. My nephew is called Tom.", (),
      ("The user's niece is called Lena.", "The user's nephew is called Tom.")),
     ("My friend Ana is a pilot. My friend Bo is a cook. I am a poet.", (),
      ("The user's friend Ana is a pilot.", "The user's friend Bo is a cook.", "The user is a poet.")),
-    ("I live in Porto. Where is the nearest beach?", (), ("The user lives in Porto.",)),  # (the question is asked)
-    ("Remember that my dog is Rex. Tell me a joke.", ("The user's dog is Rex.",), None),
-    # one memory: a sentence that needs the one before, a title or an initial is no sentence's end
+    # whole, as before (a review: each of these split lost its meaning or said what is false): a sentence that leans
+    # on the one before, a question or a request among them, quoted words, a mark that ends no sentence
+    ("I have a cat. I love her.", (), ("The user has a cat. The user loves her.",)),
+    ("My wife is Anna. We met in 2010.", (), ("The user's wife is Anna. The user met in 2010.",)),
+    ("I moved to Oslo in 2020. Before that I lived in Bergen.", (),
+     ("The user moved to Oslo in 2020. Before that the user lived in Bergen.",)),
+    ("I'm vegan. Just kidding, I'm not.", (), ("The user is vegan. Just kidding, the user is not.",)),
+    ("I live in Porto. Where is the nearest beach?", (), ()),
+    ("Remember that I hate spoilers. Tell me if a review has spoilers.",
+     ("The user hates spoilers. Tell the user if a review has spoilers.",), None),
+    ('I said "Hi. My name is Bob." to him.', (), ('The user said "Hi. The user\'s name is Bob." to him.',)),
     ("My doctor is Dr. Smith. She works in St. Ives.", (), ("The user's doctor is Dr. Smith. She works in St. Ives.",)),
+    ("I climbed Mt. Everest in 2019 with my brother.", (), ("The user climbed Mt. Everest in 2019 with the user's "
+                                                             "brother.",)),
+    ("I like fruit, e.g. I eat apples daily.", (), ("The user likes fruit, e.g. the user eats apples daily.",)),
     ("Remember that I love J. K. Rowling.", ("The user loves J. K. Rowling.",), None),
-    ("Remember that my niece is Lena; my nephew is Tom.", ("The user's niece is Lena; the user's nephew is Tom.",), None)])
+    ("Remember that my niece is Lena; my nephew is Tom.", ("The user's niece is Lena; the user's nephew is Tom.",),
+     None),
+    (MANY, (), (about_the_user(MANY),))])  # (over MOST_STATEMENTS: whole)
 def test_each_sentence_about_the_user_is_a_memory_of_its_own(said, explicit, auto):
     assert decide(said, "explicit").writes == explicit
     statement = lambda text: not asks(text) and not is_request(text)  # noqa: E731 - the write decision's part here

@@ -563,7 +563,8 @@ def test_upload_bank_and_refusals_keep_the_current_bank(tmp_path, tiny_llama, te
         np.save(tmp_path / "big.npy", np.ones((600, 576), np.float32))
         (tmp_path / "bank.txt").write_text("hello")
         cases = {bank_file(tmp_path / "wrong.pt", 576): "dimension 64, got dimension 576",
-                 tmp_path / "evil.pt": "corrupt or refused", tmp_path / "corrupt.pt": "expected a PyTorch .pt file, got other bytes",
+                 tmp_path / "evil.pt": "corrupt or refused",
+                 tmp_path / "corrupt.pt": "expected a PyTorch .pt file, got other bytes",
                  tmp_path / "corrupt.safetensors": "corrupt or refused", tmp_path / "big.npy": "over the limit",
                  tmp_path / "bank.txt": "expected a memory bank file"}
         for path, message in cases.items():

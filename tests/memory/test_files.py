@@ -234,7 +234,8 @@ def test_corrupt_file(tmp_path, ext, fmt):
     with pytest.raises(BankError, match=rf"bank{ext}: expected a {fmt} file, got other bytes \(starting b'\\x00"):
         MemoryVectorDB.load(path)
     path.write_text("embedding,text\n0.1,hello\n")
-    with pytest.raises(BankError, match=rf"bank{ext}: expected a {fmt} file, got text \('embedding,te'...\); not loaded"):
+    with pytest.raises(BankError, match=rf"bank{ext}: expected a {fmt} file, got text \('embedding,te'...\); not "
+                                        "loaded"):
         MemoryVectorDB.load(path)
     start = {".pt": b"PK\x03\x04", ".safetensors": b"\x10" + bytes(7) + b"{", ".npy": b"\x93NUMPY"}[ext]
     path.write_bytes(start + bytes(100))

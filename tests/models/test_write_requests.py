@@ -80,11 +80,32 @@ def test_held_out_requests_are_not_written_and_held_out_facts_are(decision):
 
 
 @pytest.mark.parametrize("text,mine", [
-    ("Tell me a joke.", False), ("Can you help me?", False), ("Give us a recipe.", False),
+    ("Tell me a joke.", False), ("Show us a picture of a cat.", False), ("Explain me the rules of chess.", False),
     ("What colour is the sky?", False), ("What do you know about me?", True), ("Tell me my dog's name.", True),
     ("Tell me about myself.", True), ("Where do I live?", True), ("Do you remember me?", True),
-    ("Tell me what you know about me.", True), ("Show me where I live.", True)])
+    ("Tell me what you know about me.", True), ("Show me where I live.", True),
+    # (a review: these lost the user's memories, which bear on them: "The user is vegan.")
+    ("Recommend me a restaurant.", True), ("Find me a hotel in Rome.", True), ("Cats make me sneeze.", True),
+    ("Help me decide what to eat tonight.", True)])
 def test_a_requests_me_is_not_a_message_about_its_author(text, mine):
     """(A hostile probe: "Tell me a joke." read the user's "The user's car is a blue Volvo." into the joke: its "me"
     made it a message about its author, whose memories it then reads.)"""
     assert mentions_the_user(text) is mine
+
+
+def test_reading_a_message_for_its_author_looks_back_a_few_characters_a_me(monkeypatch):
+    """(A review: each "me" searched the text before it from its start: "get me " 3,000 times took 3.7 s.) What each
+    "me" reads of the text before it is counted, not timed."""
+    from models import remember
+
+    read = []
+
+    class Counted:
+        def search(self, text, pos, endpos):
+            read.append(endpos - pos)
+            return asked.search(text, pos, endpos)
+
+    asked = remember._ASKED_OF
+    monkeypatch.setattr(remember, "_ASKED_OF", Counted())
+    assert not mentions_the_user(("tell me " * 3000)[:20000])
+    assert len(read) == 2500 and max(read) <= 12
