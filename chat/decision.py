@@ -48,7 +48,7 @@ _LEAD = (r"(?P<lead>(?:it|that|he|she|they)(?:['’]?s| is| was|['’]re| are| w
          r"|i meant(?: to say)?|i mean)")
 _CORRECTIONS = [re.compile(p, re.I) for p in (
     rf"^{_MARK}?(?:{_LEAD} )?(?P<new>{_W}(?: {_W}){{0,7}}?),? (?:and )?not (?P<old>{_PHRASE})[.!]*$",
-    rf"^{_MARK}?(?:{_LEAD} )?not (?P<old>{_PHRASE})[,;]? (?:but )?(?:it['’]s |i meant )?(?P<new>{_PHRASE})[.!]*$",
+    rf"^{_MARK}?(?:{_LEAD} )?not (?P<old>{_PHRASE})(?:[,;] |,? but )(?:it['’]s |i meant )?(?P<new>{_PHRASE})[.!]*$",
     rf"^{_MARK}?(?P<lead>i said) (?P<old>{_PHRASE}),? (?:but )?i meant (?P<new>{_PHRASE})[.!]*$")]
 _LONGEST = 200  # characters of a message read for a correction (a correction is short)
 _VAGUE = frozenset("""is was are were am be been being not it its it's that this these those so too very really quite
@@ -59,10 +59,12 @@ _PARTICLES = frozenset("in at on to from by with for of the a an".split())
 _FUNCTION = _PARTICLES | {"and", "or", "but", "nor", "as", "than"}
 # how a statement about the user's own begins ("my sister ...", "I live ...")
 _OWN = frozenset({"my", "i", "i'm", "i’m", "i've", "i’ve"})
-# what a first-person "correction" says that is no fact of the user's: a wish, a question, a plan ("No, I want to go to
-# Paris, not London." rewrote "The user's sister lives in London.")
-_NO_FACT = frozenset("""want wanted wish asked ask prefer meant mean said say think thought guess hope need would will
-could should might may i'll i’ll i'd i’d""".split())
+# what a statement about the user's own says that is no fact of theirs to correct with: a wish, a question, a plan, a
+# denial ("No, I want to go to Paris, not London." rewrote "The user's sister lives in London.", "No, I'm not from
+# Paris, not London." made the user from Paris)
+_NO_FACT = frozenset("""want wanted wants wanna wish asked ask prefer meant mean said say think thinking thought guess
+hope hoping need would will could should might may going gonna plan plans planning planned dream dreams idea rather
+not never no nor i'll i’ll i'd i’d""".split())
 FORGET_FLOOR = 0.3  # the least key similarity of a memory to X for the fit check to be asked whether it is about X
 FORGET_ALONE = 0.7  # with no fit check for this model's keys: the least key similarity alone
 FORGET_CANDIDATES = 1024  # the memories "forget X" is read against, closest first
@@ -94,6 +96,8 @@ def refusal(what: str) -> str | None:
         return "a request"
     if len(what.split()) < 2 and re.fullmatch(r"[A-Za-z'.!-]+", what):  # (a script without spaces is not one word)
         return "a single word"
+    if not re.search(r"[^\W\d_]", what):  # (",,,", "42", an emoji: a probe kept each as a memory)
+        return "no words"
     return None
 
 
@@ -149,13 +153,21 @@ def _several(text: str) -> list[Decision] | None:
 
 
 # where a statement about the user begins another: after ".", "!" or "?" and a space, before "My", "I", "I'm", "I've"
-# (a single letter before the mark is an initial or "e.g.": no end; "Dr. Smith" is no end either, "I climbed Mt.
+# (a letter alone before the mark is an initial or "e.g.": no end; "Dr. Smith" is no end either, "I climbed Mt.
 # Everest" has no "I" after its mark)
-_SENTENCE_END = re.compile(r"(?<=[.!?])(?<!\b\w\.)(?<!\bDr\.)(?<!\bMr\.)(?<!\bMrs\.)(?<!\bMs\.)(?<!\bSt\.)"
+_SENTENCE_END = re.compile(r"(?<=[.!?])(?<!\b[A-Za-z]\.)(?<!\bDr\.)(?<!\bMr\.)(?<!\bMrs\.)(?<!\bMs\.)(?<!\bSt\.)"
                            r"\s+(?=(?:My|I|I['’]m|I['’]ve)\b)")
-# a word that leans on a sentence before it: its sentence is no memory alone ("I have a cat. I love her.")
-_LEANS_BACK = frozenset("""it its itself he him his she her hers they them their theirs we us our ours there that this
-these those then before after later same too also either neither both each other one ones so not such""".split())
+# a statement of one of the user's attributes, a sentence alone: "My friend Ana is a pilot.", "I am a poet.", "I live
+# in Porto." (what a message of several is split into memories by; anything else keeps it whole)
+_ATTRIBUTE = re.compile(r"(?:my [\w'’ -]+? (?:is|are|was|were)|i['’]m|i am|i live|i work|i was born|i grew up"
+                        r"|i['’]ve got|i have got) [^.!?]+[.!]?", re.I)
+# a word that makes a sentence no fact alone: it leans on the one before ("I have a cat. I love her."), denies, takes
+# back or frames it ("I have a dog. I'm joking, I don't.", "I had a dream. My teeth fell out.", "I'm writing a novel.")
+_NOT_ALONE = frozenset("""it its itself he him his she her hers they them their theirs we us our ours there that this
+these those then before after later same too also either neither both each other one ones so such not never no nor
+kidding joking lying pretending wish wished hope hoped mean meant think thought guess maybe perhaps probably if would
+will could should might may used dream dreamt dreamed dreaming story novel character imagine pretend
+anymore""".split())
 MOST_STATEMENTS = 12  # sentences one message writes as memories of their own; a longer one is judged whole
 
 
@@ -166,18 +178,18 @@ def sentences(text: str) -> list[str]:
 
 def statements(text: str) -> list[str] | None:
     """The sentences of `text` to keep as memories of their own: when it has several (at most `MOST_STATEMENTS`),
-    each a statement about the user that stands alone ("My niece is Lena. My nephew is Tom.": a probe's eight "My
-    friend ... is a ..." wrote nothing, two wrote one memory with "... Lena. the user's nephew"); None to judge it
-    whole, as before: a sentence that leans on the one before ("I have a cat. I love her.", "My wife is Anna. We met
-    in 2010."), a question or a request among them, quoted words ("I said "Hi. My name is Bob."")."""
-    if re.search(r"[\"“”«»]", text):
+    each a plain statement of an attribute of the user's (`_ATTRIBUTE`) that stands alone ("My niece is Lena. My
+    nephew is Tom.": a probe's eight "My friend ... is a ..." wrote nothing, two wrote one memory); None to judge it
+    whole, as before: anything else ("I have a cat. I love her.", "My wife is Anna. We met in 2010.", "I'm 25. I'm
+    kidding, I'm 40.", "I'm writing a novel. My main character is a detective."), quoted words."""
+    if re.search(r"[\"“”«»]|(?:^|[\s(])['‘]\w", text):
         return None
     each = sentences(text)
     if not 1 < len(each) <= MOST_STATEMENTS:
         return None
     words = lambda one: {w.strip("'’").lower() for w in re.findall(r"[\w'’]+", one)}  # noqa: E731
-    alone = all(mentions_the_user(one) and not asks(one) and not is_request(one) for one in each) and \
-        not any(words(one) & _LEANS_BACK for one in each[1:])
+    alone = all(_ATTRIBUTE.fullmatch(one.strip()) and not words(one) & _NOT_ALONE
+                and not re.search(r"n['’]t\b|\bi['’]m \w+ing\b", one, re.I) for one in each)
     return each if alone else None
 
 
@@ -201,7 +213,7 @@ def _value(statement: list[str], old: list[str]) -> list[str] | None:
     first = old[0].lower()
     if first in _PARTICLES:  # (a name's capitalised words, else as many words: "on Friday at 3" for "on Thursday" is
         at = [i for i, w in enumerate(statement) if w.lower() == first]  # "on Friday", "in New York" for "in Boston")
-        if not at:
+        if len(at) != 1:  # (none, or which one? "I live in Oslo in Norway, not in Bergen.")
             return None
         if len(old) > 1 and old[1][:1].isupper():
             end = at[-1] + 1
@@ -215,7 +227,8 @@ def _value(statement: list[str], old: list[str]) -> list[str] | None:
         start = len(statement) - 1
         while start > 1 and statement[start - 1][:1].isupper():
             start -= 1
-        return statement[start:]
+        named = [w for w in statement[1:start] if w[:1].isupper() and w.lower() not in _OWN]
+        return None if named else statement[start:]  # (one name in it, or which one? "I met Tom in Oslo, not Anna.")
     return None
 
 
@@ -229,7 +242,8 @@ def correction(text: str) -> tuple[str, str] | None:
         if not ((m := pattern.match(text)) and (m["mark"] or m["lead"])):
             continue
         old, new = m["old"].split(), m["new"].split()
-        if new[0].lower() in _NO_FACT or (new[0].lower() == "i" and len(new) > 1 and new[1].lower() in _NO_FACT):
+        if (new[0].lower() in _OWN or new[0].lower() in _NO_FACT) and any(  # ("I'll see Anna": a plan)
+                w.lower() in _NO_FACT or re.search(r"n['’]t$", w.lower()) for w in new):
             continue
         if new[0].lower() in _OWN and len(new) > 1 and not (len(old) > 1 and old[0].lower() == "my"):
             if not m["mark"] or (new := _value(new, old)) is None:  # (a statement about the user's own)
@@ -264,7 +278,10 @@ def corrected(memory: str, old: str, new: str) -> str | None:
         return None
     said = found[0]
     instead = new.title() if new.islower() and said == said.title() and said != said.lower() else new
-    return pattern.sub(lambda _: instead, memory)
+    fixed = pattern.sub(lambda _: instead, memory)
+    doubled = lambda text: re.search(r"\b(\w+) \1\b", text, re.I) is not None  # noqa: E731
+    return None if doubled(fixed) and not doubled(memory) else fixed  # ("Manchester City" for "City": "Manchester
+    # Manchester United")
 
 
 def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> Decision:

@@ -20,7 +20,7 @@ from chat.config import Config, load_options
 from chat.inputs import check_token_ids
 from chat.janitor import Janitor
 from chat.operations import operation_of
-from chat.decision import FORGET, Decision
+from chat.decision import FORGET, Decision, plain
 from chat.changes import Remembered
 from chat.people import People
 from chat.session import Conversation, Session, text_only_message
@@ -225,7 +225,7 @@ class Service(SessionService):
                     yield Notice(f"{e}; answering without your memories")
                 except ServiceError as e:  # (a write refused, too long or past the cap: the memories are read as ever)
                     yield Notice(str(e))
-                if self.cfg.memory.remember == "off" and FORGET.match(text):
+                if self.cfg.memory.remember == "off" and FORGET.match(plain(text)):  # (plain: linear in a long one)
                     yield Notice("messages do not change your memories here (memory.remember: off): nothing was "
                                  "forgotten; delete a memory under About you")
                 bank = None if reply is not None else (yield from self.recall_bank(s, text))

@@ -116,6 +116,8 @@ _FIRST_PERSON = re.compile(r"\b(?:i|me|my|mine|myself|i'm|i've|i'd|i'll|we|our|o
 # a request to say or show something: the "me" or "us" right after its verb is whom it is for, not what it is about
 # (not "recommend me", "find me", "make me": a person's memories bear on those, "Cats make me sneeze.")
 _ASKED_OF = re.compile(r"\b(?:tell|show|teach|explain|sing|draw|read|write)\s+$", re.I)
+# ... unless it asks what the assistant knows of the user ("Tell me what you remember.")
+_KNOWN = re.compile(r"\b(?:remember|remembered|know|knew|known|learned|learnt|told|memory|memories|notes)\b", re.I)
 
 
 def mentions_the_user(text: str) -> bool:
@@ -124,7 +126,8 @@ def mentions_the_user(text: str) -> bool:
     user's car into it). Linear: each "me" looks back a few characters for its verb."""
     text = text.replace("\u2019", "'")
     return any(m[0].lower() not in ("me", "us") or not _ASKED_OF.search(text, max(0, m.start() - 12), m.start())
-               for m in _FIRST_PERSON.finditer(text))
+               for m in _FIRST_PERSON.finditer(text)) or (_FIRST_PERSON.search(text) is not None
+                                                          and _KNOWN.search(text) is not None)
 
 
 def about_the_user(text: str) -> str:
@@ -164,7 +167,7 @@ def about_the_user(text: str) -> str:
             out.append(w.space + w.text)
     sentence = "".join(out).strip()
     sentence = sentence[:1].upper() + sentence[1:]
-    sentence = re.sub(r"(?<!\b\w)([.!?]\s+)the user\b", r"\1The user", sentence)  # (a later sentence's "My ...", not
+    sentence = re.sub(r"(?<!\b[A-Za-z])([.!?]\s+)the user\b", r"\1The user", sentence)  # (a later sentence's "My ...", not
     # after "e.g.")
     return sentence if sentence.endswith((".", "!", "?", "。", "！", "？")) else sentence + "."
 

@@ -81,8 +81,8 @@ def test_a_start_up_bank_that_cannot_be_loaded_stops_the_start(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    assert f"recall-chat: memory.bank '{broken}' cannot be loaded: broken.safetensors: expected a readable " \
-           "safetensors file" in out, out
+    assert f"recall-chat: memory.bank '{broken}' cannot be loaded: broken.safetensors: expected a safetensors file, " \
+           "got other bytes (starting b'\\x00" in out, out
 
 
 def test_a_port_in_use_or_a_host_that_does_not_resolve_stops_the_start_in_one_line():

@@ -106,7 +106,7 @@ def test_errors_are_one_line_and_exit_2(tmp_path, tiny_dir, capsys):
 
     (tmp_path / "broken.safetensors").write_bytes(b"\x00" * 64)
     code, _, err = run(capsys, "show", tmp_path / "broken.safetensors")
-    assert code == 2 and "broken.safetensors: expected a readable safetensors file" in err
+    assert code == 2 and "broken.safetensors: expected a safetensors file, got other bytes" in err
 
 
 def test_input_errors_name_the_file_and_line(tmp_path, tiny_dir, capsys):

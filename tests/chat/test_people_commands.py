@@ -271,6 +271,13 @@ def test_a_statement_with_forget_or_note_in_it_is_one_memory(text):
     ("Sorry, I live in New York, not in Boston.", ("in Boston", "in New York")),
     ("Sorry, my sister lives in New York, not in Boston.", ("in Boston", "in New York")),
     ("Actually I've got Rex, not Max.", ("Max", "Rex")),
+    # (a second probe: a denial, a plan, a name among others, a phrase twice, "not X Y" with no comma)
+    ("No, I'm not from Paris, not London.", None), ("No, I don't live in Bergen, not Oslo.", None),
+    ("No, I really want to go to Paris, not London.", None), ("No, I'm going to Paris, not London.", None),
+    ("No, my plan is to visit Paris, not London.", None), ("Actually I met Tom in Oslo, not Anna.", None),
+    ("Actually I moved to Bergen from Oslo, not Paris.", None), ("No, I live in Oslo in Norway, not in Bergen.", None),
+    ("Actually I have a dog and a cat, not a hamster.", None), ("No, not Python again!", None),
+    ("Nope, not Monday morning.", None),
     # a particle on one side only, as many words from the particle (a second review: "... is on on Friday.")
     ("Actually it's on Friday, not Thursday.", ("Thursday", "Friday")), ("No, it's at 5, not 4.", ("4", "5")),
     ("No, it's Oslo, not in Bergen.", ("in Bergen", "in Oslo")),
@@ -315,7 +322,8 @@ def test_a_correction_writes_in_auto_mode_what_it_would_without_and_remember_tha
     ("The dog is called 'Rocket'.", "Rocket", "Pocket", "The dog is called 'Pocket'."),
     ("The user likes rocketry.", "Rocket", "Pocket", None),  # (whole words only)
     ("The user's sister-in-law is called Lena.", "sister", "brother", None),
-    ("Write to rocket@example.com, see rocket.com or /home/rocket/.", "rocket", "pocket", None)])
+    ("Write to rocket@example.com, see rocket.com or /home/rocket/.", "rocket", "pocket", None),
+    ("The user supports Manchester City.", "City", "Manchester United", None)])  # (a probe: "Manchester Manchester")
 def test_a_correction_changes_whole_words_of_a_memory(memory, old, new, fixed):
     assert corrected(memory, old, new) == fixed
 
@@ -331,7 +339,8 @@ def test_a_memory_is_kept_without_invisible_or_control_characters():
     for spelled in ("\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645", "\u0915\u094d\u200c\u0937", scotland):
         assert plain(spelled) == spelled
     assert to_remember("Remember that my pin is \x00\x07 1234.") == "The user's pin is 1234."
-    for empty in ("\u200b\u200b", "Remember that \u200b", "\ufeff \x00"):
+    for empty in ("\u200b\u200b", "Remember that \u200b", "\ufeff \x00", "Remember that ,,,", "Remember that 42",
+                  "Remember that \U0001F642"):  # (a second probe: each was kept as a memory)
         with pytest.raises(ValueError, match="expected a statement to remember.*got"):
             to_remember(empty)
     assert decide("Remember that\u200b\u200b", "explicit") == Decision()
@@ -368,6 +377,19 @@ MANY = " ".join(f"My friend number {i} is called Ann." for i in range(13))
     ("Remember that I love J. K. Rowling.", ("The user loves J. K. Rowling.",), None),
     ("Remember that my niece is Lena; my nephew is Tom.", ("The user's niece is Lena; the user's nephew is Tom.",),
      None),
+    ("My son is 5. I am 35.", (), ("The user's son is 5.", "The user is 35.")),
+    # (a second probe: a sentence that takes back, frames or leans on the one before was split into a false memory)
+    ("I have a dog. I'm joking, I don't.", (), ("The user has a dog. The user is joking, the user doesn't.",)),
+    ("I'm 25. I'm kidding, I'm 40.", (), ("The user is 25. The user is kidding, the user is 40.",)),
+    ("My sister is Anna. I meant Lena.", (), ("The user's sister is Anna. The user meant Lena.",)),
+    ("I had a weird dream last night. My teeth fell out.", (),
+     ("The user had a weird dream last night. The user's teeth fell out.",)),
+    ("I'm writing a novel. My main character is a detective.", (),
+     ("The user is writing a novel. The user's main character is a detective.",)),
+    ("I used to live in Paris. I don't anymore.", (), ("The user used to live in Paris. The user doesn't anymore.",)),
+    ("I moved to Oslo. I love the city.", (), ("The user moved to Oslo. The user loves the city.",)),
+    ("My mom always says 'Be kind. I love you.' to me.", (),
+     ("The user's mom always says 'Be kind. The user loves you.' to the user.",)),
     (MANY, (), (about_the_user(MANY),))])  # (over MOST_STATEMENTS: whole)
 def test_each_sentence_about_the_user_is_a_memory_of_its_own(said, explicit, auto):
     assert decide(said, "explicit").writes == explicit

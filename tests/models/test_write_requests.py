@@ -86,7 +86,10 @@ def test_held_out_requests_are_not_written_and_held_out_facts_are(decision):
     ("Tell me what you know about me.", True), ("Show me where I live.", True),
     # (a review: these lost the user's memories, which bear on them: "The user is vegan.")
     ("Recommend me a restaurant.", True), ("Find me a hotel in Rome.", True), ("Cats make me sneeze.", True),
-    ("Help me decide what to eat tonight.", True)])
+    ("Help me decide what to eat tonight.", True),
+    # (a second probe: asking what the assistant knows of its author is about them)
+    ("Tell me what you remember.", True), ("Write me a bio based on what you know.", True),
+    ("Read me the notes you have.", True)])
 def test_a_requests_me_is_not_a_message_about_its_author(text, mine):
     """(A hostile probe: "Tell me a joke." read the user's "The user's car is a blue Volvo." into the joke: its "me"
     made it a message about its author, whose memories it then reads.)"""
