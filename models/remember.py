@@ -167,8 +167,8 @@ def about_the_user(text: str) -> str:
             out.append(w.space + w.text)
     sentence = "".join(out).strip()
     sentence = sentence[:1].upper() + sentence[1:]
-    sentence = re.sub(r"(?<!\b[A-Za-z])([.!?]\s+)the user\b", r"\1The user", sentence)  # (a later sentence's "My ...", not
-    # after "e.g.")
+    # (a later sentence's "My ...": "The user's", but not after "e.g.")
+    sentence = re.sub(r"(?<!\b[A-Za-z])([.!?]\s+)the user\b", r"\1The user", sentence)
     return sentence if sentence.endswith((".", "!", "?", "。", "！", "？")) else sentence + "."
 
 
