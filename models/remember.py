@@ -92,6 +92,23 @@ def _words(text: str) -> list[_Word]:
     return out
 
 
+_NUMBERED = frozenset("type phase part chapter class stage grade act book volume section level article war "
+                      "world".split())  # words a Roman numeral "I" follows
+
+
+def _numeral(words: list[_Word], i: int) -> bool:
+    """Whether the "I" at `words[i]` is a numeral or a letter, not the user: after a word that numbers ("type I",
+    "World War I"), an initial ("I.B.M."), or a name's numeral that ends its clause or has "of" after it ("Charles
+    I.", "Louis I of France"; "In Paris I met Tom." is the user)."""
+    if re.match(r"\.\w", words[i].tail):
+        return True
+    if i == 0 or words[i - 1].tail:
+        return False
+    before, after = words[i - 1], words[i + 1].low if i + 1 < len(words) else ""
+    ends = bool(words[i].tail) or not after or after == "of"
+    return before.low in _NUMBERED or (ends and before.word[:1].isupper() and before.low not in _FIRST)
+
+
 def _joined_subject(words: list[_Word], i: int) -> bool:
     """Whether `words[i]` ("I", "we") is the end of a subject of several ("My wife and I live", "Lena and I are",
     "Both my brother and I"): its verb stays plural. Not a clause of its own after "and" ("I have two cats and I love
@@ -151,6 +168,8 @@ def about_the_user(text: str) -> str:
         elif after_i:
             out.append(w.space + _third_person(w.word) + tail)
             after_i = False
+        elif low == "i" and _numeral(words, i):  # "World War I", "type I diabetes", "I.B.M.": no one
+            out.append(w.space + w.text)
         elif low in ("i", "we"):
             out.append(w.space + "the user" + tail)
             after_i = not tail and not _joined_subject(words, i)

@@ -154,6 +154,12 @@ def test_remember_writes_what_follows_about_the_user(said, written):
     ("I am tired.", "The user is tired."),
     ("I was born in Lyon.", "The user was born in Lyon."),
     ("We moved to the US last year.", "The user moved to the US last year."),
+    # (a probe: a Roman numeral or a letter "I" was the user: "World War the user", "type the user diabeteses")
+    ("My grandfather fought in World War I.", "The user's grandfather fought in World War I."),
+    ("I have type I diabetes.", "The user has type I diabetes."), ("I work for I.B.M.", "The user works for I.B.M."),
+    ("My favourite king is Charles I.", "The user's favourite king is Charles I."),
+    ("Louis I of France is my hero.", "Louis I of France is the user's hero."),
+    ("In Paris I met Tom.", "In Paris the user met Tom."), ("Yesterday I went home.", "Yesterday the user went home."),
 ])
 def test_a_first_person_statement_is_rewritten_about_the_user_in_good_grammar(said, written):
     assert about_the_user(said) == written
