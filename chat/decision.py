@@ -107,9 +107,8 @@ _KEPT_FORMAT = "\u200c\u200d\u200e\u200f"  # the (non-)joiners of Persian, Indic
 def plain(text: str) -> str:
     """`text` as a memory keeps it: one line, control characters as spaces, invisible format characters (zero-width
     spaces, bidirectional overrides, a byte-order mark) gone but those that spell (`_KEPT_FORMAT`, an emoji flag's
-    tags), runs of spaces as one
-    (a probe: "Remember that" and two zero-width spaces wrote the memory "That\u200b\u200b.", and "\x00\x07" stayed
-    in one)."""
+    tags), runs of spaces as one (a probe: "Remember that" and two zero-width spaces wrote the memory
+    "That\u200b\u200b.", and "\x00\x07" stayed in one)."""
     return " ".join("".join(" " if unicodedata.category(c) == "Cc" else c for c in text
                             if c in _KEPT_FORMAT or "\U000e0000" <= c <= "\U000e007f"
                             or unicodedata.category(c) != "Cf").split())
@@ -216,11 +215,11 @@ def _value(statement: list[str], old: list[str]) -> list[str] | None:
         if len(at) != 1:  # (none, or which one? "I live in Oslo in Norway, not in Bergen.")
             return None
         if len(old) > 1 and old[1][:1].isupper():
-            end = at[-1] + 1
+            end = at[0] + 1
             while end < len(statement) and statement[end][:1].isupper():
                 end += 1
-            return statement[at[-1]:end] if end > at[-1] + 1 else None
-        return statement[at[-1]:at[-1] + len(old)]
+            return statement[at[0]:end] if end > at[0] + 1 else None
+        return statement[at[0]:at[0] + len(old)]
     if all(re.fullmatch(r"\d+(?:[.,]\d+)?", w) for w in old):
         return statement[-1:] if re.fullmatch(r"\d+(?:[.,]\d+)?", statement[-1]) else None
     if old[0][:1].isupper() and statement[-1][:1].isupper():
@@ -279,9 +278,9 @@ def corrected(memory: str, old: str, new: str) -> str | None:
     said = found[0]
     instead = new.title() if new.islower() and said == said.title() and said != said.lower() else new
     fixed = pattern.sub(lambda _: instead, memory)
+    # a word the new words repeat is left ("Manchester City" for "City": "Manchester Manchester United")
     doubled = lambda text: re.search(r"\b(\w+) \1\b", text, re.I) is not None  # noqa: E731
-    return None if doubled(fixed) and not doubled(memory) else fixed  # ("Manchester City" for "City": "Manchester
-    # Manchester United")
+    return None if doubled(fixed) and not doubled(memory) else fixed
 
 
 def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> Decision:

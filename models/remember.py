@@ -92,8 +92,8 @@ def _words(text: str) -> list[_Word]:
     return out
 
 
-_NUMBERED = frozenset("type phase part chapter class stage grade act book volume section level article war "
-                      "world".split())  # words a Roman numeral "I" follows
+_NUMBERED = frozenset("type phase part chapter class stage grade act book volume section level article war".split())
+# (words a Roman numeral "I" follows)
 
 
 def _numeral(words: list[_Word], i: int) -> bool:
