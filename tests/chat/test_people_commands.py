@@ -11,8 +11,8 @@ import pytest
 
 from chat.config import load_config
 from chat.operations import edit_memory, import_memories, my_memories, remember
-from chat.decision import (Decision, corrected, correction, decide, forget_reading, plain, to_forget,
-                           to_remember)
+from chat.corrections import corrected, correction
+from chat.decision import Decision, decide, forget_reading, plain, to_forget, to_remember
 from chat.people import People
 from chat.service import Service
 from chat.worker import ServiceError
