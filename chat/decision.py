@@ -126,11 +126,13 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])(?<!\b[A-Za-z]\.)(?<!\bDr\.)(?<!\bMr\.)(?
 # a statement of one of the user's attributes, a sentence alone: "My friend Ana is a pilot.", "I am a poet.", "I live
 # in Porto." (what a message of several is split into memories by; anything else keeps it whole)
 _ATTRIBUTE = re.compile(r"(?:my [\w'’ -]+? (?:is|are|was|were)|i['’]m|i am|i live|i work|i was born|i grew up"
-                        r"|i['’]ve got|i have got) [^.!?]+[.!]?", re.I)
+                        r"|i['’]ve got|i have got|i have|i own|i speak|i play|i study|i like|i love|i hate|i drive)"
+                        r" [^.!?]+[.!]?", re.I)
 # a word that makes a sentence no fact alone: it leans on the one before ("I have a cat. I love her."), denies, takes
 # back or frames it ("I have a dog. I'm joking, I don't.", "I had a dream. My teeth fell out.", "I'm writing a novel.")
 _NOT_ALONE = frozenset("""it its itself he him his she her hers they them their theirs we us our ours there that this
 these those then before after later same too also either neither both each other one ones so such not never no nor
+you your yours
 kidding joking lying pretending wish wished hope hoped mean meant think thought guess maybe perhaps probably if would
 will could should might may used dream dreamt dreamed dreaming story novel character imagine pretend
 anymore""".split())

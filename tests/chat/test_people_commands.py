@@ -378,6 +378,8 @@ MANY = " ".join(f"My friend number {i} is called Ann." for i in range(13))
     ("Remember that my niece is Lena; my nephew is Tom.", ("The user's niece is Lena; the user's nephew is Tom.",),
      None),
     ("My son is 5. I am 35.", (), ("The user's son is 5.", "The user is 35.")),
+    ("I have a dog named Rex. I speak French.", (), ("The user has a dog named Rex.", "The user speaks French.")),
+    ("I'm Tom. I love you.", (), ("The user is Tom. The user loves you.",)),  # (the second is about the assistant)
     # (a second probe: a sentence that takes back, frames or leans on the one before was split into a false memory)
     ("I have a dog. I'm joking, I don't.", (), ("The user has a dog. The user is joking, the user doesn't.",)),
     ("I'm 25. I'm kidding, I'm 40.", (), ("The user is 25. The user is kidding, the user is 40.",)),
