@@ -94,9 +94,9 @@ def span_cost(mb: ModelBench, g: GraphStep, step_ms: float) -> dict:
     replay_s = _replay_only(g, SLOTS + 1)
     largest = str(max(mb.args.memories)) if mb.args.memories else None
     at = mb.info.get("recall", {}).get(largest, {})
-    head_ms = at["head_ms"] + at["lookup_ms"] if "head_ms" in at else None
+    before_ms = at["head_ms"] + at["lookup_ms"] if "head_ms" in at else None  # (the head's and the lookup's)
     return {"span_ms": span_s * 1e3, **({"span_replay_ms": replay_s * 1e3} if replay_s is not None else {}),
-            **({"recall_decode_steps": (head_ms + span_s * 1e3) / step_ms} if head_ms else {})}
+            **({"recall_decode_steps": (before_ms + span_s * 1e3) / step_ms} if before_ms else {})}
 
 
 def _replay_only(g: GraphStep, n: int) -> float | None:

@@ -35,6 +35,7 @@ from chat.session import Session
 from chat import operations as ops
 from chat.users import LOCAL, UsersError
 from memory import BankError
+from memory.validate import shown
 from chat.worker import END, Failed, Notice, ServerFault, ServiceError, ShuttingDown
 from chat.worker import Request as WorkerRequest
 from decoding.events import DoneEvent, FinishEvent, RecallEvent, TokenEvent
@@ -68,13 +69,12 @@ class OpenAIRoutes:
         asked = request.url.path
         if asked.endswith("/") and methods({**request.scope, "path": asked.rstrip("/")}):
             return RedirectResponse(str(request.url.replace(path=asked.rstrip("/"))), status_code=307)
-        shown = asked if len(asked) <= 80 else f"{asked[:60]}... ({len(asked)} characters)"
         if allowed := methods(request.scope):
-            response = APIError(405, f"{request.method} {shown}: expected {' or '.join(allowed)}",
+            response = APIError(405, f"{request.method} {shown(asked)}: expected {' or '.join(allowed)}",
                                 code="method_not_allowed").response()
             response.headers["Allow"] = ", ".join(allowed)
             return response
-        return APIError(404, f"{shown}: no such route; expected /v1/models, /v1/chat/completions, /v1/memories or "
+        return APIError(404, f"{shown(asked)}: no such route; expected /v1/models, /v1/chat/completions, /v1/memories or "
                              "/v1/memories/<id>", code="not_found").response()
 
     @property

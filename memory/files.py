@@ -177,8 +177,8 @@ def read_bank(path: str | os.PathLike, *, max_bytes: int | None = None) -> BankD
                         f"({_describe(e)})") from e
 
 
-_STARTS = {".pt": (b"PK\x03\x04", b"\x80"), ".pth": (b"PK\x03\x04", b"\x80"), ".npy": (b"\x93NUMPY",),
-           ".safetensors": ()}  # (a zip archive or a pickle; numpy's magic; safetensors: a length, then "{")
+_STARTS = {".pt": (b"PK\x03\x04", b"\x80"), ".pth": (b"PK\x03\x04", b"\x80"), ".npy": (b"\x93NUMPY",)}  # (a zip
+# archive or a pickle; numpy's magic; a safetensors file: its header's length, then "{")
 
 
 def _check_start(path: Path, ext: str) -> None:

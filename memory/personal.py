@@ -33,7 +33,7 @@ import torch
 
 from memory.bank import MemoryVectorDB
 from memory.shape import BankShape, Memory
-from memory.validate import BankError
+from memory.validate import BankError, shown
 
 
 MAX_HISTORY = 10_000  # superseded values a person's file keeps, the newest (its texts live in the 100 MB header)
@@ -133,9 +133,7 @@ def chosen(entries: Iterable[dict], memory_ids: Sequence[str]) -> list[dict]:
     """The entries of `memory_ids`, in that order; `KeyError` naming the first id that is not among them."""
     by_id = {e.get("id"): e for e in entries}
     if missing := [i for i in memory_ids if i not in by_id]:
-        shown = str(missing[0])
-        shown = shown if len(shown) <= 80 else f"{shown[:40]}... ({len(shown)} characters)"
-        raise KeyError(f"memory {shown!r}: no such memory of yours")
+        raise KeyError(f"memory {shown(str(missing[0]))!r}: no such memory of yours")
     return [by_id[i] for i in memory_ids]
 
 

@@ -14,6 +14,12 @@ _CHUNK_ELEMENTS = 1 << 22  # per pass when computing norms: bounds the float64 t
 _SHOW = 5  # offending row numbers named in a message
 
 
+def shown(text: str, width: int = 80) -> str:
+    """A text as a message repeats it: whole up to `width` characters, else its start and its length (a 5,000-character
+    id came back whole in its 404)."""
+    return text if len(text) <= width else f"{text[:width // 2]}... ({len(text)} characters)"
+
+
 class BankError(ValueError):
     """A memory bank (file or vectors) that cannot be used; the message says what was expected."""
 

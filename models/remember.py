@@ -142,9 +142,9 @@ def mentions_the_user(text: str) -> bool:
     me?"); a request's "me" to say or show something does not ("Tell me a joke.": a hostile probe's joke read the
     user's car into it). Linear: each "me" looks back a few characters for its verb."""
     text = text.replace("\u2019", "'")
+    found = list(_FIRST_PERSON.finditer(text))
     return any(m[0].lower() not in ("me", "us") or not _ASKED_OF.search(text, max(0, m.start() - 12), m.start())
-               for m in _FIRST_PERSON.finditer(text)) or (_FIRST_PERSON.search(text) is not None
-                                                          and _KNOWN.search(text) is not None)
+               for m in found) or (bool(found) and _KNOWN.search(text) is not None)
 
 
 def about_the_user(text: str) -> str:
