@@ -21,6 +21,7 @@ import codecs
 import json
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,6 +37,8 @@ _JSON_TYPES = {list: "an array", str: "a string", bool: "a boolean", int: "a num
 def _read_text(path: Path) -> str:
     """A UTF-8 file's text (without the byte order mark some editors write); a ValueError naming the line of the
     first byte that is not UTF-8."""
+    if path.is_dir():
+        raise ValueError(f"{path}: expected a text file of memories, got a folder")
     data = path.read_bytes()
     data = data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data
     try:
@@ -98,14 +101,23 @@ def _load_model(args: argparse.Namespace, values: str = "auto", layer: int = -1,
 
 
 def _check_folder(out: str) -> None:
-    """Refuse an output file of another type or whose folder is not there, before any work (it is written last)."""
+    """Refuse an output file of another type, a folder, or a place that cannot be written, before any work (it is
+    written last: a 5,000-line bank was encoded for 28 s before "[Errno 21] Is a directory")."""
     if Path(out).suffix.lower() not in FORMATS:
         raise ValueError(f"{Path(out).name}: expected a memory bank file ending in .pt, .safetensors or .npy, got "
                          f"{Path(out).suffix or 'no extension'!r}")
+    if Path(out).is_dir():
+        raise ValueError(f"{out}: expected a file name for the output, got a folder")
     folder = Path(out).parent
     if not folder.is_dir():
         raise ValueError(f"{folder}: expected an existing folder for the output, got "
                          f"{'a file' if folder.exists() else 'none'}")
+    try:  # (the bank is written as a file beside it, then renamed: `memory.files.atomic_write`)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"{folder}: expected a folder the output can be written in, got one that refuses it "
+                         f"({e.strerror or e})") from None
 
 
 def cmd_build(args: argparse.Namespace) -> None:

@@ -74,12 +74,39 @@ def read_upload_text(path: str | Path, max_mb: int) -> str:
 # --------------------------------------------------------------------------- schemas and images
 
 def describe(error: ValidationError, whole: str = "the file") -> str:
-    """The first problem of a pydantic error as one line: field (`whole` for the whole input), what was expected,
-    what came."""
-    e = error.errors()[0]
-    where = ".".join(str(p) for p in e["loc"]) or whole
-    got = repr(e.get("input"))[:80]
-    return f"{where}: {e['msg']} (got {got})"
+    """The deepest problem of a pydantic error as one line: field (`whole` for the whole input), what was expected,
+    what came. Of a value that may take several shapes ("a string, or a list of parts"), the shape that got
+    furthest is the one told, by the field's own path: `messages.0.content.1.image_url.url`, not the branch
+    names pydantic puts in it (`content.str`, `list[tagged-union[...]]` and a part's tag)."""
+    e = deepest(error)
+    where = ".".join(str(p) for p in _path(e["loc"])) or whole
+    message = e["msg"].removeprefix("Value error, ")  # (a validator's own message says what came)
+    return message if message.startswith(f"{where}:") else \
+        f"{where}: {message}" + ("" if "got " in message else f" (got {repr(e.get('input'))[:80]})")
+
+
+def deepest(error: ValidationError) -> dict:
+    """The first of a pydantic error's deepest problems (the one `describe` tells)."""
+    return max(error.errors(), key=lambda e: len(e["loc"]))  # (`max` keeps the first of equals)
+
+
+_SHAPES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _path(loc: tuple) -> list:
+    """A pydantic error's location without its union branches' names: a branch of a union (`str`, `list[...]`,
+    `TextPart`) and, after an item of a tagged union, its tag."""
+    out, skip = [], False
+    for i, p in enumerate(loc):
+        if skip:
+            skip = False
+            continue
+        if isinstance(p, str) and (p in _SHAPES or "[" in p or (p[:1].isupper() and p.isidentifier())):
+            continue
+        out.append(p)
+        if isinstance(p, int) and i > 0 and isinstance(loc[i - 1], str) and "tagged-union[" in loc[i - 1]:
+            skip = True  # (the tag after an item's index: "image_url" in ...content.1.image_url.image_url.url)
+    return out
 
 
 def check_image(raw: bytes, where: str) -> bytes:

@@ -173,14 +173,23 @@ class OpenAIRoutes:
             for i, message in enumerate(history):
                 text, images = parts(message, i)
                 role = "system" if message.role == "developer" else message.role
-                past.append((role, text, images if role == "user" else []))
+                if images and role != "user":  # (as OpenAI: a system or assistant message's parts are text)
+                    raise APIError(400, f"messages.{i}.content: expected text in a {message.role} message (images go "
+                                        f"in user messages), got {len(images)} image(s)", param="messages")
+                past.append((role, text, images))
             text, images = parts(last, len(history))
             if not text.strip() and not images:  # (the service's own "type a message" names no field)
                 got = (repr(last.content) if last.content else "an empty string") if isinstance(last.content, str) \
                     else "no text and no image"
                 raise APIError(400, f"messages.{len(history)}.content: expected the message's text or an image, got "
                                f"{got}", param="messages")
-            return s, svc.chat(s, text, self.files(s, images), settings, recall, body.recall_first, past)
+            try:
+                return s, svc.chat(s, text, self.files(s, images), settings, recall, body.recall_first, past)
+            except ValueError as e:  # (the service's checks of a message: "message: expected at most ...")
+                if str(e).startswith("message:"):
+                    raise APIError(400, f"messages.{len(history)}.content{str(e)[len('message'):]}",
+                                   param="messages") from None
+                raise
         except APIError:
             svc.end_session(s)
             raise
@@ -195,9 +204,9 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------------ the caller's own memory
 
-    async def _on_memory(self, request: Request, op, *args: Any) -> Any:
+    async def _on_memory(self, request: Request, op, *args: Any, param: str | None = None) -> Any:
         """Run a memory operation for the request's user (waiting for a queued one); its refusal as an `APIError`
-        (an id that is not the caller's: 404)."""
+        (an id that is not the caller's: 404; a refused request names `param`, the field it sent)."""
         user = await self.user_of(request)
         svc = self.service
         await self.loaded()
@@ -212,7 +221,7 @@ class OpenAIRoutes:
         except (BankError, ServerFault) as e:  # (the server's memory file cannot be read: not the request's fault)
             raise APIError(500, str(e), "server_error") from None
         except (ValueError, ServiceError) as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=param) from None
         finally:
             await asyncio.to_thread(svc.end_session, s)
 
@@ -225,7 +234,7 @@ class OpenAIRoutes:
     async def add_memory(self, request: Request):
         try:
             body = parse(MemoryRequest, await self.body(request))
-            done = await self._on_memory(request, ops.remember, body.text)
+            done = await self._on_memory(request, ops.remember, body.text, param="text")
             if done.written:
                 return JSONResponse(dict(public(done.written[0]), object="memory",
                                          superseded=[public(e) for e in done.superseded]), status_code=201)

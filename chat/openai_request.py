@@ -9,10 +9,10 @@ import binascii
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from chat.config import Config, ConfigError, setting_value
-from chat.inputs import check_image, describe
+from chat.inputs import check_image, deepest, describe
 from chat.worker import Failed, ShuttingDown
 from decoding.settings import BEAM_SEARCH
 
@@ -75,17 +75,31 @@ class MemoryRequest(BaseModel):
     text: str = Field(min_length=1)
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class _NullIsDefault(BaseModel):
+    """OpenAI's schema lets a client send null for any optional field (some clients send every field): null is then
+    the field's default, for the fields whose default is not null too (`n`, `stream`, `presence_penalty`, ...)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
-class ChatRequest(BaseModel):
+class StreamOptions(_NullIsDefault):
+    include_usage: bool = Field(False, strict=True)  # (strict: "yes" is not true)
+
+
+class ChatRequest(_NullIsDefault):
     model_config = ConfigDict(extra="ignore")
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1, max_length=500)
-    temperature: float | None = Field(None, ge=0, le=2, strict=True)  # (strict: `true` is not 1.0)
-    top_p: float | None = Field(None, ge=0, le=1, strict=True)  # (0: the most likely token, as OpenAI and the page)
+    # (strict: `true` is not 1.0; NaN and Infinity, which Python's JSON reads, are not numbers here)
+    temperature: float | None = Field(None, ge=0, le=2, strict=True, allow_inf_nan=False)
+    top_p: float | None = Field(None, ge=0, le=1, strict=True, allow_inf_nan=False)  # (0: the most likely token, as OpenAI and the page)
     max_tokens: int | None = Field(None, ge=1, strict=True)  # (strict: `true` is not 1)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     stop: str | list[str] | None = None
@@ -96,8 +110,8 @@ class ChatRequest(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(strict=True)]] | None = None  # token id -> -100..100, to its logit
     # extensions (with the `openai` client, pass them in `extra_body`), named as vLLM names them
     top_k: int | None = Field(None, ge=0, strict=True)
-    min_p: float | None = Field(None, ge=0, le=1, strict=True)
-    typical_p: float | None = Field(None, gt=0, le=1, strict=True)
+    min_p: float | None = Field(None, ge=0, le=1, strict=True, allow_inf_nan=False)
+    typical_p: float | None = Field(None, gt=0, le=1, strict=True, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0, strict=True, allow_inf_nan=False)
     recall_first: bool = Field(False, strict=True)  # start the answer with <recall> (strict, as `stream`)
     settings: dict[str, Any] = {}  # any `generation.*`, `mixture.*` or `recall.*` setting, by its configuration key
@@ -135,7 +149,7 @@ SAMPLING = ("top_p", "top_k", "min_p", "typical_p")  # given without a temperatu
 
 def _param(error: ValidationError) -> str | None:
     """The request field a validation error is about (None: the body as a whole, e.g. not JSON)."""
-    loc = error.errors()[0]["loc"]
+    loc = deepest(error)["loc"]
     return str(loc[0]) if loc else None
 
 
@@ -187,6 +201,9 @@ def overrides(body: ChatRequest, cfg: Config) -> dict[str, Any]:
         if (value := getattr(body, name)) not in off:
             raise APIError(400, f"{name}: not supported by this server (expected {off[0]!r}), got {value!r}"
                                 + (f"; {instead}" if instead else ""), param=name)
+    if body.stream_options is not None and not body.stream:  # (as OpenAI answers)
+        raise APIError(400, "stream_options: only allowed when stream is true, got stream false",
+                       param="stream_options")
     if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
         raise APIError(400, f"max_tokens and max_completion_tokens: expected one of them (or the same value), "
                             f"got {body.max_tokens} and {body.max_completion_tokens}", param="max_tokens")

@@ -125,8 +125,8 @@ def _stop_strings(name, value):
     if not isinstance(value, (list, tuple)) or any(not isinstance(s, str) or not s for s in value):
         raise _bad(name, value, "must be a list of non-empty strings")
     if len(value) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in value):
-        raise _bad(name, f"{len(value)} strings of up to {max(map(len, value))} characters",
-                   f"must be at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
+        raise ValueError(f"{name}: expected at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters, got "
+                         f"{len(value)} of up to {max(map(len, value))} characters")
     return tuple(value)
 
 

@@ -162,6 +162,8 @@ def read_bank(path: str | os.PathLike, *, max_bytes: int | None = None) -> BankD
     """Read a bank file; raise `BankError` naming the file for anything unusable."""
     path = Path(path)
     ext = _format(path)
+    if path.is_dir():  # (it said "[Errno 21] Is a directory" with a traceback)
+        raise BankError(f"{path.name}: expected a {FORMATS[ext]} memory bank file, got a folder")
     size = path.stat().st_size  # FileNotFoundError for a missing file
     if max_bytes is not None and size > max_bytes:
         raise BankError(f"{path.name}: file is {size} bytes, over the limit of {max_bytes} bytes")

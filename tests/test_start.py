@@ -70,9 +70,12 @@ def test_a_cli_built_bank_over_the_upload_limit_loads_at_start_and_answers(tmp_p
         proc.wait(60)
 
 
-def test_a_start_up_bank_that_cannot_be_loaded_stops_the_start(tmp_path):
+@pytest.mark.parametrize("what, says", [
+    ("bytes", "broken.safetensors: expected a safetensors file, got other bytes (starting b'\\x00"),
+    ("folder", "broken.safetensors: expected a safetensors memory bank file, got a folder")])  # (a traceback before)
+def test_a_start_up_bank_that_cannot_be_loaded_stops_the_start(tmp_path, what, says):
     broken = tmp_path / "broken.safetensors"
-    broken.write_bytes(b"\x00" * 64)
+    broken.write_bytes(b"\x00" * 64) if what == "bytes" else broken.mkdir()
     proc, port = app("--bank", str(broken))
     try:
         assert not serving(proc, port)  # it never opened its port
@@ -81,8 +84,7 @@ def test_a_start_up_bank_that_cannot_be_loaded_stops_the_start(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    assert f"recall-chat: memory.bank '{broken}' cannot be loaded: broken.safetensors: expected a safetensors file, " \
-           "got other bytes (starting b'\\x00" in out, out
+    assert f"recall-chat: memory.bank '{broken}' cannot be loaded: {says}" in out and "Traceback" not in out, out
 
 
 def test_a_port_in_use_or_a_host_that_does_not_resolve_stops_the_start_in_one_line():

@@ -162,8 +162,8 @@ def test_a_recall_event_travels_in_the_chunks(api):
     (dict(extra_body={"settings": {"mixture.enabled": True, "mixture.draft": "head"}}), openai.BadRequestError,
      "generation.mixture.draft is 'head' but generation.mixture.head names no folder"),  # (a 500 before)
     (dict(stop=""), openai.BadRequestError,  # (an empty stop string matched at once: an empty answer)
-     "stop: Value error, expected non-empty strings (an empty one ends every answer at once), got ''"),
-    (dict(stop=["ok", ""]), openai.BadRequestError, "stop: Value error, expected non-empty strings"),
+     "stop: expected non-empty strings (an empty one ends every answer at once), got ''"),  # (said once)
+    (dict(stop=["ok", ""]), openai.BadRequestError, "stop: expected non-empty strings"),
     # checked before it starts: no Python internals in the message
     (dict(seed=2 ** 70), openai.BadRequestError, "seed: Input should be less than or equal to 18446744073709551615"),
     (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {
@@ -183,7 +183,23 @@ def test_bad_requests_get_openai_style_errors(api, kw, error, words):
 @pytest.mark.parametrize("kw,param,words", [
     (dict(max_tokens=100_000), "max_tokens", "max_tokens: expected at most"),
     (dict(stop=[f"s{i}" for i in range(17)]), "stop",
-     "stop is '17 strings of up to 3 characters': must be at most 16 strings of at most 100 characters"),
+     "stop: expected at most 16 strings of at most 100 characters, got 17 of up to 3 characters"),
+    # (a malformed part was told as "messages.0.content.str: Input should be a valid string": the wrong shape)
+    (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url",
+                                                                                 "image_url": {}}]}]),
+     "messages", "messages.0.content.1.image_url.url: Field required"),
+    (dict(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]), "messages",
+     "messages.0.content.0: Input tag 'input_audio' found using 'type' does not match any of the expected tags"),
+    # (an image in a system message was dropped without a word)
+    (dict(messages=[{"role": "system", "content": [PNG]},
+                    {"role": "user", "content": "ok"}]), "messages",
+     "messages.0.content: expected text in a system message (images go in user messages), got 1 image(s)"),
+    (dict(messages=[{"role": "user", "content": "x" * 20_001}]), "messages",  # (it came with no field)
+     "messages.0.content: expected at most 20000 characters, got 20001"),
+    (dict(extra_body={"stream_options": {"include_usage": True}}), "stream_options",  # (as OpenAI refuses it)
+     "stream_options: only allowed when stream is true"),
+    (dict(stream=True, stream_options={"include_usage": "yes"}), "stream_options",
+     "stream_options.include_usage: Input should be a valid boolean"),
     (dict(extra_body={"settings": {"mixture.alpha": -0.1}}), "settings", "settings['mixture.alpha']: mixture alpha"),
     (dict(extra_body={"settings": {"mixture.enabled": True, "mixture.target": "/tmp"}}), "settings",
      "settings['mixture.target']: a file of the server, set by its configuration (generation.mixture.target: None), "
@@ -342,6 +358,27 @@ def test_a_body_that_is_not_a_json_object_is_a_400_naming_the_body(server, body,
     error = r.json()["error"]
     assert error["message"].startswith("the request body: ") and error["param"] is None
     assert error["type"] == "invalid_request_error"
+
+
+def test_null_is_the_default_of_every_optional_field_and_nan_no_number(server):
+    """OpenAI's schema lets a client send null for any optional field: `presence_penalty`, `n`, `stream`, ... were
+    400s ("Input should be a valid number (got None)"); NaN, which Python's JSON reads, passed as a temperature to
+    the range check ("less than or equal to 2 (got nan)")."""
+    url, model = server.url + "v1/chat/completions", httpx.get(server.url + "v1/models").json()["data"][0]["id"]
+    nulls = dict.fromkeys(("presence_penalty", "frequency_penalty", "logprobs", "n", "stream", "recall_first",
+                           "settings", "stream_options", "temperature", "top_p", "seed", "stop", "tools"))
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, **nulls}
+    r = httpx.post(url, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+    for bad in (b"NaN", b"Infinity"):
+        raw = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "temperature": %s}' % (
+            model.encode(), bad)
+        r = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+        assert r.json()["error"]["message"].startswith("temperature: Input should be a finite number")
+    r = httpx.post(url, json={**body, "model": None}, timeout=60)  # (a required field stays required)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
 
 
 def test_the_seeds_settings_reach_an_answer_through_the_api(api, smollm2):

@@ -78,6 +78,7 @@ def test_each_user_remembers_their_own_and_keeps_it_across_a_restart(default_lm,
         blank = httpx.post(url + "v1/memories", json={"text": "\u200b\u200b"},  # (a probe: kept as "\u200b\u200b.")
                            headers={"Authorization": f"Bearer {keys['bob']}"}, timeout=300)
         assert blank.status_code == 400 and "expected what to remember, got nothing" in blank.text
+        assert blank.json()["error"]["param"] == "text"  # (it named no field)
 
     with serve(default_lm, *overrides) as server:  # a restart: a new server over the same folder
         url = server.url

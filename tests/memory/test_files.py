@@ -225,6 +225,14 @@ def test_empty_file(tmp_path, ext):
         MemoryVectorDB.load(path)
 
 
+@pytest.mark.parametrize("ext", [".pt", ".safetensors", ".npy"])
+def test_a_folder_is_no_bank(tmp_path, ext):
+    """`app.py --bank dir.pt` stopped with a traceback and "IsADirectoryError: [Errno 21] Is a directory"."""
+    (tmp_path / f"bank{ext}").mkdir()
+    with pytest.raises(BankError, match=rf"^bank{ext}: expected a .* memory bank file, got a folder$"):
+        MemoryVectorDB.load(tmp_path / f"bank{ext}")
+
+
 @pytest.mark.parametrize("ext, fmt", [(".pt", "PyTorch .pt"), (".safetensors", "safetensors"), (".npy", "NumPy .npy")])
 def test_corrupt_file(tmp_path, ext, fmt):
     """Bytes of no format, text (a probe's text file named .pt said "corrupt or refused one (KeyError: 101)"), and the
