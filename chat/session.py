@@ -384,6 +384,9 @@ class Conversation:
             self.cache = None
             if result is not None:  # the turn is stored whole, or not at all
                 self.ids = result.sequences[0].tolist()
+                opener = self.lm.turn_opener
+                if opener is not None and len(self.ids) > prompt_len and self.ids[-1] == opener:
+                    self.ids[-1] = self.lm.tokenizer.eos_token_id  # (the answer ended opening a turn: its end)
                 self.memory = on_host(result.memory_vectors[0])
                 self.cache = result.cache
                 answer.text = self.lm.tokenizer.decode(self.ids[prompt_len:], skip_special_tokens=True)

@@ -52,7 +52,9 @@ class Engine:
                interrupt: threading.Event | None = None) -> Iterator[Event]:
         """The events of one answer to `prompt` (`decoding.request.Prompt`: the conversation's ids, the cache of
         its prefix, its memory vectors), ending with a `DoneEvent` whose result holds the new state."""
-        lm, controls = self.lm, Controls(prefill_chunk=self.prefill_chunk)
+        # (the answer's end ids are the loaded model's: its model's and its chat template's turn opener, `LoadedModel`)
+        lm = self.lm
+        controls = Controls(prefill_chunk=self.prefill_chunk, eos_token_id=list(lm.spec.eos_token_ids))
         mix = settings.mixture
         if not mix.enabled:
             def loop(prompt: Prompt) -> Iterator[Event]:

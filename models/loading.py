@@ -10,6 +10,7 @@ trained to recall, a plain hidden-state spec from the configuration.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from models.encoder import ENCODER_CONFIG, MemoryEncoder
 from models.hidden import HiddenStateSpec
 from models.text_keys import TextEncoder
 from models.modeling import hidden_size, is_peft, set_adapter_merged, shared_weights, unwrap_model
-from models.spec import ModelSpec, transformers_spec
+from models.spec import ModelSpec, transformers_spec, turn_opener
 from models.quantize import QUANTIZE, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,14 @@ class LoadedModel:
     quantized: str | None = None  # "int8" once models/quantize.py has quantized it
     spec: ModelSpec | None = None  # what the model is (its loader's); None: a transformers model's, read here
     _targets: dict = field(default_factory=dict, repr=False)  # mixture targets (by folder) and drafts, made once
+    turn_opener: int | None = field(default=None, init=False)  # the template's token that opens a turn
 
     def __post_init__(self) -> None:
         if self.spec is None:
             self.spec = transformers_spec(self.model)
+        self.turn_opener = turn_opener(self.tokenizer)  # (it ends an answer: stored as the end of the turn, `chat`)
+        if self.turn_opener is not None and self.turn_opener not in self.spec.eos_token_ids:
+            self.spec = dataclasses.replace(self.spec, eos_token_ids=(*self.spec.eos_token_ids, self.turn_opener))
 
     def mixture_target(self, path: str | None) -> PreTrainedModel:
         """π_t of the two-model mixture: this PEFT model's own base (None), as a copy with the adapter

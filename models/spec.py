@@ -36,7 +36,7 @@ class ModelSpec:
     hidden_size: int
     vocab_size: int  # the logits' width: the tokenizer's tokens, the recall tokens included
     context: int | None  # the most positions one conversation may hold (None: no limit known)
-    eos_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]  # the tokens that end an answer (with its chat template: `LoadedModel`)
     pad_token_id: int | None
     capabilities: frozenset[str]
 
@@ -67,3 +67,22 @@ def transformers_spec(model: nn.Module) -> ModelSpec:
     context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     return ModelSpec("transformers", text.hidden_size, text.vocab_size, context, eos, None if pad is None else int(pad),
                      TRANSFORMERS)
+
+
+def turn_opener(tokenizer) -> int | None:
+    """The special token that opens a turn in the tokenizer's chat template (ChatML's `<|im_start|>`, Llama 3's
+    `<|start_header_id|>`): the first token of its generation prompt, when that is a special token; None without a
+    template or such a token. A model that writes it in an answer is writing the next turn itself (SmolLM2-135M
+    answered a 9,000-character message with "<|im_start|>user\nYou've already solved the problem."): it ends the
+    answer (Ollama's ChatML models stop at it too)."""
+    turn = [{"role": "user", "content": "x"}]
+    try:
+        without = tokenizer.apply_chat_template(turn, add_generation_prompt=False, tokenize=False)
+        prompt = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001 - no chat template (or one that needs more): no opener known
+        return None
+    if not (isinstance(prompt, str) and isinstance(without, str)) or not prompt.startswith(without) \
+            or prompt == without:
+        return None
+    ids = tokenizer(prompt[len(without):], add_special_tokens=False)["input_ids"]
+    return int(ids[0]) if ids and ids[0] in tokenizer.all_special_ids else None

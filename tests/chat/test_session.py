@@ -81,6 +81,37 @@ def test_turn_template_matches_the_chat_template(smollm2):
     assert tok.decode(conv.ids[: conv.messages[-1].start]) == expected
 
 
+def test_an_answer_that_opens_a_turn_ends_there_and_is_kept_as_ended(tiny_llama):
+    """SmolLM2-135M answered a 9,000-character message with "<|im_start|>user\nYou've already solved the problem."
+    (shown as "user\nYou've ..."): the template's turn opener now ends an answer, and the conversation keeps the end
+    of the turn in its place, so the next turn's prompt is the chat template's."""
+    lm, tok = tiny_llama, tiny_llama.tokenizer
+    opener = tok.convert_tokens_to_ids("<|im_start|>")
+    assert lm.turn_opener == opener and opener in lm.spec.eos_token_ids
+    first = [e.token_id for e in run(Conversation(lm), "Hi.", settings=GREEDY) if isinstance(e, TokenEvent)][0]
+    conv = Conversation(lm)  # the same answer, made to open a turn after its first token
+    forced = GenerationSettings(max_new_tokens=8, sequence_bias=(((first, opener), 100.0),))
+    events = run(conv, "Hi.", settings=forced)
+    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == [first, opener]
+    answer = conv.messages[-1]
+    assert answer.finish_reason == "stop" and answer.text == tok.decode([first])
+    assert conv.ids[-2:] == [first, tok.eos_token_id]  # (not the opener)
+    run(conv, "And?", settings=GREEDY)
+    expected = tok.apply_chat_template([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": answer.text},
+                                        {"role": "user", "content": "And?"}], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(conv.ids[:conv.messages[-1].start]) == expected
+
+
+def test_a_template_without_a_generation_prompt_has_no_turn_opener(tiny_llama):
+    from models.spec import turn_opener
+
+    class NoTemplate:
+        def apply_chat_template(self, *a, **k):
+            raise ValueError("no chat template")
+
+    assert turn_opener(NoTemplate()) is None and turn_opener(tiny_llama.tokenizer) == 1
+
+
 def test_stop_in_the_middle_of_a_recall_leaves_nothing_half_done(tiny_llama, bank):
     lm = tiny_llama
     conv = Conversation(lm)
