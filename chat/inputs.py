@@ -94,14 +94,14 @@ _SHAPES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _path(loc: tuple) -> list:
-    """A pydantic error's location without its union branches' names: a branch of a union (`str`, `list[...]`,
-    `TextPart`) and, after an item of a tagged union, its tag."""
+    """A pydantic error's location without its union branches' names: a branch of a union (`str`, `list[...]`) and,
+    after an item of a tagged union, its tag."""
     out, skip = [], False
     for i, p in enumerate(loc):
         if skip:
             skip = False
             continue
-        if isinstance(p, str) and (p in _SHAPES or "[" in p or (p[:1].isupper() and p.isidentifier())):
+        if isinstance(p, str) and (p in _SHAPES or "[" in p):
             continue
         out.append(p)
         if isinstance(p, int) and i > 0 and isinstance(loc[i - 1], str) and "tagged-union[" in loc[i - 1]:
