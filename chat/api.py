@@ -169,6 +169,8 @@ class SessionService:
         """Queue a new answer to the last user message, replacing the last answer."""
         before = self.state(s)
         if not before.messages or before.messages[-1].role != "assistant":
+            if s.lock.locked():  # (the answer being written is not in the conversation yet)
+                raise ServiceError("an answer is being written: regenerate once it has ended, or Stop it first")
             raise ServiceError("there is no answer to regenerate yet")
         check_new_tokens(settings.max_new_tokens, self.limits)
         return Turn(self.run(answer_again, s, settings, recall), TurnView(), before, before.messages[:-1])

@@ -49,7 +49,10 @@ def parse_ids(text: str) -> list[int]:
         if m is None:
             raise ServiceError(f"{part[:40]!r} is not a memory id: give ids like 3, 5-7 (digits 0-9)")
         lo, hi = int(m[1]), int(m[2] or m[1])
-        if hi < lo or hi - lo > 100_000 or hi >= MAX_ID:
+        if hi < lo:
+            raise ServiceError(f"{part!r} is not a valid id range: expected the first id before the last, got "
+                               f"{lo} after {hi}")
+        if hi - lo > 100_000 or hi >= MAX_ID:
             raise ServiceError(f"{part!r} is not a valid id range (ids are below {MAX_ID}, ranges under 100,000)")
         ids += range(lo, hi + 1)
     if not ids:

@@ -34,6 +34,7 @@ from chat.worker import Notice, Request, ServiceError, Worker, describe
 from decoding.settings import GenerationSettings, RecallSettings
 from memory.files import atomic_write
 from memory.personal import Personal
+from memory.validate import shown
 from models import LoadedModel
 
 MEMORIES_FORMAT = "recall-chat-memories-1"
@@ -304,6 +305,8 @@ def undo_memory_change(svc: ModelSide, s: Session) -> Request:
 @operation()
 def forget_memories(svc: ModelSide, s: Session, ids: Sequence[str]) -> list[dict[str, Any]]:
     """Delete memories of the session's user by id; `KeyError` naming an id that is not theirs (nothing deleted)."""
+    if not ids:  # (the page's Delete with an empty box said "Forgot:" and nothing)
+        raise ServiceError("expected the id(s) of the memories to forget (the list shows each one's), got none")
     return [public(e) for e in svc.personal(s).remove(list(ids))]
 
 
@@ -354,6 +357,18 @@ def export_memories(svc: ModelSide, s: Session) -> Path:
     return path
 
 
+def _not_texts(data: Any, items: Any, texts: list | None) -> str | None:
+    """What an import file holds instead of memories (one message for every shape said "got something else"), or
+    None when it holds texts."""
+    if texts is None:
+        shape = type(items).__name__ if items is not None else "nothing"
+        return f"memories as {shape}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+    if not texts:
+        return "no memories"
+    bad = next((i for i, t in enumerate(texts) if not (isinstance(t, str) and t.strip())), None)
+    return None if bad is None else f"memory {bad + 1} as {shown(json.dumps(items[bad]), 40)}"
+
+
 @operation(queued=True, files=("path",))
 def import_memories(svc: ModelSide, s: Session, path: str | Path) -> Request:
     """Queue writing every memory of an exported file (or a JSON list of texts) into the user's memory; each is
@@ -370,9 +385,9 @@ def import_memories(svc: ModelSide, s: Session, path: str | Path) -> Request:
             from None
     items = data.get("memories") if isinstance(data, dict) else data
     texts = [m.get("text") if isinstance(m, dict) else m for m in items] if isinstance(items, list) else None
-    if not texts or not all(isinstance(t, str) and t.strip() for t in texts):
+    if (got := _not_texts(data, items, texts)) is not None:
         raise ServiceError(f"{name}: expected {{\"memories\": [{{\"text\": ...}}, ...]}} (an export) or a list of "
-                           "texts, got something else; nothing was written")
+                           f"texts, got {got}; nothing was written")
     if len(texts) > MAX_IMPORT:
         raise ServiceError(f"{name}: expected at most {MAX_IMPORT} memories in one import, got {len(texts)}: split "
                            "the file; nothing was written")

@@ -164,7 +164,7 @@ def status_line(state: SessionState, extra: str = "") -> str:
     elif bank.error:  # a shared store that went away (the answer that needed it says why)
         words = f"bank: unreachable ({bank.use})"
     else:
-        words = f"bank: {bank.size} memories ({bank.use})" if bank.size else "bank: none"
+        words = "bank: none" if bank.size is None else f"bank: {bank.size} memories ({bank.use})"  # (0: emptied)
     speed = (f"last answer {state.speed:.1f} tokens/s" if state.speed else
              "" if any(m.role == "assistant" for m in state.messages) else "no answer yet")
     model = f"**{state.model}**" if state.model else ""

@@ -299,7 +299,7 @@ class Handlers:
     @owned
     async def undo_change(self, query: str, s: Session, request: gr.Request = None) -> tuple:
         about = await self._about_job(s, query, lambda: self.service.run(ops.undo_memory_change, s),
-                                      lambda r: "Undone: " + r.describe())
+                                      lambda r: ("Undone: " if r.removed or r.restored else "") + r.describe())
         return *about, *self.change_row(s)
 
     @owned

@@ -158,6 +158,8 @@ def build_demo(service: ChatService) -> gr.Blocks:
         c["regen"].click(h.regenerate, [session], [*view, decoding_plot], inputs_kwargs=controls,
                          api_name="regenerate", **MODEL_EVENTS)
         c["clear"].click(h.clear, session, [*view, c["file"]], api_name="clear", concurrency_limit=None)
+        # (the chatbot's own trash icon emptied the page alone: the next message read the old turns again)
+        chatbot.clear(h.clear, session, [*view, c["file"]], api_visibility="private", concurrency_limit=None)
         c["save"].click(h.save_conversation, session, [c["file"], status], api_name="save_conversation")
         c["load"].upload(h.load_conversation, [c["load"], session], view, api_name="load_conversation")
         example_btn.click(h.build_example, session, bank_outputs, api_name="build_example_bank", **MODEL_EVENTS)

@@ -466,6 +466,8 @@ def test_about_you_lists_edits_deletes_exports_and_imports_your_memories(client,
     assert porto not in [row[0] for row in table["data"]] and len(table["data"]) == 2
     _, table, status = client.predict("m-000000000000", "", api_name="/forget_memories")
     assert "no such memory of yours" in status and len(table["data"]) == 2  # nothing deleted
+    _, table, status = client.predict(" ", "", api_name="/forget_memories")  # (it said "Forgot:" and nothing)
+    assert "expected the id(s) of the memories to forget" in status and len(table["data"]) == 2
 
     path, _ = client.predict(api_name="/export_memories")
     exported = json.loads(Path(path).read_text())
@@ -479,6 +481,7 @@ def test_about_you_lists_edits_deletes_exports_and_imports_your_memories(client,
     bad.write_text('{"memories": [1, 2]}')
     md, table, status = client.predict(handle_file(str(bad)), "", api_name="/import_memories")
     assert "expected" in status and "nothing was written" in status and len(table["data"]) == 2
+    assert "got memory 1 as 1;" in status  # (every shape said "got something else")
     md, table, status = client.predict("", api_name="/forget_all_memories")
     assert "forgot all 2 memories" in status and table["data"] in ([], [["", "", ""]])
 

@@ -213,6 +213,11 @@ def test_first_minute_with_the_trained_model(page, default_lm):
         page.locator("#stop-strings textarea").fill("Castellan")
         answer = ask(page, "Who keeps the lighthouse of Port Avel?")
         assert answer[answer.index("⟩") + 1:].rstrip().endswith("Castellan"), answer
+        # the chatbot's own trash icon clears the conversation on the server too (it emptied the page alone, and the
+        # next message read the old turns again), as the Conversation tab's Clear does
+        page.locator('#chatbot button[aria-label="Clear"]').click()
+        page.wait_for_function("document.querySelector('#status').innerText.includes('cleared')")
+        assert all(not server.service.state(s).messages for s in list(server.service.sessions.values()))
 
 
 def test_entropy_and_mixture_pictures_show_in_the_page(page, smollm2):

@@ -172,7 +172,8 @@ def test_bad_bank_uploads_get_clear_messages(client, tmp_path):
     assert "expected at most 1000 memories" in status
 
 
-@pytest.mark.parametrize("ids, expected", [("1" * 23, "not a valid id range"), ("１２", "not a memory id")])
+@pytest.mark.parametrize("ids, expected", [("1" * 23, "not a valid id range"), ("１２", "not a memory id"),
+                                           ("5-3", "expected the first id before the last, got 5 after 3")])
 def test_odd_memory_ids_are_refused_clearly(client, ids, expected):
     client.predict("a memory", None, api_name="/write_memories")
     md, _, status, _ = client.predict(ids, api_name="/delete_memories")
