@@ -236,11 +236,12 @@ class Handlers:
 
     @owned
     def upload_bank(self, path: str | None, s: Session, request: gr.Request = None) -> tuple:
-        """The bank's view, and the upload box emptied when the file was refused (it stayed, as if loaded)."""
+        """The bank's view, and the upload box emptied (a refused file stayed, as if loaded; a loaded one left a link
+        to the upload's copy, deleted here: a 403)."""
         if not path:
             return *self.bank_view(s), gr.skip()
         try:
-            return *self.bank_view(s, self.service.run(ops.upload_bank, s, path)), gr.skip()
+            return *self.bank_view(s, self.service.run(ops.upload_bank, s, path)), None
         except ValueError as e:
             return *self.bank_view(s, _warn(e)), None
         finally:

@@ -293,7 +293,8 @@ def test_invalid_settings_show_the_engine_message(client):
 def test_bank_upload_and_bad_uploads_leave_the_bank_untouched(client, tmp_path):
     good = bank_file(tmp_path / "good.pt", 576)
     md, sample, status, _, kept = client.predict(handle_file(str(good)), api_name="/upload_bank")
-    assert "your upload good.pt" in md and "**3** memories" in md and "576-d" in md and kept is not None
+    assert "your upload good.pt" in md and "**3** memories" in md and "576-d" in md
+    assert kept is None  # (the box held a link to the upload's deleted copy: a 403)
     assert [row[1] for row in sample["data"]] == ["fact 0", "fact 1", "fact 2"]
     marker = tmp_path / "pwned"
     torch.save({"embeddings": Evil(marker)}, tmp_path / "payload.pt")
