@@ -5,8 +5,9 @@ message with chit-chat around it (`training.remember.OTHERS["eval"]` and `traini
 distractors of other kinds in conversation 0, and changes one thing that changes (`UPDATABLE`) in conversation 2.
 Its questions (`Ask`): one told thing in conversation 1 (single-session), and after a restart, each in a new
 conversation: the told things, the updated thing, things never told (a kind not told, and a relative or pet not
-told beside one that was), general questions with known answers, and a thing another user told (a leak when the
-answer holds that user's value).
+told beside one that was), general questions with known answers, a thing another user told (a leak when the
+answer holds that user's value), and a near miss: a question in a told thing's words that it does not answer
+("What colour is my boat?" after "My favourite colour is green."; `training.personal.NEAR_MISSES`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 from training.facts import COLOURS, JOBS, RELATIVES, SPECIES, Names, chat_prompts
 from training.personal import FOODS as ALLERGIES
-from training.personal import KINDS, SPORTS, UPDATABLE, PeopleNames, Told, told, update
+from training.personal import KINDS, SPORTS, UPDATABLE, PeopleNames, Told, near_miss, told, update
 from training.remember import DAYS, FOODS, HOBBIES, OTHERS
 
 SPLIT = "eval"
@@ -60,7 +61,7 @@ class Ask:
     that must not be in it: the old value of an update, the user's own values for a thing never told, the other
     user's value for a leak)."""
 
-    category: str  # single | cross | update | abstain | general | leak
+    category: str  # single | cross | update | abstain | near | general | leak
     question: str
     expect: str | None = None
     avoid: tuple[str, ...] = ()
@@ -122,13 +123,14 @@ def judge(ask: Ask, answer: str) -> bool:
     """Whether `answer` is right for `ask` (for `leak`: True when the other user's value is NOT in it)."""
     if ask.category in ("single", "cross", "update"):
         return contains(answer, ask.expect) and not any(contains(answer, v) for v in ask.avoid)
-    if ask.category == "abstain":
+    if ask.category in ("abstain", "near"):
         return says_not_told(answer) and not any(contains(answer, v) for v in ask.avoid)
     if ask.category == "general":
         return not is_junk(answer) and re.search(ask.expect, _plain(answer), re.I) is not None
     if ask.category == "leak":
         return not any(contains(answer, v) for v in ask.avoid)
-    raise ValueError(f"ask category {ask.category!r}; expected single, cross, update, abstain, general or leak")
+    raise ValueError(f"ask category {ask.category!r}; expected single, cross, update, abstain, near, general or "
+                     "leak")
 
 
 # --------------------------------------------------------------------------- users
@@ -196,6 +198,8 @@ def make_user(index: int, seed: int, prompts: list[str], real: float = 0.0) -> U
                    for t in _untold(rng, names, said + distractors, others[n + 1:])]
     user.later += [Ask("general", q, pattern) for q, pattern in
                    (GENERAL[(GENERAL_PER_USER * index + j) % len(GENERAL)] for j in range(GENERAL_PER_USER))]
+    # (drawn last: every other ask is what it was before near misses were asked)
+    user.later += [Ask("near", near_miss(t, SPLIT, rng), None, user.values) for t in rng.sample(said, 2)]
     return user
 
 

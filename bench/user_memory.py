@@ -44,7 +44,7 @@ SYSTEMS = ("recall", "rag", "history", "base")
 TITLES = {"recall": "recall chat", "rag": "RAG anchor (MiniLM top-3)", "history": "full-history anchor",
           "base": "base model, no memory"}
 ROWS = ("write recall", "false writes", "update supersedes the old", "single-session", "cross-session",
-        "knowledge update", "abstention", "general right", "general junk", "leaks",
+        "knowledge update", "abstention", "abstention on near misses", "general right", "general junk", "leaks",
         "in one conversation: told things", "in one conversation: abstention", "in one conversation: general right",
         "in one conversation: junk")
 IN_CONVERSATION = ("cross", "abstain", "general")  # the later questions also asked at the end of conversation 1
@@ -271,6 +271,7 @@ def summarize(records: list[dict], system: str) -> dict[str, dict]:
             "update supersedes the old": _share(said(("update",), "superseded")),
             "single-session": _share(asked("single")), "cross-session": _share(asked("cross")),
             "knowledge update": _share(asked("update")), "abstention": _share(asked("abstain")),
+            "abstention on near misses": _share(asked("near")),
             "general right": _share(asked("general")), "general junk": _share(asked("general", "junk")),
             "leaks": _share([not ok for ok in asked("leak")]),
             "in one conversation: told things": _share(asked("conv-cross")),

@@ -10,13 +10,15 @@ no other forward) to say whether the memory answers the question.
 Data (`training.personal`, invented people, half the towns and pet names real): each person tells 4 things and has
 memories of another relative or pet of a told kind, the same kind about someone else ("Lena lives in Porto."), a
 changed value (both the old and the new answer) and 3 facts of the shared bank; they ask about every told thing,
-3 things never told, and ordinary requests in the first person. A pair is right when the memory is of the kind the
-question asks for (the same relative or species). The `eval` split has its own names, towns and templates.
+3 things never told, a near miss of each told thing (a question in its words that it does not answer: "What colour
+is my boat?" beside a favourite colour; `training.personal.NEAR_MISSES`) and ordinary requests in the first person.
+A pair is right when the memory is of the kind the question asks for (the same relative or species). The `eval`
+split has its own names, towns and templates.
 
     .venv/bin/python -m training.fits [--out assets/memory-fits.safetensors] [--people 600]
 
 prints, on held-out people, how many told questions still read their own memory and how many never-told questions
-read nothing, beside the score threshold alone.
+and near misses read nothing, beside the score threshold alone (about two minutes here, most of it the encoder).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from models.fits import FitCheck, pair_features
 from models.remember import about_the_user, mentions_the_user
 from training.data import wrong_memory
 from training.facts import RELATIVES, SPECIES, chat_prompts, make_facts
-from training.personal import KINDS, REAL_SHARE, UPDATABLE, PeopleNames, Told, person, told, update
+from training.personal import (
+    KINDS, NEAR, REAL_SHARE, UPDATABLE, PeopleNames, Told, near_miss, person, told, update,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "assets" / "memory-fits.safetensors"
@@ -108,6 +112,7 @@ def people(split: str, n: int, seed: int = 0) -> list[Person]:
         memories += [(f.text, "") for f in facts[3 * i:3 * i + 3]]
         asked = [(q, t.kind) for t in kept + untold for q in rng.sample(t.questions, min(3, len(t.questions)))]
         asked += [(q, "") for q in rng.sample(requests, min(2, len(requests)))]
+        asked += [(near_miss(t, split, rng), NEAR) for t in kept]
         out.append(Person([m for m, _ in memories], [k for _, k in memories], [q for q, _ in asked],
                           [k for _, k in asked]))
     return out
@@ -137,24 +142,29 @@ def pairs(people_: list[Person], keys, queries) -> tuple[torch.Tensor, torch.Ten
     return pair_features(q, k), torch.tensor(y), (q * k).sum(-1)
 
 
-def fit(features: torch.Tensor, labels: torch.Tensor, hidden: int, steps: int, seed: int = 0) -> FitCheck:
+def fit(features: torch.Tensor, labels: torch.Tensor, hidden: int, epochs: int, batch: int = 2048,
+        seed: int = 0) -> FitCheck:
+    """AdamW over shuffled batches of `batch` pairs, `epochs` times (full-batch steps took 15 minutes here for the same
+    check a network of 64 units learns in 11 s this way)."""
     torch.manual_seed(seed)
     check = FitCheck(features.shape[1], hidden)
     opt = torch.optim.AdamW(check.net.parameters(), lr=3e-3, weight_decay=1e-2)
     weight = (labels == 0).sum() / labels.sum().clamp(min=1)  # the few right pairs weigh as much as the wrong
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(check.net(features).squeeze(-1), labels,
-                                                                    pos_weight=weight)
-        loss.backward()
-        opt.step()
+    order = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        for rows in torch.randperm(len(labels), generator=order).split(batch):
+            opt.zero_grad()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(check.net(features[rows]).squeeze(-1),
+                                                                        labels[rows], pos_weight=weight)
+            loss.backward()
+            opt.step()
     return check.eval()
 
 
 def reads(check: FitCheck | None, people_: list[Person], keys, queries, min_score: float = MIN_SCORE) -> dict:
     """As the chat reads: the best-scored memory among those over `min_score` that the check admits (all, with no
     check). Told questions: their own memory read; never-told questions and requests: nothing read."""
-    told_right = told_n = untold_none = untold_n = 0
+    told_right = told_n = untold_none = untold_n = near_none = near_n = 0
     for p in people_:
         k = torch.stack([keys[m] for m in p.memories])
         for question, asks in zip(p.questions, p.asks):
@@ -167,20 +177,25 @@ def reads(check: FitCheck | None, people_: list[Person], keys, queries, min_scor
             if asks and asks in p.kinds:
                 told_n += 1
                 told_right += read is not None and p.kinds[read] == asks
+            elif asks == NEAR:
+                near_n += 1
+                near_none += read is None
             else:
                 untold_n += 1
                 untold_none += read is None
     return {"told_read_right": round(told_right / told_n, 3), "untold_read_nothing": round(untold_none / untold_n, 3),
-            "told": told_n, "untold": untold_n}
+            "near_miss_read_nothing": round(near_none / max(near_n, 1), 3), "told": told_n, "untold": untold_n,
+            "near_misses": near_n}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--people", type=int, default=600)
-    parser.add_argument("--hidden", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--told-recall", type=float, default=0.99,
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--told-recall", type=float, default=0.995,
                         help="the threshold admits this share of the train split's right pairs over min_score")
     args = parser.parse_args()
 
@@ -194,7 +209,7 @@ def main() -> None:
     emb = {s: embed(encoder, p) for s, p in data.items()}
     x, y, cos = pairs(data["train"], *emb["train"])
     embedded = time.perf_counter() - t0
-    check = fit(x, y, args.hidden, args.steps)
+    check = fit(x, y, args.hidden, args.epochs, args.batch)
     with torch.no_grad():
         p = torch.sigmoid(check.net(x).squeeze(-1))
     right = p[(y == 1) & (cos >= MIN_SCORE)].sort().values

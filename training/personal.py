@@ -181,3 +181,34 @@ def person(split: str, rng: random.Random, names: Names, n: int) -> list[Told]:
     """`n` things one person tells, each of a different kind (a relative or pet per kind)."""
     kinds = rng.sample(KINDS, min(n, len(KINDS)))
     return [told(k, split, rng, names) for k in kinds]
+
+
+# near misses: questions in a told thing's words that it does not answer ("What colour is my boat?" beside "The user's
+# favourite colour is green.", "Where does my sister live?" beside her name): nothing is right for them. The first
+# check read a favourite colour for a boat's colour and a favourite food, and a relative's name for where they live.
+# {r} is the told relative or species, {o} another relative; the eval split asks its own.
+NEAR = "near"  # what a near miss asks for: no memory's kind
+NEAR_MISSES = {
+    "relative": {"train": ["Where does my {r} live?", "What does my {r} do for a living?", "How old is my {r}?",
+                           "What is my {r}'s favourite food?"],
+                 "eval": ["Where does my {r} work?", "When is my {r}'s birthday?", "What job does my {r} have?"]},
+    "home": {"train": ["Where was I born?", "Where does my {o} live?", "Where did I go on holiday?"],
+             "eval": ["Where did I study?", "Which town is my {o} from?"]},
+    "job": {"train": ["Who is my boss?", "How much do I earn?", "When did I start my job?"],
+            "eval": ["What is my manager called?", "What's my salary?"]},
+    "pet": {"train": ["How old is my {r}?", "What does my {r} eat?", "What breed is my {r}?"],
+            "eval": ["Where does my {r} sleep?", "What colour is my {r}?"]},
+    "colour": {"train": ["What colour is my car?", "What is my favourite food?", "What is my favourite song?",
+                         "What colour are my eyes?"],
+               "eval": ["What colour is my boat?", "What's my favourite film?", "What colour is my front door?"]},
+    "allergy": {"train": ["What is my favourite food?", "What did I eat for breakfast?", "What do I cook best?"],
+                "eval": ["What food do I like most?", "What's my favourite dish?"]},
+    "sport": {"train": ["What sport does my {o} play?", "Which team do I support?", "Who is my coach?"],
+              "eval": ["What's my favourite team?", "Which sport does my {o} watch?"]},
+}
+
+
+def near_miss(thing: Told, split: str, rng: random.Random) -> str:
+    """A question of `split` in `thing`'s words that it does not answer (`NEAR_MISSES`)."""
+    kind, _, r = thing.kind.partition(":")
+    return _sentence(rng.choice(NEAR_MISSES[kind][split]).format(r=r, o=rng.choice([x for x in RELATIVES if x != r])))

@@ -53,6 +53,8 @@ def test_verdicts_on_hand_made_answers():
     assert not judge(abstain, "You play tennis.")
     general = Ask("general", "What is the capital of France?", r"\bparis\b")
     assert judge(general, "The capital of France is Paris.") and not judge(general, "<recall>Paris")
+    near = Ask("near", "What colour is my boat?", None, ("green",))  # (after "My favourite colour is green.")
+    assert judge(near, "You haven't told me the colour of your boat.") and not judge(near, "Your boat is green.")
     leak = Ask("leak", "What's my goat's name?", None, ("Gind",))
     assert judge(leak, "You haven't told me your goat's name.") and not judge(leak, "Your goat is Gind.")
 
@@ -65,7 +67,7 @@ def test_users_are_the_same_for_a_seed_and_hold_every_category():
         assert 3 <= len(user.told) <= 4 and len(user.distractors) == 2
         old, new = user.changed
         assert old in user.told and new.value != old.value and new.tell in user.earlier()
-        assert {a.category for a in user.later} == {"cross", "update", "abstain", "general", "leak"}
+        assert {a.category for a in user.later} == {"cross", "update", "abstain", "near", "general", "leak"}
         assert all(t.tell in user.earlier(2) for t in user.told)
         assert all(m.role == "chit" for conv in user.conversations for m in conv[::2])  # chit-chat around each tell
         assert [m.role for m in user.conversations[2]] == ["chit", "update", "chit"]
