@@ -5,13 +5,17 @@ expected and what came; nothing is changed before everything has passed."""
 from __future__ import annotations
 
 import io
+import json
 import re
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 from pydantic import ValidationError
+
+from memory.validate import shown
 
 MAX_IMAGE_PIXELS = 4096 * 4096
 
@@ -69,6 +73,18 @@ def read_upload_text(path: str | Path, max_mb: int) -> str:
         return Path(path).read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"could not read {name}: {e}") from None
+
+
+def not_memory_texts(data: Any, items: Any, texts: list | None) -> str | None:
+    """What an import file holds instead of memories (one message for every shape said "got something else"), or
+    None when it holds texts."""
+    if texts is None:
+        shape = type(items).__name__ if items is not None else "nothing"
+        return f"memories as {shape}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+    if not texts:
+        return "no memories"
+    bad = next((i for i, t in enumerate(texts) if not (isinstance(t, str) and t.strip())), None)
+    return None if bad is None else f"memory {bad + 1} as {shown(json.dumps(items[bad]), 40)}"
 
 
 # --------------------------------------------------------------------------- schemas and images

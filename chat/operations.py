@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from chat import transcript
 from chat.banks import Banks
 from chat.config import Config
-from chat.inputs import read_upload_text
+from chat.inputs import not_memory_texts, read_upload_text
 from chat.decision import Decision, plain, to_remember
 from chat.changes import Imported, Remembered, public
 from chat.people import People
@@ -34,7 +34,6 @@ from chat.worker import Notice, Request, ServiceError, Worker, describe
 from decoding.settings import GenerationSettings, RecallSettings
 from memory.files import atomic_write
 from memory.personal import Personal
-from memory.validate import shown
 from models import LoadedModel
 
 MEMORIES_FORMAT = "recall-chat-memories-1"
@@ -357,18 +356,6 @@ def export_memories(svc: ModelSide, s: Session) -> Path:
     return path
 
 
-def _not_texts(data: Any, items: Any, texts: list | None) -> str | None:
-    """What an import file holds instead of memories (one message for every shape said "got something else"), or
-    None when it holds texts."""
-    if texts is None:
-        shape = type(items).__name__ if items is not None else "nothing"
-        return f"memories as {shape}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
-    if not texts:
-        return "no memories"
-    bad = next((i for i, t in enumerate(texts) if not (isinstance(t, str) and t.strip())), None)
-    return None if bad is None else f"memory {bad + 1} as {shown(json.dumps(items[bad]), 40)}"
-
-
 @operation(queued=True, files=("path",))
 def import_memories(svc: ModelSide, s: Session, path: str | Path) -> Request:
     """Queue writing every memory of an exported file (or a JSON list of texts) into the user's memory; each is
@@ -385,7 +372,7 @@ def import_memories(svc: ModelSide, s: Session, path: str | Path) -> Request:
             from None
     items = data.get("memories") if isinstance(data, dict) else data
     texts = [m.get("text") if isinstance(m, dict) else m for m in items] if isinstance(items, list) else None
-    if (got := _not_texts(data, items, texts)) is not None:
+    if (got := not_memory_texts(data, items, texts)) is not None:
         raise ServiceError(f"{name}: expected {{\"memories\": [{{\"text\": ...}}, ...]}} (an export) or a list of "
                            f"texts, got {got}; nothing was written")
     if len(texts) > MAX_IMPORT:
