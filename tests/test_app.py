@@ -487,6 +487,20 @@ def test_about_you_lists_edits_deletes_exports_and_imports_your_memories(client,
     assert "forgot all 2 memories" in status and table["data"] in ([], [["", "", ""]])
 
 
+def test_an_undo_that_changes_nothing_is_not_called_undone(client):
+    """(A probe: an undo whose change had been taken back by hand said "Undone: Nothing to undo: ...".)"""
+    client.predict("", api_name="/forget_all_memories")
+    _, table, _ = client.predict("I live in Porto", "", api_name="/remember")
+    porto = table["data"][0][0]
+    _, table, _ = client.predict(porto, "I live in Lisbon", "", api_name="/edit_memory")  # the change to undo
+    client.predict(table["data"][0][0], "", api_name="/forget_memories")  # what it wrote, deleted by hand
+    client.predict("I live in Porto", "", api_name="/remember")  # and what it replaced, told again
+    _, table, status, *_ = client.predict("", api_name="/undo_memory_change")
+    assert "Not restored, already remembered: The user lives in Porto." in status and "Undone" not in status, status
+    assert [row[2] for row in table["data"]] == ["The user lives in Porto."]
+    client.predict("", api_name="/forget_all_memories")
+
+
 def test_ctrl_c_while_starting_ends_with_a_line_not_a_traceback(monkeypatch):
     """(Ctrl-C while the model loaded, or while `recall-memory build` encoded, printed a KeyboardInterrupt
     traceback.)"""
