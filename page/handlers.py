@@ -202,10 +202,11 @@ class Handlers:
     # ----------------------------------------------------------------- memory banks
 
     def bank_view(self, s: Session, note: str = "") -> tuple:
-        """bank summary, its first memories, status, which bank."""
+        """bank summary, its first memories, status, which bank (none chosen while there is no bank: "shared" was
+        shown chosen with no shared bank)."""
         state = self.service.state(s, details=True)
         return (bank_summary(state.bank), bank_sample(state.bank), status_line(state, note),
-                state.bank.use if state.bank else None)
+                state.bank.use if state.bank and state.bank.size is not None else None)
 
     async def _bank_job(self, s: Session, make_request, done: str) -> tuple[tuple, bool]:
         try:

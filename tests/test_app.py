@@ -290,6 +290,15 @@ def test_invalid_settings_show_the_engine_message(client):
 
 
 
+def test_with_no_bank_no_bank_is_shown_chosen(client, tmp_path):
+    """(A probe: "Use bank" showed "shared" chosen on a server with no shared bank.)"""
+    md, _, status, use = client.predict("shared", api_name="/use_bank")
+    assert "bank: none" in status and use is None, (md, status, use)
+    good = bank_file(tmp_path / "good.pt", 576)
+    *_, use, _ = client.predict(handle_file(str(good)), api_name="/upload_bank")
+    assert use == "own"
+
+
 def test_bank_upload_and_bad_uploads_leave_the_bank_untouched(client, tmp_path):
     good = bank_file(tmp_path / "good.pt", 576)
     md, sample, status, _, kept = client.predict(handle_file(str(good)), api_name="/upload_bank")
