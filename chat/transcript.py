@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import difflib
 import json
 import math
 import uuid
@@ -142,9 +143,10 @@ def check_conversation(data: ConversationFile, *, vocab: int, context: int | Non
         held = decode(segment, skip_special_tokens=m.role == "assistant")
         if m.role == "user" and " ".join(m.text.split()) not in " ".join(held.split()) or (
                 m.role == "assistant" and m.text.split() != held.split()):
-            raise ValueError(f"messages.{i}.text: expected the text its ids hold, got {_short(m.text)} where the ids "
-                             f"hold {_short(held, tail=True)} (an edited file, or one saved with another tokenizer: "
-                             f"the file says {data.model!r})")
+            got, holds = _around_difference(m.text, held)
+            raise ValueError(f"messages.{i}.text: expected the text its ids hold, got {got} where the ids hold "
+                             f"{holds} (an edited file, or one saved with another tokenizer: the file says "
+                             f"{data.model!r})")
     if data.system_prompt and data.messages:  # (read with the first message)
         held = decode(ids[:starts[1] if len(starts) > 1 else n])
         if " ".join(data.system_prompt.split()) not in " ".join(held.split()):
@@ -176,6 +178,21 @@ def check_conversation(data: ConversationFile, *, vocab: int, context: int | Non
         if not all(math.isfinite(r.score) for r in m.recalls):
             raise ValueError(f"messages.{i}.recalls: expected finite scores")
     return memory
+
+
+def _around_difference(text: str, held: str, width: int = 60) -> tuple[str, str]:
+    """A message's text and the text its ids hold, each shown whole up to `width` characters, else around where they
+    first differ past the role's header and the end of the turn that the ids hold around a user's text (a probe's
+    file differed at its start, and the message was cut at its end, the ids' text at its start)."""
+    if len(text) <= width:
+        return repr(text), _short(held, width, tail=True)
+    ops = difflib.SequenceMatcher(None, text, held, autojunk=False).get_opcodes()
+    at = next(((i1, j1) for tag, i1, _, j1, _ in ops
+               if tag != "equal" and not (tag == "insert" and i1 in (0, len(text)))), (0, 0))
+    def window(t: str, k: int) -> str:
+        k = max(0, k - width // 3)
+        return repr(("..." if k else "") + t[k:k + width] + ("..." if k + width < len(t) else ""))
+    return window(text, at[0]), window(held, at[1])
 
 
 def _short(text: str, width: int = 60, tail: bool = False) -> str:

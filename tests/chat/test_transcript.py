@@ -98,3 +98,16 @@ def test_ids_before_the_first_message_are_refused(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="ids: expected the tokens the messages make with the chat template, got "
                                          "other tokens from position 0"):
         load(tiny_llama, data, tmp_path)
+
+
+def test_a_long_text_and_its_ids_text_are_shown_where_they_differ():
+    """(A probe's file whose message started one token late was shown as the message's start beside the end of the
+    ids' text: the difference, at the start, in neither.)"""
+    from chat.transcript import _around_difference
+
+    text = "The most important thing in life is not what you have but how you spend it, said my grandmother."
+    got, holds = _around_difference(text, "user\n" + text[4:] + "<|im_end|>")  # (one token late)
+    assert got.startswith("'The most important") and holds.startswith("'user\\nmost important")
+    got, holds = _around_difference(text, "user\n" + text.replace("how you spend", "what you do with"))
+    assert got == "'...t what you have but how you spend it, said my grandmother.'"
+    assert holds.startswith("'...t what you have but what you do with it")
