@@ -97,8 +97,7 @@ def describe(error: ValidationError, whole: str = "the file") -> str:
     e = deepest(error)
     where = ".".join(str(p) for p in _path(e["loc"])) or whole
     message = e["msg"].removeprefix("Value error, ")  # (a validator's own message says what came)
-    return message if message.startswith(f"{where}:") else \
-        f"{where}: {message}" + ("" if "got " in message else f" (got {repr(e.get('input'))[:80]})")
+    return f"{where}: {message}" + ("" if "got " in message else f" (got {repr(e.get('input'))[:80]})")
 
 
 def deepest(error: ValidationError) -> dict:

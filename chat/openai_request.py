@@ -99,7 +99,8 @@ class ChatRequest(_NullIsDefault):
     messages: list[ChatMessage] = Field(min_length=1, max_length=500)
     # (strict: `true` is not 1.0; NaN and Infinity, which Python's JSON reads, are not numbers here)
     temperature: float | None = Field(None, ge=0, le=2, strict=True, allow_inf_nan=False)
-    top_p: float | None = Field(None, ge=0, le=1, strict=True, allow_inf_nan=False)  # (0: the most likely token, as OpenAI and the page)
+    # (top_p 0: the most likely token alone, as OpenAI and the page)
+    top_p: float | None = Field(None, ge=0, le=1, strict=True, allow_inf_nan=False)
     max_tokens: int | None = Field(None, ge=1, strict=True)  # (strict: `true` is not 1)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     stop: str | list[str] | None = None

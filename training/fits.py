@@ -18,7 +18,7 @@ split has its own names, towns and templates.
     .venv/bin/python -m training.fits [--out assets/memory-fits.safetensors] [--people 600]
 
 prints, on held-out people, how many told questions still read their own memory and how many never-told questions
-and near misses read nothing, beside the score threshold alone (about two minutes here, most of it the encoder).
+and near misses read nothing, beside the score threshold alone (under a minute here, most of it the encoder).
 """
 
 from __future__ import annotations
