@@ -140,9 +140,10 @@ _KNOWN = re.compile(r"\b(?:remember|remembered|know|knew|known|learned|learnt|to
 def mentions_the_user(text: str) -> bool:
     """Whether a message speaks of its author ("What is my dog's name?", "Where do I live?", "What do you know about
     me?"); a request's "me" to say or show something does not ("Tell me a joke.": a hostile probe's joke read the
-    user's car into it). Linear: each "me" looks back a few characters for its verb."""
+    user's car into it); "US" is the country. Linear: each "me" looks back a few characters for its verb."""
     text = text.replace("\u2019", "'")
-    found = list(_FIRST_PERSON.finditer(text))
+    shouted = text.isupper()  # ("the US" is a country, "TELL US" a request)
+    found = [m for m in _FIRST_PERSON.finditer(text) if m[0] != "US" or shouted]
     return any(m[0].lower() not in ("me", "us") or not _ASKED_OF.search(text, max(0, m.start() - 12), m.start())
                for m in found) or (bool(found) and _KNOWN.search(text) is not None)
 

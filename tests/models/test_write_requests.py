@@ -89,7 +89,10 @@ def test_held_out_requests_are_not_written_and_held_out_facts_are(decision):
     ("Help me decide what to eat tonight.", True),
     # (a second probe: asking what the assistant knows of its author is about them)
     ("Tell me what you remember.", True), ("Write me a bio based on what you know.", True),
-    ("Read me the notes you have.", True)])
+    ("Read me the notes you have.", True),
+    # (the country is no one: "What is the capital of the US?" read the user's memories)
+    ("What is the capital of the US?", False), ("Where do the US and Canada meet?", False),
+    ("Can you help us?", True), ("Us two live in Porto.", True), ("WHAT DO YOU KNOW ABOUT US?", True)])
 def test_a_requests_me_is_not_a_message_about_its_author(text, mine):
     """(A hostile probe: "Tell me a joke." read the user's "The user's car is a blue Volvo." into the joke: its "me"
     made it a message about its author, whose memories it then reads.)"""
