@@ -207,6 +207,27 @@ def attribute_cases(split: str, people: int, seed: int) -> list[tuple[list[str],
     return out
 
 
+def version_cases(split: str, people: int, seed: int) -> list[tuple[list[str], str, tuple[int, ...]]]:
+    """(memories, a forget request, the memories it means) for a thing told twice, its newer value in other words
+    ("The user lives in Porto." and, later, "These days the user lives in Lisbon.", which does not supersede it):
+    a request to forget the thing (`FORGETS`' "about" forms, the value of neither) means both."""
+    from training.personal import UPDATABLE, PeopleNames, person, update
+
+    rng = random.Random(f"forget-versions:{split}:{seed}")
+    names = PeopleNames("eval", rng, real=0.5)
+    out = []
+    for _ in range(people):
+        things = person("eval", rng, names, 4)
+        updatable = [i for i, t in enumerate(things) if t.kind in UPDATABLE]
+        if not updatable:
+            continue
+        i = rng.choice(updatable)
+        memories = [t.memory for t in things] + [update(things[i], "eval", rng, names).memory]
+        forms = [f for f in FORGETS[split]["about"][things[i].kind] if "{v}" not in f]
+        out.append((memories, rng.choice(forms), (i, len(things))))
+    return out
+
+
 def read_forgets(cases, keys, check) -> list[dict]:
     """Each case's memories as `People.forget` reads them: key similarities and fit check probabilities."""
     import torch
@@ -236,16 +257,21 @@ def read_forgets(cases, keys, check) -> list[dict]:
 
 def forget_rules(threshold: float) -> dict:
     """Each rule: a row -> the indices of the memories it forgets."""
-    from chat.decision import FORGET_ALONE, FORGET_FLOOR, to_forget
+    from chat.decision import FORGET_ALONE, FORGET_FLOOR, forget_reading, to_forget
 
     def top(row):
         return max(range(len(row["scores"])), key=row["scores"].__getitem__)
+
+    def best_alone(r):
+        picks = to_forget(r["what"], r["memories"], r["scores"], r["fits"], threshold)
+        return picks if picks and forget_reading(r["what"], r["memories"][picks[0]])[1] else picks[:1]
 
     return {
         "top-1 at 0.5 (before)": lambda r: [top(r)] if r["scores"][top(r)] >= 0.5 else [],
         f"top-1 at {FORGET_ALONE}": lambda r: [top(r)] if r["scores"][top(r)] >= FORGET_ALONE else [],
         f"top-1 at {FORGET_FLOOR}, fit check": lambda r: [top(r)] if (r["scores"][top(r)] >= FORGET_FLOOR
                                                                         and r["fits"][top(r)] >= threshold) else [],
+        "words + fit check, of those it names none: the best admitted alone (before)": best_alone,
         "words + fit check (now: `to_forget`)": lambda r: to_forget(r["what"], r["memories"], r["scores"], r["fits"],
                                                                     threshold),
         f"words + top-1 at {FORGET_ALONE} (no fit check)": lambda r: to_forget(r["what"], r["memories"], r["scores"],
@@ -266,7 +292,7 @@ def forget_table(rows: list[dict], threshold: float) -> dict:
         false = sum(bool(p) for p, r in zip(picks, rows) if not r["meant"])
         forgot = sum(bool(p) for p in picks)
         out[name] = {"recall": right / len(about), "wrong memory": wrong / len(about),
-                     "false forgets": false / len(other), "precision": right / forgot if forgot else None,
+                     "false forgets": false / len(other) if other else None, "precision": right / forgot if forgot else None,
                      "n_about": len(about), "n_other": len(other),
                      "misses": [rows[i]["request"] + " | " + " / ".join(rows[i]["memories"])
                                 for i, p in enumerate(picks) if p != set(rows[i]["meant"])]}
@@ -470,6 +496,8 @@ def main() -> None:
         report["forget"][split] = forget_table(rows, check.threshold)
         rows = read_forgets(attribute_cases(split, args.people, args.seed), keys, check)
         report["forget"][f"{split}, a relative's or pet's attribute"] = forget_table(rows, check.threshold)
+        rows = read_forgets(version_cases(split, args.people, args.seed), keys, check)
+        report["forget"][f"{split}, a thing told again with a newer value"] = forget_table(rows, check.threshold)
     report["write"] = write_table(keys, args.seed)
     report["supersede"] = supersede_table(keys, args.pairs, args.seed)
     report["seconds"] = round(time.perf_counter() - t0, 1)
@@ -479,8 +507,8 @@ def main() -> None:
               "nothing told)\n\n| rule | recall (the memory meant) | another memory forgotten | false forgets | "
               "precision |\n|---|---|---|---|---|")
         for name, m in table.items():
-            print(f"| {name} | {m['recall']:.3f} | {m['wrong memory']:.3f} | {m['false forgets']:.3f} | "
-                  f"{m['precision']:.3f} |")
+            print(f"| {name} | {m['recall']:.3f} | {m['wrong memory']:.3f} | " + " | ".join(
+                "-" if m[k] is None else f"{m[k]:.3f}" for k in ("false forgets", "precision")) + " |")
     print("\nwrites (`decide`, auto)\n\n| messages | n | written before | written now |\n|---|---|---|---|")
     for name, m in report["write"].items():
         print(f"| {name} | {m['n']} | {m['written before']:.3f} | {m['written now']:.3f} |")

@@ -35,6 +35,7 @@ _NAMED = re.compile(r"^\s*(?:please\s*,?\s+)?forget\s+"
 FORGET_FLOOR = 0.3  # the least key similarity of a memory to X for the fit check to be asked whether it is about X
 FORGET_ALONE = 0.7  # with no fit check for this model's keys: the least key similarity alone
 FORGET_CANDIDATES = 1024  # the memories "forget X" is read against, closest first
+# office is in Oslo.", 0.53)
 
 
 @dataclass(frozen=True)
@@ -261,11 +262,12 @@ _ATTRIBUTES = [
     ("favourite favorite colour color colours".split(), []),
     ("allergy allergies allergic".split(), []),
     ("sport sports play plays playing".split(), ["team"]),
-    ("pet pets".split(), []),
+    ("pet pets".split(), "cat dog hamster rabbit parrot horse fish budgie tortoise guinea".split()),
     ("birthday".split(), ["born", "birth"]),
     ("age".split(), ["old", "aged", "years"]),
     ("hobby hobbies like likes love loves".split(), ["enjoys", "favourite"]),
-    ("family".split(), []),
+    ("family".split(), """sister brother mother father mum mom dad parents wife husband partner son daughter children
+     cousin aunt uncle niece nephew grandmother grandfather grandma grandpa""".split()),
 ]
 _PLACE = frozenset("in at to from near since on until of by".split())  # (a capitalised word after these: a place)
 _DATES = frozenset("""january february march april may june july august september october november december monday
@@ -282,9 +284,9 @@ def _names(memory: str) -> bool:
                for i, w in enumerate(words))
 
 
-# a name, a job ("... is a nurse."), a place ("... lives in Oslo.") said without a word of the group
-_SAYS = {"name": _names, "profession": re.compile(r"\b(?:is|as) an? [a-z]+").search,
-         "address": re.compile(r"\b(?:in|at) [A-Z]").search}
+# a name, a job ("... is a nurse.") said without a word of the group
+# (not a place: "where I live" is not in "The user's office is in Oslo.": a hostile probe's forget took the office)
+_SAYS = {"name": _names, "profession": re.compile(r"\b(?:is|as) an? [a-z]+").search}
 _OF = re.compile(r"\b(\w+) of (my|our|his|her|their) (\w+)", re.I)  # "the name of my sister": "my sister's name"
 
 
@@ -301,17 +303,17 @@ def _says(word: str, memory: str, theirs: Sequence[str]) -> bool:
 def forget_reading(what: str, memory: str) -> tuple[bool, bool]:
     """How "forget `what`" reads against a memory's text: (whether every word of `what` is in it or names a kind of
     thing, `_KIND_WORDS`: nothing of `what` speaks of something else; whether a word of `what` besides those is in
-    it: `what` names it). A kind word after a word the memory names asks for that of it, so the memory must say it
-    (`_ATTRIBUTES`): "my sister's name" is in "The user's sister is called Lena.", "my sister's birthday" and "where
-    my sister lives" are not (they forgot it)."""
+    it: `what` names it). A kind word asks for that of a thing (after a word the memory names: of it), so the memory
+    must say it (`_ATTRIBUTES`): "my sister's name" is in "The user's sister is called Lena.", "my sister's birthday"
+    and "where my sister lives" are not (they forgot it), nor is "where I live" in "The user's landlord is called
+    Olga." (a hostile probe: it forgot the landlord)."""
     words, theirs = _content(_OF.sub(r"\2 \3's \1", what)), _content(memory)
     names = _proper(what, sentence=False) | _proper(memory)  # (`what` follows "forget (about)")
     found = [any(_same_word(w, t, names) for t in theirs) for w in words]
     mine = set(re.findall(rf"\bmy ({_WORD})", what.lower().replace("\u2019", "'")))  # ("my dog": the user's own)
     found = [f and not (w in mine and _someone_elses(w, memory)) for w, f in zip(words, found)]
     named = [f and w not in _KIND_WORDS for w, f in zip(words, found)]
-    consistent = all(f or (w in _KIND_WORDS and not (any(named[:i]) and not _says(w, memory, theirs)))
-                     for i, (w, f) in enumerate(zip(words, found)))
+    consistent = all(f or (w in _KIND_WORDS and _says(w, memory, theirs)) for w, f in zip(words, found))
     return consistent, any(named)
 
 
@@ -329,12 +331,13 @@ def to_forget(what: str, texts: Sequence[str], scores: Sequence[float], fits: Se
     means, none when no memory is. Only memories no word of `what` speaks against (`forget_reading`: not the sister
     for "my brother", not the baker for "my job as a pilot", not the cat for "my hamster"): every one `what` names (a
     word of it in the memory: "Forget about my sister." forgets her name and where she lives, "Forget my sister's
-    name." the name alone); when it names none, the one the fit check admits at a key similarity of `FORGET_FLOOR`
-    or more and fits best by similarity times fit ("Forget where I work." for "The user works as a baker."; the
-    similarity alone at `FORGET_ALONE` without a fit check)."""
+    name." the name alone); when it names none, every one the fit check admits at a key similarity of `FORGET_FLOOR`
+    or more, best first ("Forget where I work." for "The user works as a baker."; "Forget where I live." for "The
+    user lives in Porto." and "These days the user lives in Lisbon.": a hostile probe's forget took the best alone,
+    and the next question read the other; the similarity alone at `FORGET_ALONE` without a fit check)."""
     if not _content(what):  # "forget it", "forget everything": nothing says which
         return []
-    named, best, chosen = [], None, -1.0
+    named, admitted = [], []
     for i, (text, score) in enumerate(zip(texts, scores)):
         consistent, names = forget_reading(what, text)
         fit = 1.0 if fits is None else float(fits[i])
@@ -342,7 +345,6 @@ def to_forget(what: str, texts: Sequence[str], scores: Sequence[float], fits: Se
             continue
         if names:
             named.append(i)
-        elif (score >= FORGET_FLOOR and fit >= admits if fits is not None else score >= FORGET_ALONE) \
-                and score * fit > chosen:
-            best, chosen = i, score * fit
-    return named or ([] if best is None else [best])
+        elif score >= FORGET_FLOOR and fit >= admits if fits is not None else score >= FORGET_ALONE:
+            admitted.append((-score * fit, i))
+    return named or [i for _, i in sorted(admitted)]

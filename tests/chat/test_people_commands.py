@@ -90,6 +90,26 @@ def test_a_forget_takes_every_memory_it_names_and_no_other(smollm2, told, said, 
     assert texts(told, smollm2) == sorted({CAT, BAKER, SISTER, "The user's sister lives in Oslo."} - set(gone))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("told_too,said,gone", [
+    (["The user lives in Porto.", "The user now lives in Lisbon."], "Forget where I live.",
+     ["The user lives in Porto.", "The user now lives in Lisbon."]),
+    (["The user's favourite colour is green.", "The user's favourite colour is now blue."],
+     "Forget my favourite colour.", ["The user's favourite colour is green.", "The user's favourite colour is now blue."]),
+    (["The user's landlord is called Olga."], "Forget where I live.", []),
+    (["The user's office is in Oslo."], "Forget where I live.", []),
+    (["The user's landlord Olga likes sushi and plays darts."], "Forget where I live.", [])])
+def test_a_forget_takes_a_thing_told_twice_and_never_another_thing(smollm2, told, told_too, said, gone):
+    """(A hostile probe: "Forget where I live." forgot "The user lives in Porto." and the next question read "The user
+    now lives in Lisbon."; with nothing told of a home it forgot the landlord, or the office.) Every memory the fit
+    check admits goes; a kind word ("live") must be said by the memory."""
+    for text in told_too:
+        assert told.write(smollm2, "ada", text).written
+    done = told.forget(smollm2, "ada", decide(said, "explicit").forget)
+    assert sorted(e["text"] for e in done.forgotten) == sorted(gone)
+    assert texts(told, smollm2) == sorted({CAT, BAKER, SISTER, *told_too} - set(gone))
+
+
 @pytest.mark.parametrize("what,memory", [
     ("Tim", "The user goes swimming three times a week."), ("tim", "The user goes swimming three times a week."),
     ("Andrea", "The user's son is called Andrew."), ("Paris", "The user lives in a small parish."),
