@@ -214,15 +214,16 @@ class Service(SessionService):
                 yield from self._read_ahead(conv, text, images, settings, recall_first, interrupt)
                 reply = None  # the app's own answer: what a "forget ..." forgot, what a correction corrected (the
                 # model, asked, would guess)
-                try:  # (a message stopped before here changes no memory: the stop came before its answer began)
-                    if not interrupt.is_set() and (changed := self.remember(s, decision := self.people.decide(
-                            conv.lm, text), recent=recent)):
+                # (a message stopped before here changes no memory: the stop came before its answer began)
+                decision = Decision() if interrupt.is_set() else self.people.decide(conv.lm, text)
+                try:
+                    if changed := self.remember(s, decision, recent=recent):
                         s.last_change = changed if changed.written or changed.forgotten else None
                         yield changed
                         reply = changed.describe() if (decision.forget or decision.correct) and changed.forgotten \
                             else None
-                except BankError as e:  # (a memory that cannot be read: said, and the answer goes on)
-                    yield Notice(f"{e}; answering without your memories")
+                except BankError as e:  # (a memory that cannot be read or written: said, and the answer goes on)
+                    yield Notice(f"{e}: this message changed none of your memories")
                 except ServiceError as e:  # (a write refused, too long or past the cap: the memories are read as ever)
                     yield Notice(str(e))
                 if self.cfg.memory.remember == "off" and FORGET.match(plain(text)):  # (plain: linear in a long one)

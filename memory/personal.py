@@ -309,7 +309,10 @@ class PersonalMemory(Personal):
                 os.unlink(self.path)
             self._bank, self._stamp = None, None
             return
-        bank.save(self.path)  # atomic: the old file or the new one, never half of one
+        try:
+            bank.save(self.path)  # atomic: the old file or the new one, never half of one
+        except OSError as e:  # (a file made immutable, a full disk: said, and the bank is as it was)
+            raise BankError(f"{self.path}: cannot be written ({e.strerror or e}); nothing was changed") from None
         st = os.stat(self.path)
         self._bank, self._stamp = bank, (st.st_mtime_ns, st.st_size, st.st_ino)
 

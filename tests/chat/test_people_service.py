@@ -201,6 +201,39 @@ def test_undo_takes_back_what_the_last_message_wrote_replaced_or_forgot(tiny_lla
         svc.close()
 
 
+def test_a_memory_file_that_cannot_be_written_is_said_once_and_the_answer_goes_on(tiny_llama, tmp_path, monkeypatch):
+    """(A hostile probe made a user's file immutable: "My goat is called Billy." was a 500 with no answer; with a
+    damaged file a told thing was dropped without a word, and the file's notice came twice.)"""
+    from chat.worker import Failed, Notice
+    from memory import MemoryVectorDB
+
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    try:
+        s = svc.new_session("ada")
+        drain(svc.chat(s, "Remember that my dog is called Pocket.", [], SHORT, RECALL).request)
+        path = svc.personal(s).path
+        kept = path.read_bytes()
+
+        def refused(self, path):
+            raise PermissionError(1, "Operation not permitted")
+        monkeypatch.setattr(MemoryVectorDB, "save", refused)
+        events = drain(svc.chat(s, "Remember that my goat is called Billy.", [], SHORT, RECALL).request)
+        assert not [e for e in events if isinstance(e, Failed)]
+        notices = [e.text for e in events if isinstance(e, Notice)]
+        assert f"{path}: cannot be written (Operation not permitted); nothing was changed: this message changed none " \
+               "of your memories" in notices
+        assert s.conv.messages[-1].role == "assistant" and path.read_bytes() == kept
+        monkeypatch.undo()
+        path.write_bytes(kept[:300])  # (damaged: read, not written)
+        events = drain(svc.chat(svc.new_session("ada"), "Remember that my horse is called Star.", [], SHORT,
+                                RECALL).request)
+        notices = [e.text for e in events if isinstance(e, Notice)]
+        assert len(notices) == len(set(notices)) and any(n.endswith("this message changed none of your memories")
+                                                         for n in notices), notices
+    finally:
+        svc.close()
+
+
 def test_a_message_that_forgets_and_remembers_is_one_change_undone_at_once(tiny_llama, tmp_path, monkeypatch):
     """("Forget my dog, and remember that my cat is called Tom." did neither.) The forget first, then the writes; the
     answer says both; one Undo takes back both; a memory the same message wrote and then replaced was never there
@@ -234,7 +267,8 @@ def test_a_message_that_forgets_and_remembers_is_one_change_undone_at_once(tiny_
             raise BankError("the disk is full")
         monkeypatch.setattr(svc.people, "write", fails)
         events = say("Forget my dog, and remember that my cat is called Tom.")
-        assert "the disk is full; answering without your memories" in [getattr(e, "text", "") for e in events]
+        assert "the disk is full: this message changed none of your memories" in [getattr(e, "text", "")
+                                                                                   for e in events]
         assert svc.run(my_memories, s) == rex and svc.state(s).change == ""
     finally:
         svc.close()
