@@ -325,13 +325,32 @@ class People:
 
     def forget_all(self, lm: LoadedModel, user: str) -> int:
         """Delete every memory of `user` and their history: this model's, and the files earlier models wrote
-        (what a later model would carry over); how many this model's memory held."""
-        n = self.of(lm, user).clear()
+        (what a later model would carry over); how many this model's memory held (0 for a file that cannot be read:
+        it is deleted too, as asked, where a damaged file refused every request of its user, this one too)."""
+        try:
+            n = self.of(lm, user).clear()
+        except BankError:
+            if self.cfg.memory.store == "milvus" or not self._damaged(self.path(lm, user)):
+                raise
+            log.warning("the memories of %r could not be read; deleted as they asked (forget everything)", user)
+            self.path(lm, user).unlink()
+            n = 0
         if self.cfg.memory.store != "milvus":
             for other in (self.folder / user).glob("*.safetensors"):
                 other.unlink(missing_ok=True)
             (self.folder / user / CARRIED).unlink(missing_ok=True)
         return n
+
+    @staticmethod
+    def _damaged(path: Path) -> bool:
+        """Whether the memory file at `path` is there and cannot be read as a bank."""
+        try:
+            read_bank(path)
+        except FileNotFoundError:
+            return False
+        except BankError:
+            return path.is_file()
+        return False
 
     def forget(self, lm: LoadedModel, user: str, what: str) -> Remembered:
         """Remove the memories of `user` that "forget `what`" is about (`to_forget`: none when no memory is), of

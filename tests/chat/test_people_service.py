@@ -201,6 +201,31 @@ def test_undo_takes_back_what_the_last_message_wrote_replaced_or_forgot(tiny_lla
         svc.close()
 
 
+def test_forgetting_everything_deletes_a_damaged_file_and_nothing_else(tiny_llama, tmp_path):
+    """(A hostile probe damaged a user's file: GET, POST and DELETE /v1/memories all failed, so they could not even
+    start again.) Forget everything deletes it, as asked; a file that reads is never deleted for another cause."""
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    try:
+        s = svc.new_session("ada")
+        result(svc.run(remember, s, "My dog is called Pocket."))
+        path = svc.personal(s).path
+        path.write_bytes(path.read_bytes()[:300])
+        with pytest.raises(ValueError, match="expected a readable safetensors file"):
+            svc.run(my_memories, svc.new_session("ada"))
+        assert svc.run(forget_all_memories, svc.new_session("ada")) == 0 and not path.exists()
+        result(svc.run(remember, svc.new_session("ada"), "My cat is called Tom."))
+        assert [m["text"] for m in svc.run(my_memories, svc.new_session("ada"))] == ["The user's cat is called Tom."]
+
+        def unreadable(lm, user):  # (another cause: its users file, its owner file)
+            raise BankError(f"the memories of {user!r} cannot be read: the users file is damaged")
+        svc.people.of = unreadable
+        with pytest.raises(ValueError, match="the users file is damaged"):
+            svc.run(forget_all_memories, svc.new_session("ada"))
+        assert path.exists()
+    finally:
+        svc.close()
+
+
 def test_a_memory_file_that_cannot_be_written_is_said_once_and_the_answer_goes_on(tiny_llama, tmp_path, monkeypatch):
     """(A hostile probe made a user's file immutable: "My goat is called Billy." was a 500 with no answer; with a
     damaged file a told thing was dropped without a word, and the file's notice came twice.)"""
