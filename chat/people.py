@@ -66,6 +66,17 @@ def message_query(lm: LoadedModel, text: str) -> torch.Tensor:
     return lm.encoder.query(text)
 
 
+def _owner(path: Path) -> float | None:
+    """The time the owner of a user's folder was added, as its owner file says; `BankError` naming the file when it
+    cannot be read."""
+    try:
+        created = json.loads(path.read_text()).get("created")
+    except (ValueError, AttributeError, OSError) as e:
+        raise BankError(f"{path}: expected a JSON object {{\"created\": <time>}}, got one that cannot be read "
+                        f"({getattr(e, 'strerror', None) or e})") from None
+    return created
+
+
 @dataclass
 class People:
     """The memories of every user of this server. Thread-safe; `write`/`forget` run on the model worker."""
@@ -137,7 +148,9 @@ class People:
         owner = folder / OWNER
         if created is None:
             return
-        if owner.is_file() and json.loads(owner.read_text()).get("created") != created:
+        if folder.exists() and not folder.is_dir():
+            raise BankError(f"{folder}: expected the folder of {user!r}'s memories, got a file")
+        if owner.is_file() and _owner(owner) != created:
             stamp = time.strftime("%Y%m%d-%H%M%S")  # ("+": no user's name has one, so none reads these)
             aside = next(p for n in range(1000) if not (p := folder.with_name(f"{user}+removed-{stamp}-{n}")).exists())
             folder.rename(aside)

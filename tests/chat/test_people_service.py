@@ -801,6 +801,33 @@ def test_a_name_removed_and_added_again_starts_with_no_memories_and_the_old_ones
     assert any("4711" in p.read_text(errors="ignore") for p in aside.glob("*.safetensors"))
 
 
+def test_a_users_folder_or_owner_file_that_cannot_be_read_is_named(tiny_llama, tmp_path):
+    """(A hostile probe: a damaged owner file said "cannot be read: Expecting value: line 2 column 1 (char 13)", a file
+    in place of the folder "[Errno 17] File exists": neither named what.)"""
+    import shutil
+
+    from chat import users
+
+    path = tmp_path / "users.json"
+    users.add(path, "ada", "password1")
+    svc = started(config(tmp_path, "faiss", f"app.users_file={path}"), tiny_llama)
+    try:
+        result(svc.run(remember, svc.new_session("ada"), "My dog is called Pocket."))
+        folder = tmp_path / "users" / "ada"
+        (folder / "owner.json").write_text('{"created": ')
+        svc.people._open.clear()  # (as a restart would open it)
+        with pytest.raises(ValueError, match=r"owner.json: expected a JSON object \{\"created\": <time>\}, got one "
+                                             r"that cannot be read \(Expecting value"):
+            svc.run(my_memories, svc.new_session("ada"))
+        shutil.rmtree(folder)
+        folder.write_text("not a folder")
+        svc.people._open.clear()
+        with pytest.raises(ValueError, match=r"ada: expected the folder of 'ada''s memories, got a file"):
+            svc.run(my_memories, svc.new_session("ada"))
+    finally:
+        svc.close()
+
+
 def test_a_users_file_broken_while_running_is_a_notice_and_the_answer_goes_on(tiny_llama, tmp_path):
     """(A review found a UsersError from `People.of` would fail a chat that only asked whether its user had
     memories.)"""
