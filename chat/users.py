@@ -118,6 +118,7 @@ class Users:
                     if not isinstance(data, dict) or not isinstance(data.get("users"), dict):
                         raise ValueError("no 'users' object")
                     for name, entry in data["users"].items():
+                        check_name(name)  # (a name edited in by hand, "../x", was a folder outside memory.user_dir)
                         _check_entry(name, entry)
                 except IsADirectoryError:
                     raise UsersError(f"app.users_file {str(self.path)!r}: expected a users file, got a folder") \

@@ -158,3 +158,17 @@ def test_a_new_password_keeps_the_user_and_ends_the_logins_before_it(tmp_path):
     assert store.check_password("ada", "password2") and not store.check_password("ada", "password1")
     assert store.stale_login("ada", before) and not store.stale_login("ada", time.time())
     assert cli(path, "passwd", "zed", "--password-stdin", stdin="password3\n").returncode == 1
+
+
+@pytest.mark.parametrize("name", ["../escape", "x/../bob", "bob/", "", "local"])
+def test_a_file_with_a_name_recall_users_would_not_take_is_refused_naming_it(tmp_path, name):
+    """(A hostile probe edited "../probeA_escape" into a users file by hand: its key made a memory folder outside
+    memory.user_dir.) A name is read as `add` takes one."""
+    path = tmp_path / "users.json"
+    users.add(path, "bob", "password1")
+    data = json.loads(path.read_text())
+    data["users"][name] = data["users"]["bob"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsersError, match=r"expected a users file written by recall-users, got something else \((a user "
+                                         r"name is 1-64 letters|'local' is the one user)"):
+        Users(path)
