@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Generator
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,7 @@ from models.remember import WriteDecision, about_the_user, mentions_the_user
 
 CARRIED = ".carried.json"  # in a user's folder: {memory file: the earlier model's file it was filled from}
 log = logging.getLogger(__name__)
+PRIVATE = 0o700  # the mode of memory.user_dir and of each user's folder in it (when this server makes them)
 OWNER = "owner.json"  # in a user's folder: when the user it belongs to was added (`People._owned`)
 ENCODE_BATCH = 16  # memories encoded in one forward (an import: one batch a worker round)
 EVERYTHING = re.compile(r"(?:everything|all)(?:\s+(?:of it|of them|of my memories|my memories|you know|about me))*"
@@ -95,7 +97,7 @@ class People:
         if self.cfg.memory.store == "milvus":
             return
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            self.folder.mkdir(mode=PRIVATE, parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=self.folder).close()
         except OSError as e:
             raise ConfigError(f"memory.user_dir {str(self.folder)!r}: expected a folder this server can write users' "
@@ -157,13 +159,15 @@ class People:
             log.warning("the memories of an earlier user %r (removed; the name was added again) moved to %s", user,
                         aside)
         if not owner.is_file():
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=PRIVATE, parents=True, exist_ok=True)
             atomic_write(owner, lambda fh: fh.write(json.dumps({"created": created}).encode()))
 
     def _open_one(self, lm: LoadedModel, user: str, created: float | None) -> Personal:
         mem = self.cfg.memory
         if mem.store != "milvus":
             self._owned(user, created)
+            with suppress(FileNotFoundError):  # (a person's memories are theirs: no other account reads them; folders
+                os.chmod(self.folder / user, PRIVATE)  # written before this was so were 0755)
             memory = PersonalMemory(self.path(lm, user), check=lm.bank_check(), vocab_size=len(lm.tokenizer))
             self._carry_over(lm, memory)
             return memory

@@ -276,7 +276,7 @@ class PersonalMemory(Personal):
     def _writing(self) -> Iterator[MemoryVectorDB | None]:
         """The bank as the file holds it now, under this process's and the file's lock."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # (a person's: no other account's)
             lock = open(self.path.with_name(f".{self.path.name}.lock"), "a")
         except OSError as e:  # (a folder that cannot be written: said, and nothing is written)
             raise BankError(f"{self.path.parent}: cannot be written ({e.strerror or e})") from None

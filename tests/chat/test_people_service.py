@@ -801,6 +801,28 @@ def test_a_name_removed_and_added_again_starts_with_no_memories_and_the_old_ones
     assert any("4711" in p.read_text(errors="ignore") for p in aside.glob("*.safetensors"))
 
 
+def test_a_persons_memories_are_in_folders_no_other_account_reads(tiny_llama, tmp_path):
+    """(A hostile probe: memory files 0644 in folders 0755, their PINs and passwords readable by every account.)"""
+    import os
+    import stat
+
+    svc = started(config(tmp_path, "faiss"), tiny_llama)
+    try:
+        s = svc.new_session("ada")
+        os.chmod(tmp_path / "users", 0o755)
+        (tmp_path / "users" / "ada").mkdir(mode=0o755)  # (as an older server left it)
+        result(svc.run(remember, s, "My bank PIN is 4711."))
+        mine = svc.personal(s).path
+        assert mine.is_file() and stat.S_IMODE(os.stat(mine.parent).st_mode) == 0o700
+        result(svc.run(remember, svc.new_session("bob"), "My dog is called Rex."))
+        assert stat.S_IMODE(os.stat(tmp_path / "users" / "bob").st_mode) == 0o700
+    finally:
+        svc.close()
+    fresh = tmp_path / "fresh"
+    started(config(fresh, "faiss"), tiny_llama).close()
+    assert stat.S_IMODE(os.stat(fresh / "users").st_mode) == 0o700
+
+
 def test_a_users_folder_or_owner_file_that_cannot_be_read_is_named(tiny_llama, tmp_path):
     """(A hostile probe: a damaged owner file said "cannot be read: Expecting value: line 2 column 1 (char 13)", a file
     in place of the folder "[Errno 17] File exists": neither named what.)"""
