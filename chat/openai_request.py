@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi.responses import JSONResponse
@@ -253,7 +254,10 @@ def settings_error(error: ValueError | str, body: ChatRequest) -> APIError:
     name = FIELDS.get(field, field)
     if not keys and getattr(body, name, None) is not None:
         return APIError(400, name + message[len(field):] if message.startswith(field) else message, param=name)
-    return APIError(400, message)
+    # a refusal of two settings at once, or of what the backend runs, names the one the request sent in its words
+    named = [key for key in body.settings
+             if any(re.search(rf"\b{re.escape(part)}\b", message) for part in key.split(".") if part != "generation")]
+    return APIError(400, message, param="settings" if named else None)
 
 
 def _token_id(key: str) -> int:

@@ -74,8 +74,11 @@ def normalised_bits(nats: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def trough_layers(entropies: torch.Tensor) -> torch.Tensor:
-    """The layer of least entropy of each row, [B, L] -> [B]; the lowest index on ties, NaN never chosen."""
-    return torch.argmin(torch.nan_to_num(entropies, nan=float("inf")), dim=-1)
+    """The layer of least entropy of each row, [B, L] -> [B]; the deepest on ties (a one-token truncation, top_k=1,
+    makes every layer one-hot: the model's own last layer then, where the first decoded "\n\n\n..."), NaN never
+    chosen."""
+    last = entropies.shape[-1] - 1
+    return last - torch.argmin(torch.nan_to_num(entropies, nan=float("inf")).flip(-1), dim=-1)
 
 
 def random_after_layers(trough: torch.Tensor, num_layers: int, generator: torch.Generator | None = None) -> torch.Tensor:

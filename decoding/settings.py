@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from decoding.gamma import GAMMA_MAX, GAMMA_MIN
+
 # ---- validation -------------------------------------------------------------------------------
 
 _KIND = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
@@ -89,7 +91,8 @@ _GENERATION_RULES = {
     "negative_prompt": (str, True, None, ""),
     "watermark": (bool, False, None, ""),
     "watermark_greenlist_ratio": (float, False, lambda v: 0 < v < 1, "must be in (0, 1)"),
-    "watermark_bias": (float, False, None, ""),
+    "watermark_bias": (float, False, lambda v: 0 <= v <= 100, "must be in [0, 100] (the logit added to the green "
+                       "list's tokens, as logit_bias is bounded)"),
     "max_new_tokens": (int, False, _GE1, "must be >= 1"),
     "max_time": (float, True, _GT0, "must be > 0 seconds, or None for no limit"),
     "seed": (int, True, lambda v: 0 <= v < 2 ** 64, "must be from 0 to 2**64 - 1 (a generator's seed), or None"),
@@ -151,6 +154,7 @@ _GENERATION_SEQUENCES = {
 
 DRAFTS = ("ngram", "theta", "target", "head", "gguf")
 GAMMA_RULES = ("fixed", "seed", "acceptance")  # decoding/gamma.py
+GAMMA_LIMIT = 64  # the most drafts a verify checks (one forward of γ + 1 positions)
 
 
 @dataclass(frozen=True)
@@ -185,8 +189,8 @@ class MixtureSettings:
                   ("target", self.target is None or isinstance(self.target, str) and self.target != "",
                    "must be a model folder path, or None for the PEFT model's own base"),
                   ("alpha", a == "auto" or number(a) and 0 <= a <= 1, 'must be "auto" or a number in [0, 1] (the weight of π_θ)'),
-                  ("gamma", isinstance(self.gamma, int) and not isinstance(self.gamma, bool) and self.gamma >= 1,
-                   "must be an int >= 1"),
+                  ("gamma", isinstance(self.gamma, int) and not isinstance(self.gamma, bool)
+                   and 1 <= self.gamma <= GAMMA_LIMIT, f"must be an int from 1 to {GAMMA_LIMIT}"),
                   ("ngram", isinstance(self.ngram, int) and not isinstance(self.ngram, bool) and self.ngram >= 1,
                    "must be an int >= 1"),
                   ("head", self.head is None or isinstance(self.head, str) and self.head != "",
@@ -195,7 +199,11 @@ class MixtureSettings:
                    "must be a .gguf file with the models' tokenizer, or None for the embedded SmolLM2's own"),
                   ("gamma_rule", self.gamma_rule in GAMMA_RULES, f"must be one of {', '.join(GAMMA_RULES)}"),
                   ("draft", self.draft in DRAFTS, f"must be one of {', '.join(DRAFTS)}"),
-                  ("tol", number(self.tol) and 0 < self.tol <= 0.01, "must be a number in (0, 0.01]")]
+                  ("tol", number(self.tol) and 0 < self.tol <= 0.01, "must be a number in (0, 0.01]"),
+                  ("gamma", self.gamma_rule == "fixed" or not isinstance(self.gamma, int)
+                   or GAMMA_MIN <= self.gamma <= GAMMA_MAX,
+                   f"must be from {GAMMA_MIN} to {GAMMA_MAX} with gamma_rule={self.gamma_rule!r} (seed 003's bounds "
+                   "on k: its lengths max(3, γ − 2) and min(10, γ + 3) would invert outside them)")]
         for name, ok, requirement in checks:
             if not ok:
                 raise ValueError(f"mixture {name} is {getattr(self, name)!r}: {requirement}")
@@ -279,8 +287,10 @@ class GenerationSettings:
         if not isinstance(self.mixture, MixtureSettings):
             raise _bad("mixture", self.mixture, "must be MixtureSettings or a mapping of its fields")
         if self.mixture.enabled and (self.entropy_decoding is not None or self.guidance_scale != 1):
-            raise ValueError("generation.mixture.enabled with entropy_decoding or classifier-free guidance: the mixture decodes "
-                             "from both models' final layers and runs no third forward; turn one of them off")
+            raise ValueError(f"mixture enabled is True with entropy_decoding={self.entropy_decoding!r} and "
+                             f"guidance_scale={self.guidance_scale}: the mixture decodes from both models' final "
+                             "layers and runs no third forward; expected entropy_decoding=None and guidance_scale=1.0, "
+                             "or the mixture off")
         if self.entropy_decoding is not None and self.guidance_scale != 1:
             raise ValueError(f"entropy_decoding is {self.entropy_decoding!r} with guidance_scale="
                              f"{self.guidance_scale}: entropy decoding cannot run with classifier-free guidance (its "

@@ -47,6 +47,7 @@ MAX_TOKENS = 4096  # Milvus' largest array: the most token ids a memory of a ban
 _INDEX = {"flat": ("FLAT", {}, {}), "hnsw": ("HNSW", {"M": 32, "efConstruction": 200}, {"ef": None}),
           "ivf": ("IVF_FLAT", {"nlist": 128}, {"nprobe": 16})}
 _PAGE = 1000  # rows a query reads at once
+_LOCAL_GRPC = {"grpc.keepalive_time_ms": 2 ** 31 - 1, "grpc.keepalive_permit_without_calls": 0}  # (see `connect`)
 _LOCAL_START_S = 60.0  # how long a Milvus Lite file's server may take to answer (pymilvus waits 10 s for any server)
 
 
@@ -109,8 +110,12 @@ class MilvusBank(BankShape):
         caught = _Caught()  # (Milvus Lite logs a failed start with its traceback, and pymilvus says "Open local
         lite = logging.getLogger("milvus_lite.server_manager")  # milvus failed": the cause is said here, once)
         lite.addFilter(caught)
-        try:  # (a local file's server starts in this process: on a busy machine it answers after pymilvus's 10 s)
-            return MilvusClient(uri, timeout=_LOCAL_START_S if uri.endswith(".db") else None)
+        # a local file's server runs in this process: on a busy machine it answers after pymilvus's 10 s, and it
+        # answers pymilvus's keepalive pings of an idle client (every 10 s) with "GOAWAY too_many_pings", after
+        # which a replica's next write failed once ("unreachable") though the server ran: no pings to it
+        local = {"timeout": _LOCAL_START_S, "grpc_options": _LOCAL_GRPC} if uri.endswith(".db") else {}
+        try:
+            return MilvusClient(uri, **local)
         except Exception as e:  # noqa: BLE001 - pymilvus raises several kinds; all mean the same here
             why = caught.cause or _message(e)
             raise StoreError(f"the memory store at memory.milvus_uri={uri!r} is unreachable: {why}") from None

@@ -453,7 +453,7 @@ def test_mixture_answers_from_q_star_and_draws_alpha(client, server):
     assert len(fixed_sessions) == 1 and alphas and all(a == 1.0 for a in alphas)  # α fixed at 1: π_θ alone
     clash = client.predict(message=message("hi"), seed=None, mixture=True, entropy_decoding="trough",
                            api_name="/chat")
-    assert "mixture.enabled with entropy_decoding" in clash[STATUS]
+    assert "mixture enabled is True with entropy_decoding='trough'" in clash[STATUS]
     plain = client.predict(message=message("hi"), seed=None, max_new_tokens=2, api_name="/chat")
     assert "done" in plain[STATUS] and "q*" not in plain[STATUS] and plain[4]["visible"] is False
     assert adapter_merged(server.service.lm.model)  # the mixture mixed with a base copy: θ stayed merged

@@ -407,6 +407,31 @@ def test_the_seeds_settings_reach_an_answer_through_the_api(api, smollm2):
     assert recall.model_extra["recalls"] == []  # (no memory is that close: the recall settings reached the head)
 
 
+@pytest.mark.parametrize("settings, param, words", [
+    ({"mixture.enabled": True, "generation.entropy_decoding": "trough"}, "settings",
+     "mixture enabled is True with entropy_decoding='trough' and guidance_scale=1.0"),
+    ({"generation.watermark": True, "generation.watermark_bias": 1e308}, "settings",
+     "settings['generation.watermark_bias']: watermark_bias is 1e+308: must be in [0, 100]"),
+    ({"mixture.gamma": 20, "mixture.gamma_rule": "seed"}, "settings",
+     "mixture gamma is 20: must be from 3 to 10 with gamma_rule='seed'"),
+    ({"mixture.gamma": 1000000}, "settings", "mixture gamma is 1000000: must be an int from 1 to 64")])
+def test_a_refused_setting_or_pair_of_settings_names_what_came_and_the_field(settings, param, words):
+    """(A hostile probe: the mixture with entropy decoding was a 400 with no param and no values; a watermark bias of
+    1e308 and a mixture gamma of 1,000,000 were taken, and an adaptive rule's lengths inverted outside [3, 10].)"""
+    import json
+
+    from chat.config import load_config, request_settings
+    from chat.openai_request import ChatRequest, overrides, parse, settings_error
+
+    body = parse(ChatRequest, json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                          "settings": settings}).encode())
+    cfg = load_config(environ={})
+    with pytest.raises(ValueError) as refused:
+        request_settings(cfg, overrides(body, cfg))
+    error = settings_error(refused.value, body)
+    assert error.status == 400 and error.param == param and words in error.message, error.message
+
+
 @pytest.mark.parametrize("settings, words", [
     ({"generation.entropy_decoding": "trough"}, "the llamacpp backend does not run entropy_decoding"),
     ({"generation.guidance_scale": 1.5}, "the llamacpp backend does not run guidance_scale"),
@@ -419,7 +444,7 @@ def test_what_the_backend_cannot_run_is_a_400_naming_it(default_api, settings, w
               extra_body={"settings": settings})
     with pytest.raises(openai.BadRequestError) as info:
         default_api.chat.completions.create(**kw)
-    assert words in info.value.message and info.value.body["param"] is None
+    assert words in info.value.message and info.value.body["param"] == "settings"
     with pytest.raises(openai.APIError, match=words):
         list(default_api.chat.completions.create(**kw, stream=True))
 

@@ -199,11 +199,13 @@ def test_normalised_bits_are_the_seeds_unit_on_known_distributions():
     torch.testing.assert_close(got, torch.tensor([1.0, 0.0, 1 / 3, 0.5]), atol=1e-6, rtol=0)
 
 
-def test_trough_takes_the_lowest_index_on_ties_and_never_nan():
-    entropies = torch.tensor([[1.0, 0.5, 0.5, 2.0], [3.0, 3.0, 3.0, 3.0], [math.nan, 2.0, 1.0, 1.0],
-                              [0.1, 0.2, 0.3, 0.0]])
-    assert trough_layers(entropies).tolist() == [1, 0, 2, 3]
-    assert select_layers(entropies, "trough").tolist() == [1, 0, 2, 3]
+def test_trough_takes_the_deepest_layer_on_ties_and_never_nan():
+    """(A hostile probe: with top_k=1 every layer's distribution is one-hot, all entropies 0, and the first layer
+    decoded "\n\n\n...": on ties the deepest, the model's own last layer.)"""
+    entropies = torch.tensor([[1.0, 0.5, 0.5, 2.0], [3.0, 3.0, 3.0, 3.0], [math.nan, 1.0, 1.0, 2.0],
+                              [0.1, 0.2, 0.3, 0.0], [0.0, 1.0, 2.0, math.nan]])
+    assert trough_layers(entropies).tolist() == [2, 3, 2, 3, 0]
+    assert select_layers(entropies, "trough").tolist() == [2, 3, 2, 3, 0]
     with pytest.raises(ValueError, match="'valley'.*'trough', 'random_after'"):
         select_layers(entropies, "valley")
 

@@ -298,7 +298,7 @@ def test_fixed_alpha_is_the_geometric_mixture():
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"alpha": 1.5}, ["1.5", '"auto"', "[0, 1]"]), ({"alpha": "max"}, ["'max'", '"auto"']),
-    ({"gamma": 0}, ["gamma", "0", ">= 1"]), ({"draft": "medusa"}, ["'medusa'", "ngram", "theta", "target"]),
+    ({"gamma": 0}, ["gamma", "0", "from 1 to 64"]), ({"gamma": 2, "gamma_rule": "seed"}, ["gamma", "2", "from 3 to 10"]), ({"draft": "medusa"}, ["'medusa'", "ngram", "theta", "target"]),
     ({"target": ""}, ["target", "None"]), ({"speculative": "yes"}, ["speculative", "bool"]),
     ({"gamma_rule": "often"}, ["gamma_rule", "'often'", "fixed, seed, acceptance"]),
 ])
@@ -586,14 +586,14 @@ def test_each_round_drafts_the_rules_gamma_within_the_length_limit(pair2, monkey
 class TestAdaptiveGamma:
     @pytest.mark.parametrize("rule", ["seed", "acceptance"])
     def test_keeps_q_star_over_four_tokens(self, small_pair, rule):
-        """γ = 1 drafted first, then the rule's γ (3 or 4 where the limit leaves room), θ drafting in the pair:
-        P(x1 .. x4) over three allowed tokens is still q*'s (chi-square)."""
+        """γ = 3 drafted first (the least an adaptive rule takes), then the rule's γ (3 to 6, where the limit leaves
+        room), θ drafting in the pair: P(x1 .. x4) over three allowed tokens is still q*'s (chi-square)."""
         model_theta, model_t = small_pair
         allowed = [1000, 1001, 1002]
         processors = LogitsProcessorList([AllowOnly(allowed, scale=1.0)])
         prompt = [1000, 1001, 1002, 1000]
         exact = sequence_distribution(model_theta, model_t, prompt, allowed, processors, 4)
-        mixture = MixtureSettings(enabled=True, speculative=True, draft="theta", gamma=1, gamma_rule=rule)
+        mixture = MixtureSettings(enabled=True, speculative=True, draft="theta", gamma=3, gamma_rule=rule)
         draws, drafted, accepted, longer = [], 0, 0, 0
         for seed in range(400):
             settings = GenerationSettings(do_sample=True, top_k=0, max_new_tokens=4, seed=seed, mixture=mixture)
@@ -602,7 +602,7 @@ class TestAdaptiveGamma:
             draws.append(cell(r.new_tokens[0].tolist(), allowed))
             drafted, accepted, longer = drafted + r.drafted, accepted + r.accepted, longer + (r.drafted > r.rounds)
         assert chi2_p(draws, exact) > P_MIN
-        assert 0 < accepted < drafted and longer > 40  # drafts kept and rejected; many answers drafted past γ = 1
+        assert 0 < accepted < drafted and longer > 40  # drafts kept and rejected; many rounds drafted several
 
 
 @pytest.mark.parametrize("case", ["two", "peft", "peft-two-forwards"])
