@@ -100,6 +100,9 @@ def newer_value(old: str | None, new: str) -> bool:
     b = [w for w in re.findall(r"\w+", new) if w.lower() not in FILLER]
     la, lb = [w.lower() for w in a], [w.lower() for w in b]
     changed = [op for op in difflib.SequenceMatcher(None, la, lb, autojunk=False).get_opcodes() if op[0] != "equal"]
+    owns = re.search(r"\b(ha(?:s|ve|d)) (?:a|an|another)\b", old.lower())  # ("a" and "an" are fillers)
+    if changed and owns and owns[1] in la[:changed[0][1]]:
+        return False  # ("The user has a horse called Toby." / "... Pickles.": one of several, both may be true)
     for tag, i1, i2, j1, j2 in changed:
         if tag != "replace" or (i1 > 0 and la[i1 - 1] == "s"):  # (a word put in or left out; "the user's X")
             return False

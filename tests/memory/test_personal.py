@@ -204,7 +204,11 @@ def test_another_fact_about_the_same_person_or_pet_is_kept_beside_the_first(stor
     ("The user lives in Porto.", "The user works in Porto.", False),
     ("The user's sister is called Lena.", "The user's brother is called Lena.", False),
     ("The user is 30.", "The user is Bob.", False),
-    ("The user's dog is called Rex.", "The user's dog is called Rex Junior.", False)])
+    ("The user's dog is called Rex.", "The user's dog is called Rex Junior.", False),
+    # (a hostile probe: "I have a meeting on Monday at 9." was superseded by "... on Friday at 3.": one of several)
+    ("The user has a meeting on Monday at 9.", "The user has a meeting on Friday at 3.", False),
+    ("The user has a horse called Toby.", "The user has a horse called Pickles.", False),
+    ("The user has 2 cats.", "The user has 3 cats.", True)])
 def test_a_newer_value_says_the_same_but_for_its_value(old, new, same):
     assert newer_value(old, new) is same and newer_value(new, old) is same
 
