@@ -317,6 +317,28 @@ def forget_reading(what: str, memory: str) -> tuple[bool, bool]:
     return consistent, any(named)
 
 
+_ADJECTIVES = "own new old first last little big older younger elder eldest youngest oldest best current late dear"
+_OWNED = re.compile(rf"\bmy ((?:(?:{'|'.join(_ADJECTIVES.split())})\s+)*)({_WORD})", re.I)  # "my (best) friend"
+
+
+def speaks_of_another(question: str, memory: str) -> bool:
+    """Whether a memory is about another thing than the one a question about its author asks of: a thing of theirs
+    ("my mother", "my boss", "my goat") the memory does not speak of, or gives to someone else ("The user's
+    neighbour's goat ..."), or a name the memory does not say ("my cousin Zelda" beside "The user's cousin Maya ...").
+    Kind words ("my name", "my job", "my favourite colour") ask for an attribute: they name no thing. (A hostile
+    probe: beside "The user's sister is called Lena.", "What is my mother's name?" answered "Lena"; the fit check
+    admitted it, 0.52.)"""
+    theirs, names = _content(memory), _proper(memory)
+    question = question.replace("\u2019", "'")
+    for _, word in _OWNED.findall(question):
+        word = re.sub(r"'s?$", "", word.lower())
+        if word not in _KIND_WORDS and (not any(_same_word(word, t, names) for t in theirs)
+                                        or _someone_elses(word, memory)):
+            return True
+    asked = _proper(question) - {"i", "i'm", "i've", "i'd", "i'll"}
+    return any(not any(_same_word(n, t, asked) for t in theirs) for n in asked)
+
+
 def things(what: str) -> list[str]:
     """The things "forget `what`" names, each its own request: "my sister and my dog" is "my sister" and "my dog"
     (only parts that each start with "my": "my sister and I" is one)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from chat.decision import speaks_of_another
 from decoding.engine import Recall
 from decoding.settings import RecallSettings
 from memory.personal import Only
@@ -41,7 +42,8 @@ def recall_context(lm: LoadedModel, memory_db, settings: RecallSettings, text: s
 def readable(lm: LoadedModel, memory_db, vector: torch.Tensor, settings: RecallSettings, text: str):
     """What the memory head may read for a message: None when no memory scores `min_score` (the model answers from
     what it knows: `NoMemory`); for a message about its author with `fit_check` on, only the memories among the
-    best `FIT_DEPTH` that the fit check admits (`models.fits`; none admitted: None)."""
+    best `FIT_DEPTH` that the fit check admits (`models.fits`) and that are about what it asks of
+    (`chat.decision.speaks_of_another`); none admitted: None."""
     if not len(memory_db):
         return memory_db
     scores, ids = memory_db.topk(vector, FIT_DEPTH)
@@ -50,6 +52,8 @@ def readable(lm: LoadedModel, memory_db, vector: torch.Tensor, settings: RecallS
     if check is not None and fits.any():
         keys = torch.nn.functional.normalize(torch.stack([memory_db.vector(int(i)) for i in ids[fits]]), dim=-1)
         fits[fits.clone()] = check.admits(vector.reshape(1, -1).expand_as(keys), keys)
+        fits &= torch.tensor([not (f and speaks_of_another(text, memory_db.memory(int(i), 0.0).text or ""))
+                              for f, i in zip(fits.tolist(), ids)], dtype=torch.bool)
     if not fits.any():
         return None
     return Only(memory_db, (scores[fits], ids[fits]), FIT_DEPTH) if check is not None else memory_db

@@ -110,6 +110,28 @@ def test_a_forget_takes_a_thing_told_twice_and_never_another_thing(smollm2, told
     assert texts(told, smollm2) == sorted({CAT, BAKER, SISTER, *told_too} - set(gone))
 
 
+@pytest.mark.parametrize("question,memory,another", [
+    ("What is my mother's name?", "The user's sister is called Lena.", True),
+    ("What is my father's name?", "The user's grandfather was born in 1942.", True),
+    ("What is my goat called?", "The user's neighbour's goat is called Loki.", True),
+    ("Where does my cousin Zelda live?", "The user's cousin Maya lives in Oslo.", True),
+    ("Where does my boss live?", "The user's landlord Olga lives in Riga.", True),
+    ("What is my phone number?", "The user's bank PIN is 4711.", True),
+    ("What is my dog's name?", "The user's dog is a beagle called Pocket.", False),
+    ("Who is my best friend?", "The user's best friend is called Tom.", False),
+    ("Where does Lena live?", "The user's sister Lena lives in Oslo.", False),
+    ("What is my daughter called?", "The user has a daughter called Mia.", False),
+    ("What's my favourite colour?", "Green is the user's favourite colour.", False),
+    ("Where do I live?", "The user lives in Porto.", False),
+    ("What is my job?", "The user works as a baker.", False)])
+def test_a_question_reads_no_memory_about_another_thing_of_the_users(question, memory, another):
+    """(A hostile probe: beside "The user's sister is called Lena." the fit check admitted it for "What is my mother's
+    name?", answered "Lena"; the grandfather's birth for the father's name, a neighbour's goat for the user's.)"""
+    from chat.decision import speaks_of_another
+
+    assert speaks_of_another(question, memory) is another
+
+
 @pytest.mark.parametrize("what,memory", [
     ("Tim", "The user goes swimming three times a week."), ("tim", "The user goes swimming three times a week."),
     ("Andrea", "The user's son is called Andrew."), ("Paris", "The user lives in a small parish."),

@@ -346,6 +346,10 @@ def test_a_question_about_the_user_reads_only_a_memory_the_fit_check_admits(tiny
         assert ids.tolist() == [right], question
     # a question not about the user is not checked: the score alone decides
     assert conv.recall(bank, checked, "Who keeps the lighthouse of Port Avel?").bank is bank
+    # one about another thing of the user's reads nothing (the fit check admits the cousin for a sister's name)
+    admitted = build_bank(lm.model, lm.tokenizer, ["The user's sister is called Lena."], lm.encoder, progress=False)
+    assert conv.recall(admitted, checked, "What is my sister's name?").bank is not None
+    assert conv.recall(admitted, checked, "What is my mother's name?").bank is None
 
 
 def test_reading_a_prompt_ahead_changes_no_token_of_the_answer(tiny_llama):
