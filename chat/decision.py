@@ -51,9 +51,16 @@ class Decision:
         return bool(self.writes or self.forget or self.correct)
 
 
+# what would be, not what is: "If I had a dog, I would call it Max." (a hostile probe: written as a memory); not a
+# real condition ("If I'm late, I take the bus.": a habit)
+_HYPOTHETICAL = re.compile(r"\s*(?:(?:please\s+)?remember(?: that)?\s+)?(?:(?:even )?if (?:i|we) (?:had|were|was|could|would|owned|lived|won|got)\b"
+                           r"|(?:imagine|suppose|supposing|pretend|what if)\b)", re.I)
+
+
 def refusal(what: str) -> str | None:
     """Why `what` (a message, or what follows its "remember (that)") is not a memory to write: a question, a request
-    to the assistant, a command to forget, more than one command, a single word; None when it is one."""
+    to the assistant, a command to forget, more than one command, a hypothetical, a single word; None when it is
+    one."""
     if FORGET.match(what):
         return "a command to forget"
     if _several(f"Remember that {what}"):
@@ -62,6 +69,8 @@ def refusal(what: str) -> str | None:
         return "a question"
     if is_request(what):
         return "a request"
+    if _HYPOTHETICAL.match(what):
+        return "a hypothetical"
     if len(what.split()) < 2 and re.fullmatch(r"[A-Za-z'.!-]+", what):  # (a script without spaces is not one word)
         return "a single word"
     if not re.search(r"[^\W\d_]", what):  # (",,,", "42", an emoji: a probe kept each as a memory)
@@ -187,7 +196,8 @@ def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> 
         return Decision(tuple(w for d in each for w in d.writes), next((d.forget for d in each if d.forget), None))
     if one := _one(text):
         return one
-    wanted = tuple(about_the_user(one) for one in statements(text) or [text] if wants(one)) \
+    wanted = tuple(about_the_user(one) for one in statements(text) or [text]
+                   if not _HYPOTHETICAL.match(one) and wants(one)) \
         if mode == "auto" and wants is not None else ()  # (each statement judged alone: its own memory, or none)
     if fix := correction(text):
         return Decision(correct=fix, unless_corrected=wanted)

@@ -439,3 +439,18 @@ def test_each_sentence_about_the_user_is_a_memory_of_its_own(said, explicit, aut
     assert decide(said, "explicit").writes == explicit
     statement = lambda text: not asks(text) and not is_request(text)  # noqa: E731 - the write decision's part here
     assert decide(said, "auto", statement).writes == (explicit if auto is None else auto)
+
+
+@pytest.mark.parametrize("said,writes", [
+    ("If I had a dog, I would call it Max.", ()), ("Imagine I lived in Paris.", ()),
+    ("Remember that if I won the lottery I would buy a boat.", ()), ("Suppose I were a pilot.", ()),
+    ("If I'm late, I take the bus.", ("If the user is late, the user takes the bus.",)),
+    ("I live in Porto.", ("The user lives in Porto.",))])
+def test_what_would_be_is_not_remembered_and_what_is_on_a_condition_is(said, writes):
+    """(A hostile probe: "If I had a dog, I would call it Max." was written as a memory.)"""
+    assert decide(said, "auto", lambda text: True).writes == writes
+    if writes:
+        assert to_remember(said) == writes[0]
+    else:
+        with pytest.raises(ValueError, match="got a (hypothetical|request)"):
+            to_remember(said)
