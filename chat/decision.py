@@ -321,9 +321,11 @@ def forget_reading(what: str, memory: str) -> tuple[bool, bool]:
     names = _proper(what, sentence=False) | _proper(memory)  # (`what` follows "forget (about)")
     found = [any(_same_word(w, t, names) for t in theirs) for w in words]
     mine = set(re.findall(rf"\bmy ({_WORD})", what.lower().replace("\u2019", "'")))  # ("my dog": the user's own)
-    found = [f and not (w in mine and _someone_elses(w, memory)) for w, f in zip(words, found)]
+    elses = [w in mine and _someone_elses(w, memory) for w in words]  # ("my favourite colour": not a sister's)
+    found = [f and not e for f, e in zip(found, elses)]
     named = [f and w not in _KIND_WORDS for w, f in zip(words, found)]
-    consistent = all(f or (w in _KIND_WORDS and _says(w, memory, theirs)) for w, f in zip(words, found))
+    consistent = all(f or (w in _KIND_WORDS and not e and _says(w, memory, theirs))
+                     for w, f, e in zip(words, found, elses))
     return consistent, any(named)
 
 

@@ -98,7 +98,9 @@ def test_a_forget_takes_every_memory_it_names_and_no_other(smollm2, told, said, 
      "Forget my favourite colour.", ["The user's favourite colour is green.", "The user's favourite colour is now blue."]),
     (["The user's landlord is called Olga."], "Forget where I live.", []),
     (["The user's office is in Oslo."], "Forget where I live.", []),
-    (["The user's landlord Olga likes sushi and plays darts."], "Forget where I live.", [])])
+    (["The user's landlord Olga likes sushi and plays darts."], "Forget where I live.", []),
+    (["The user's favourite colour is green.", "The user's sister's favourite colour is red."],
+     "Forget my favourite colour.", ["The user's favourite colour is green."])])
 def test_a_forget_takes_a_thing_told_twice_and_never_another_thing(smollm2, told, told_too, said, gone):
     """(A hostile probe: "Forget where I live." forgot "The user lives in Porto." and the next question read "The user
     now lives in Lisbon."; with nothing told of a home it forgot the landlord, or the office.) Every memory the fit
