@@ -271,7 +271,7 @@ def forget_rules(threshold: float) -> dict:
         f"top-1 at {FORGET_ALONE}": lambda r: [top(r)] if r["scores"][top(r)] >= FORGET_ALONE else [],
         f"top-1 at {FORGET_FLOOR}, fit check": lambda r: [top(r)] if (r["scores"][top(r)] >= FORGET_FLOOR
                                                                         and r["fits"][top(r)] >= threshold) else [],
-        "words + fit check, of those it names none: the best admitted alone (before)": best_alone,
+        "words + fit check, of those it names none: the best admitted alone (before; today's word rules)": best_alone,
         "words + fit check (now: `to_forget`)": lambda r: to_forget(r["what"], r["memories"], r["scores"], r["fits"],
                                                                     threshold),
         f"words + top-1 at {FORGET_ALONE} (no fit check)": lambda r: to_forget(r["what"], r["memories"], r["scores"],
@@ -292,7 +292,8 @@ def forget_table(rows: list[dict], threshold: float) -> dict:
         false = sum(bool(p) for p, r in zip(picks, rows) if not r["meant"])
         forgot = sum(bool(p) for p in picks)
         out[name] = {"recall": right / len(about), "wrong memory": wrong / len(about),
-                     "false forgets": false / len(other) if other else None, "precision": right / forgot if forgot else None,
+                     "false forgets": false / len(other) if other else None,
+                     "precision": right / forgot if forgot else None,
                      "n_about": len(about), "n_other": len(other),
                      "misses": [rows[i]["request"] + " | " + " / ".join(rows[i]["memories"])
                                 for i, p in enumerate(picks) if p != set(rows[i]["meant"])]}

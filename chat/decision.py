@@ -35,7 +35,6 @@ _NAMED = re.compile(r"^\s*(?:please\s*,?\s+)?forget\s+"
 FORGET_FLOOR = 0.3  # the least key similarity of a memory to X for the fit check to be asked whether it is about X
 FORGET_ALONE = 0.7  # with no fit check for this model's keys: the least key similarity alone
 FORGET_CANDIDATES = 1024  # the memories "forget X" is read against, closest first
-# office is in Oslo.", 0.53)
 
 
 @dataclass(frozen=True)
@@ -52,9 +51,16 @@ class Decision:
 
 
 # what would be, not what is: "If I had a dog, I would call it Max." (a hostile probe: written as a memory); not a
-# real condition ("If I'm late, I take the bus.": a habit)
-_HYPOTHETICAL = re.compile(r"\s*(?:(?:please\s+)?remember(?: that)?\s+)?(?:(?:even )?if (?:i|we) (?:had|were|was|could|would|owned|lived|won|got)\b"
-                           r"|(?:imagine|suppose|supposing|pretend|what if)\b)", re.I)
+# real condition ("If I'm late, I take the bus.": a habit), nor one in the past ("If I got sick as a kid, my mum made
+# soup."): an "if" clause with "would" (or "could", "might") after it, or "imagine that", "suppose I", "what if"
+_HYPOTHETICAL = re.compile(r"\s*(?:(?:even )?if\b[^.!?]*?(?:\b(?:would|could|might)\b|['\u2019]d\b)"
+                           r"|(?:imagine|suppose|supposing|pretend)(?: that| if| I| we)\b|what if\b)", re.I)
+
+
+def hypothetical(text: str) -> bool:
+    """Whether a statement (or "remember that" one) says what would be (`_HYPOTHETICAL`)."""
+    m = None if FORGET.match(text) else REMEMBER.match(text)
+    return bool(_HYPOTHETICAL.match((m["what"] if m else text).lstrip(" ,")))
 
 
 def refusal(what: str) -> str | None:
@@ -69,7 +75,7 @@ def refusal(what: str) -> str | None:
         return "a question"
     if is_request(what):
         return "a request"
-    if _HYPOTHETICAL.match(what):
+    if hypothetical(what):
         return "a hypothetical"
     if len(what.split()) < 2 and re.fullmatch(r"[A-Za-z'.!-]+", what):  # (a script without spaces is not one word)
         return "a single word"
@@ -197,7 +203,7 @@ def decide(text: str, mode: str, wants: Callable[[str], bool] | None = None) -> 
     if one := _one(text):
         return one
     wanted = tuple(about_the_user(one) for one in statements(text) or [text]
-                   if not _HYPOTHETICAL.match(one) and wants(one)) \
+                   if not hypothetical(one) and wants(one)) \
         if mode == "auto" and wants is not None else ()  # (each statement judged alone: its own memory, or none)
     if fix := correction(text):
         return Decision(correct=fix, unless_corrected=wanted)
@@ -267,15 +273,16 @@ def _someone_elses(word: str, memory: str) -> bool:
 _ATTRIBUTES = [
     ("name names called named call".split(), []),
     ("job jobs work works worked working profession occupation career living".split(),
-     ["earns", "employed", "-living"]),
-    ("living live lives lived home house flat town city place address".split(), ["moved", "street", "road"]),
+     ["earns", "employed", "teaches", "-living"]),
+    ("living live lives lived home house flat town city place address".split(),
+     ["moved", "street", "road", "resides", "settled"]),
     ("favourite favorite colour color colours".split(), []),
-    ("allergy allergies allergic".split(), []),
+    ("allergy allergies allergic".split(), ["eat"]),
     ("sport sports play plays playing".split(), ["team"]),
-    ("pet pets".split(), "cat dog hamster rabbit parrot horse fish budgie tortoise guinea".split()),
+    ("pet pets".split(), "cat dog hamster rabbit parrot horse pony budgie tortoise guinea snake lizard ferret".split()),
     ("birthday".split(), ["born", "birth"]),
     ("age".split(), ["old", "aged", "years"]),
-    ("hobby hobbies like likes love loves".split(), ["enjoys", "favourite"]),
+    ("hobby hobbies like likes love loves".split(), ["enjoys", "favourite", "plays", "goes"]),
     ("family".split(), """sister brother mother father mum mom dad parents wife husband partner son daughter children
      cousin aunt uncle niece nephew grandmother grandfather grandma grandpa""".split()),
 ]
@@ -294,9 +301,14 @@ def _names(memory: str) -> bool:
                for i, w in enumerate(words))
 
 
-# a name, a job ("... is a nurse.") said without a word of the group
-# (not a place: "where I live" is not in "The user's office is in Oslo.": a hostile probe's forget took the office)
-_SAYS = {"name": _names, "profession": re.compile(r"\b(?:is|as) an? [a-z]+").search}
+# a name, a job ("... is a nurse."), a place ("... lives in Oslo.", "... is from Porto."), an age ("... is 34."), a colour said without a
+# word of the group
+_COLOURS = """red orange yellow green blue purple violet pink brown black white grey gray teal turquoise navy gold
+silver amber olive maroon beige indigo lilac cyan magenta""".split()
+_SAYS = {"name": _names, "profession": re.compile(r"\b(?:is|as) an? [a-z]+").search,
+         "address": re.compile(r"\b(?:in|at|from) [A-Z]").search,
+         "age": re.compile(r"\b(?:is|turned|turns) \d{1,3}\b").search,
+         "colour": re.compile(rf"\b(?:{'|'.join(_COLOURS)})\b", re.I).search}
 _OF = re.compile(r"\b(\w+) of (my|our|his|her|their) (\w+)", re.I)  # "the name of my sister": "my sister's name"
 
 
@@ -310,13 +322,21 @@ def _says(word: str, memory: str, theirs: Sequence[str]) -> bool:
     return False
 
 
+_ADJECTIVES = "own new old first last little big older younger elder eldest youngest oldest best current late dear"
+# a thing of the user's that a memory speaks of: "The user's sister ...", "... the user's neighbour's goat", "The
+# user's new job ..."
+_THINGS_OF_THE_USER = re.compile(rf"\bthe user's ((?:[\w-]+'s )?(?:(?:{'|'.join(_ADJECTIVES.split())}) )?[\w-]+)",
+                                 re.I)
+
+
 def forget_reading(what: str, memory: str) -> tuple[bool, bool]:
     """How "forget `what`" reads against a memory's text: (whether every word of `what` is in it or names a kind of
     thing, `_KIND_WORDS`: nothing of `what` speaks of something else; whether a word of `what` besides those is in
-    it: `what` names it). A kind word asks for that of a thing (after a word the memory names: of it), so the memory
-    must say it (`_ATTRIBUTES`): "my sister's name" is in "The user's sister is called Lena.", "my sister's birthday"
-    and "where my sister lives" are not (they forgot it), nor is "where I live" in "The user's landlord is called
-    Olga." (a hostile probe: it forgot the landlord)."""
+    it: `what` names it). A kind word asks for that, so the memory must say it (`_ATTRIBUTES`): "my sister's name" is
+    in "The user's sister is called Lena.", "my sister's birthday" and "where my sister lives" are not (they forgot
+    it), "my age" is in "The user is 34.". Kind words alone ask it of the user: not of another thing of theirs
+    that the kind does not say ("where I live" is not in "The user's landlord is called Olga.", "my job" not in "The
+    user's sister works as a nurse."; "my pet" is in "The user's dog ...")."""
     words, theirs = _content(_OF.sub(r"\2 \3's \1", what)), _content(memory)
     names = _proper(what, sentence=False) | _proper(memory)  # (`what` follows "forget (about)")
     found = [any(_same_word(w, t, names) for t in theirs) for w in words]
@@ -326,29 +346,58 @@ def forget_reading(what: str, memory: str) -> tuple[bool, bool]:
     named = [f and w not in _KIND_WORDS for w, f in zip(words, found)]
     consistent = all(f or (w in _KIND_WORDS and not e and _says(w, memory, theirs))
                      for w, f, e in zip(words, found, elses))
+    if consistent and not any(named):  # only kind words ("my job", "where I live"): of the user, not of a thing of
+        # theirs the kind does not say ("The user's landlord is called Olga.", "The user's sister works as a nurse.";
+        # a hostile probe's "Forget where I live." took the landlord) nor of someone else ("Lena's job is ...")
+        things = {t for m in _THINGS_OF_THE_USER.findall(memory) for t in _content(m)}
+        kinds = [w for w in words if w in _KIND_WORDS]
+        consistent = not re.match(r"\s*(?!the user's)[\w-]+['\u2019]s\b", memory, re.I) and (
+            not things or bool(things & _KIND_WORDS) or any(_says(k, " ".join(things), sorted(things)) for k in kinds))
     return consistent, any(named)
 
 
-_ADJECTIVES = "own new old first last little big older younger elder eldest youngest oldest best current late dear"
-_OWNED = re.compile(rf"\bmy ((?:(?:{'|'.join(_ADJECTIVES.split())})\s+)*)({_WORD})", re.I)  # "my (best) friend"
+# "my (best) friend", "my cousin Zelda": the thing, and a name right after it
+_OWNED = re.compile(rf"\b(?i:my) (?:(?i:{'|'.join(_ADJECTIVES.split())})\s+)*({_WORD})(?:\s+([A-Z][a-z][\w'-]*))?")
+_KIN = [set(g.split()) for g in ("mother mum mom mommy mummy mama", "father dad daddy papa", "wife husband spouse "
+        "partner", "grandmother grandma granny nan nana", "grandfather grandpa granddad", "dog puppy", "cat kitten")]
+_CHILDREN = {"kids", "kid", "children", "child", "son", "sons", "daughter", "daughters"}
+
+
+def _alike(asked: str, said: str, names: set[str]) -> bool:
+    """Whether a question's word for a thing of the user's is the memory's word: one word in two forms, or the same
+    kin ("mother" / "mum"; "kids" / "son")."""
+    return (_same_word(asked, said, names) or any(asked in g and said in g for g in _KIN)
+            or (asked in ("kids", "kid", "children", "child") and said in _CHILDREN))
+
+
+def _called(thing: str, memory: str) -> set[str]:
+    """The names a memory gives a person or pet (lower-cased): after "called" or "named", right after `thing`
+    ("cousin Maya"), or before "is the user's" ("Maya is the user's cousin.")."""
+    found = re.findall(rf"\b(?:called|named|{re.escape(thing)}s?) ([A-Z][\w'-]*)", memory)
+    found += re.findall(r"^([A-Z][\w'-]*) is the user's", memory)
+    return {n.lower() for n in found}
 
 
 def speaks_of_another(question: str, memory: str) -> bool:
-    """Whether a memory is about another thing than the one a question about its author asks of: a thing of theirs
-    ("my mother", "my boss", "my goat") the memory does not speak of, or gives to someone else ("The user's
-    neighbour's goat ..."), or a name the memory does not say ("my cousin Zelda" beside "The user's cousin Maya ...").
-    Kind words ("my name", "my job", "my favourite colour") ask for an attribute: they name no thing. (A hostile
-    probe: beside "The user's sister is called Lena.", "What is my mother's name?" answered "Lena"; the fit check
-    admitted it, 0.52.)"""
-    theirs, names = _content(memory), _proper(memory)
+    """Whether a memory is about another thing of the user's than the one a question asks of: the question names a
+    thing of theirs after "my" ("my mother", "my boss", "my goat") that the memory does not give the user, while
+    the memory speaks of another thing of the user's ("The user's sister ...", "The user's neighbour's goat ...");
+    or the name right after it ("my cousin Zelda") is not the one the memory says. Kind words ("my name", "my job",
+    "my favourite colour") ask for an attribute: they name no thing; a memory that gives the user no thing of theirs
+    ("The user is married to Anna.", "The user drives a Tesla.") is left to the fit check. (A hostile probe: beside
+    "The user's sister is called Lena.", "What is my mother's name?" answered "Lena"; the fit check admitted it.)"""
     question = question.replace("\u2019", "'")
-    for _, word in _OWNED.findall(question):
-        word = re.sub(r"'s?$", "", word.lower())
-        if word not in _KIND_WORDS and (not any(_same_word(word, t, names) for t in theirs)
-                                        or _someone_elses(word, memory)):
-            return True
-    asked = _proper(question) - {"i", "i'm", "i've", "i'd", "i'll"}
-    return any(not any(_same_word(n, t, asked) for t in theirs) for n in asked)
+    owned = [(re.sub(r"'s?$", "", w.lower()), name) for w, name in _OWNED.findall(question)]
+    owned = [(w, name) for w, name in owned if w not in _KIND_WORDS]
+    if not owned:
+        return False
+    theirs, names = _content(memory), _proper(memory)
+    spoken = [(w, name) for w, name in owned
+              if any(_alike(w, t, names) for t in theirs) and not _someone_elses(w, memory)]
+    if spoken:  # (a name right after the thing, another than the memory's: "my cousin Zelda", "... cousin Maya")
+        return all(name and (called := _called(w, memory)) and name.lower() not in called for w, name in spoken)
+    others = {t for m in _THINGS_OF_THE_USER.findall(memory) for t in _content(m)}
+    return bool(others - _KIND_WORDS)
 
 
 def things(what: str) -> list[str]:

@@ -102,6 +102,9 @@ class People:
         except OSError as e:
             raise ConfigError(f"memory.user_dir {str(self.folder)!r}: expected a folder this server can write users' "
                               f"memories in, got {'a file' if self.folder.is_file() else e.strerror or e}") from None
+        for folder in (self.folder, *(p for p in self.folder.iterdir() if p.is_dir())):  # (a person's memories are
+            with suppress(OSError):  # no other account's: folders an older server made were 0755)
+                os.chmod(folder, PRIVATE)
 
     @property
     def folder(self) -> Path:
@@ -166,8 +169,6 @@ class People:
         mem = self.cfg.memory
         if mem.store != "milvus":
             self._owned(user, created)
-            with suppress(FileNotFoundError):  # (a person's memories are theirs: no other account reads them; folders
-                os.chmod(self.folder / user, PRIVATE)  # written before this was so were 0755)
             memory = PersonalMemory(self.path(lm, user), check=lm.bank_check(), vocab_size=len(lm.tokenizer))
             self._carry_over(lm, memory)
             return memory
@@ -350,7 +351,7 @@ class People:
             if self.cfg.memory.store == "milvus" or not self._damaged(self.path(lm, user)):
                 raise
             log.warning("the memories of %r could not be read; deleted as they asked (forget everything)", user)
-            self.path(lm, user).unlink()
+            self.path(lm, user).unlink(missing_ok=True)  # (another replica may have deleted it)
             n = 0
         if self.cfg.memory.store != "milvus":
             for other in (self.folder / user).glob("*.safetensors"):

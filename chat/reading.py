@@ -52,7 +52,7 @@ def readable(lm: LoadedModel, memory_db, vector: torch.Tensor, settings: RecallS
     if check is not None and fits.any():
         keys = torch.nn.functional.normalize(torch.stack([memory_db.vector(int(i)) for i in ids[fits]]), dim=-1)
         fits[fits.clone()] = check.admits(vector.reshape(1, -1).expand_as(keys), keys)
-        fits &= torch.tensor([not (f and speaks_of_another(text, memory_db.memory(int(i), 0.0).text or ""))
+        fits &= torch.tensor([not (f and speaks_of_another(text, memory_db.text(int(i)) or ""))
                               for f, i in zip(fits.tolist(), ids)], dtype=torch.bool)
     if not fits.any():
         return None

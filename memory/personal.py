@@ -86,6 +86,22 @@ def _value_kind(word: str) -> str:
     return "number" if any(c.isdigit() for c in word) else "name" if word[:1].isupper() else "word"
 
 
+_OWNS = re.compile(r"\bha(?:s|ve|d) (?:a|an|another) ([\w-]+)")  # "has a horse", "have a meeting"
+_CLAUSE = frozenset("who which that whose is was are were aged and but".split())  # after the thing: of it, not it
+
+
+def _one_of_several(old: str, words: list[str], changed: int) -> bool:
+    """Whether the first word a newer text changes (`changed`, of `old`'s `words`, fillers out) names or places a
+    thing the user has "a" of ("The user has a horse called Toby." / "... Pickles.", "... a meeting on Monday at 9." /
+    "... on Friday at 3.": one of several, both may be true), not a word of a clause about it ("The user has a son
+    who is 5 years old." / "... 6 ...": the son's age, a newer value)."""
+    owns = _OWNS.search(old)
+    if owns is None or owns[1] not in words[:changed]:
+        return False
+    thing = len(words[:changed]) - 1 - words[:changed][::-1].index(owns[1])
+    return not _CLAUSE & set(words[thing + 1:changed])
+
+
 def newer_value(old: str | None, new: str) -> bool:
     """Whether `new` says what `old` says but for its value: the words that differ (fillers aside, `FILLER`) are, in
     each place they differ, numbers or names on both sides ("... PIN is 1111." / "... 2222.", "... is called Lena." /
@@ -100,9 +116,8 @@ def newer_value(old: str | None, new: str) -> bool:
     b = [w for w in re.findall(r"\w+", new) if w.lower() not in FILLER]
     la, lb = [w.lower() for w in a], [w.lower() for w in b]
     changed = [op for op in difflib.SequenceMatcher(None, la, lb, autojunk=False).get_opcodes() if op[0] != "equal"]
-    owns = re.search(r"\b(ha(?:s|ve|d)) (?:a|an|another)\b", old.lower())  # ("a" and "an" are fillers)
-    if changed and owns and owns[1] in la[:changed[0][1]]:
-        return False  # ("The user has a horse called Toby." / "... Pickles.": one of several, both may be true)
+    if changed and _one_of_several(old.lower(), la, changed[0][1]):
+        return False
     for tag, i1, i2, j1, j2 in changed:
         if tag != "replace" or (i1 > 0 and la[i1 - 1] == "s"):  # (a word put in or left out; "the user's X")
             return False
@@ -506,6 +521,10 @@ class Joined(BankShape):
     def vector(self, i: int) -> torch.Tensor:
         """The key of memory `i` of `topk`."""
         return self.parts[i % len(self.parts)][1].vector(i // len(self.parts))
+
+    def text(self, i: int) -> str | None:
+        """The text of memory `i` of `topk`."""
+        return self.parts[i % len(self.parts)][1].text(i // len(self.parts))
 
     def source(self, i: int) -> tuple[str, int]:
         """(the label of memory `i`'s bank, its id there)."""

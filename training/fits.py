@@ -18,9 +18,8 @@ split has its own names, towns and templates.
     .venv/bin/python -m training.fits [--out assets/memory-fits.safetensors] [--people 600]
 
 prints, on held-out people, how many told questions still read their own memory and how many never-told questions
-and near misses read nothing, beside the score threshold alone and beside the chat's reading, which also drops a
-memory about another thing than the question's (`chat.decision.speaks_of_another`; under a minute here, most of it
-the encoder).
+and near misses read nothing, beside the score threshold alone (under a minute here, most of it the encoder;
+`bench/reading.py` measures the chat's reading, which drops more after the check).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import dataclasses
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,12 +164,10 @@ def fit(features: torch.Tensor, labels: torch.Tensor, hidden: int, epochs: int, 
 
 
 def reads(check: FitCheck | None, people_: list[Person], keys, queries, min_score: float = MIN_SCORE,
-          words: bool = False) -> dict:
+          drops: Callable[[str, str], bool] | None = None) -> dict:
     """As the chat reads: the best-scored memory among those over `min_score` that the check admits (all, with no
-    check) and, with `words`, that are about what the question asks of (`chat.decision.speaks_of_another`). Told
+    check) and that `drops(question, memory)` does not drop (the chat's own rule: `bench/reading.py`). Told
     questions: their own memory read; never-told questions and requests: nothing read."""
-    from chat.decision import speaks_of_another
-
     told_right = told_n = untold_none = untold_n = near_none = near_n = 0
     for p in people_:
         k = torch.stack([keys[m] for m in p.memories])
@@ -179,8 +177,8 @@ def reads(check: FitCheck | None, people_: list[Person], keys, queries, min_scor
             ok = scores >= min_score
             if check is not None:
                 ok &= check.admits(q.expand_as(k), k)
-            if words:
-                ok &= torch.tensor([not speaks_of_another(question, m) for m in p.memories])
+            if drops is not None:
+                ok &= torch.tensor([not drops(question, m) for m in p.memories])
             read = int(torch.where(ok, scores, torch.tensor(-2.0)).argmax()) if ok.any() else None
             if asks and asks in p.kinds:
                 told_n += 1
@@ -227,8 +225,7 @@ def main() -> None:
               "key_encoder": encoder.name, "min_score": MIN_SCORE}
     for split in ("train", "eval"):
         report[split] = {"score alone": reads(None, data[split], *emb[split]),
-                         "score and fit": reads(check, data[split], *emb[split]),
-                         "score, fit and words (the chat)": reads(check, data[split], *emb[split], words=True)}
+                         "score and fit": reads(check, data[split], *emb[split])}
     check.save(args.out, encoder.name, report)
     print(json.dumps(report, indent=1))
 

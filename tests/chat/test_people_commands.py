@@ -95,7 +95,8 @@ def test_a_forget_takes_every_memory_it_names_and_no_other(smollm2, told, said, 
     (["The user lives in Porto.", "The user now lives in Lisbon."], "Forget where I live.",
      ["The user lives in Porto.", "The user now lives in Lisbon."]),
     (["The user's favourite colour is green.", "The user's favourite colour is now blue."],
-     "Forget my favourite colour.", ["The user's favourite colour is green.", "The user's favourite colour is now blue."]),
+     "Forget my favourite colour.",
+     ["The user's favourite colour is green.", "The user's favourite colour is now blue."]),
     (["The user's landlord is called Olga."], "Forget where I live.", []),
     (["The user's office is in Oslo."], "Forget where I live.", []),
     (["The user's landlord Olga likes sushi and plays darts."], "Forget where I live.", []),
@@ -112,6 +113,27 @@ def test_a_forget_takes_a_thing_told_twice_and_never_another_thing(smollm2, told
     assert texts(told, smollm2) == sorted({CAT, BAKER, SISTER, *told_too} - set(gone))
 
 
+@pytest.mark.parametrize("what,memory,reads", [
+    ("where I live", "The user's landlord is called Olga.", False),
+    ("where I live", "The user's office is in Oslo.", False),
+    ("my job", "The user's sister works as a nurse.", False), ("my name", "The user's dog is called Rex.", False),
+    ("my job", "Lena's job is nurse.", False),
+    ("my favourite colour", "The user's sister's favourite colour is red.", False),
+    ("where I live", "The user lives in Porto.", True), ("my job", "The user's new job is clockmaker.", True),
+    ("my pet", "The user's dog is called Rex.", True), ("my family", "The user's sister is called Lena.", True),
+    # (a review: a kind word said in other words)
+    ("my age", "The user is 34.", True), ("my hobbies", "The user plays chess.", True),
+    ("where I live", "The user is from Porto.", True), ("where I live", "The user resides in Porto.", True),
+    ("where I work", "The user teaches maths at a school.", True), ("my favourite colour", "The user likes blue.", True),
+    ("my allergies", "The user cannot eat peanuts.", True), ("my pet", "The user has a snake called Sid.", True),
+    ("my pets", "The user goes fishing.", False)])
+def test_kind_words_alone_ask_of_the_user_in_any_words_the_kind_says(what, memory, reads):
+    """(A hostile probe: "Forget where I live." forgot the landlord; once every admitted memory went, "my job" could
+    take a sister's.) Kind words alone ("my job") ask it of the user, not of another thing of theirs nor of someone
+    else."""
+    assert forget_reading(what, memory)[0] is reads
+
+
 @pytest.mark.parametrize("question,memory,another", [
     ("What is my mother's name?", "The user's sister is called Lena.", True),
     ("What is my father's name?", "The user's grandfather was born in 1942.", True),
@@ -125,7 +147,20 @@ def test_a_forget_takes_a_thing_told_twice_and_never_another_thing(smollm2, told
     ("What is my daughter called?", "The user has a daughter called Mia.", False),
     ("What's my favourite colour?", "Green is the user's favourite colour.", False),
     ("Where do I live?", "The user lives in Porto.", False),
-    ("What is my job?", "The user works as a baker.", False)])
+    ("What is my job?", "The user works as a baker.", False),
+    ("Where does my cousin Zelda live?", "Maya is the user's cousin.", True),
+    ("Where does my cousin Zelda live?", "The user's cousin lives in Oslo.", False),
+    # (a review: these dropped the right memory: a capitalised word anywhere, one of two things, another word)
+    ("Hi there. What is my name?", "The user's name is Sam.", False),
+    ("Where do I live? I told you on Monday.", "The user lives in Porto.", False),
+    ("What do I do for work, Recall?", "The user works as a baker.", False),
+    ("What is MY name?", "Sam is my name.", False),
+    ("What are the names of my dog and my cat?", "The user's cat is called Tom.", False),
+    ("What should I get my sister for her birthday? She likes books.", "The user's sister loves books.", False),
+    ("What's my wife's name?", "The user is married to Anna.", False),
+    ("What is my mother's name?", "The user's mum is called Ann.", False),
+    ("How old are my kids?", "The user's son is 5 years old.", False),
+    ("What is my dog called?", "The user has a Labrador called Rex.", False)])
 def test_a_question_reads_no_memory_about_another_thing_of_the_users(question, memory, another):
     """(A hostile probe: beside "The user's sister is called Lena." the fit check admitted it for "What is my mother's
     name?", answered "Lena"; the grandfather's birth for the father's name, a neighbour's goat for the user's.)"""
@@ -447,12 +482,15 @@ def test_each_sentence_about_the_user_is_a_memory_of_its_own(said, explicit, aut
     ("If I had a dog, I would call it Max.", ()), ("Imagine I lived in Paris.", ()),
     ("Remember that if I won the lottery I would buy a boat.", ()), ("Suppose I were a pilot.", ()),
     ("If I'm late, I take the bus.", ("If the user is late, the user takes the bus.",)),
+    ("Remember that, if I had a dog, I'd call it Max.", ()),
+    # (a review: "Imagine Dragons" is a band, and a condition in the past a habit)
+    ("Imagine Dragons is my favourite band.", ("Imagine Dragons is the user's favourite band.",)),
+    ("If I got sick as a kid, my mum made soup.", ("If the user got sick as a kid, the user's mum made soup.",)),
+    ("I'd like to visit Japan one day.", ("The user would like to visit Japan one day.",)),
     ("I live in Porto.", ("The user lives in Porto.",))])
 def test_what_would_be_is_not_remembered_and_what_is_on_a_condition_is(said, writes):
     """(A hostile probe: "If I had a dog, I would call it Max." was written as a memory.)"""
     assert decide(said, "auto", lambda text: True).writes == writes
-    if writes:
-        assert to_remember(said) == writes[0]
-    else:
+    if not writes:
         with pytest.raises(ValueError, match="got a (hypothetical|request)"):
             to_remember(said)

@@ -806,11 +806,12 @@ def test_a_persons_memories_are_in_folders_no_other_account_reads(tiny_llama, tm
     import os
     import stat
 
+    (tmp_path / "users" / "ada").mkdir(mode=0o755, parents=True)  # (as an older server left them)
+    os.chmod(tmp_path / "users", 0o755)
     svc = started(config(tmp_path, "faiss"), tiny_llama)
     try:
+        assert stat.S_IMODE(os.stat(tmp_path / "users").st_mode) == 0o700
         s = svc.new_session("ada")
-        os.chmod(tmp_path / "users", 0o755)
-        (tmp_path / "users" / "ada").mkdir(mode=0o755)  # (as an older server left it)
         result(svc.run(remember, s, "My bank PIN is 4711."))
         mine = svc.personal(s).path
         assert mine.is_file() and stat.S_IMODE(os.stat(mine.parent).st_mode) == 0o700

@@ -298,7 +298,9 @@ def test_fixed_alpha_is_the_geometric_mixture():
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"alpha": 1.5}, ["1.5", '"auto"', "[0, 1]"]), ({"alpha": "max"}, ["'max'", '"auto"']),
-    ({"gamma": 0}, ["gamma", "0", "from 1 to 64"]), ({"gamma": 2, "gamma_rule": "seed"}, ["gamma", "2", "from 3 to 10"]), ({"draft": "medusa"}, ["'medusa'", "ngram", "theta", "target"]),
+    ({"gamma": 0}, ["gamma", "0", "from 1 to 64"]),
+    ({"gamma": 2, "gamma_rule": "seed"}, ["gamma", "2", "from 3 to 10"]),
+    ({"draft": "medusa"}, ["'medusa'", "ngram", "theta", "target"]),
     ({"target": ""}, ["target", "None"]), ({"speculative": "yes"}, ["speculative", "bool"]),
     ({"gamma_rule": "often"}, ["gamma_rule", "'often'", "fixed, seed, acceptance"]),
 ])

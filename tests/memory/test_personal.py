@@ -208,7 +208,11 @@ def test_another_fact_about_the_same_person_or_pet_is_kept_beside_the_first(stor
     # (a hostile probe: "I have a meeting on Monday at 9." was superseded by "... on Friday at 3.": one of several)
     ("The user has a meeting on Monday at 9.", "The user has a meeting on Friday at 3.", False),
     ("The user has a horse called Toby.", "The user has a horse called Pickles.", False),
-    ("The user has 2 cats.", "The user has 3 cats.", True)])
+    ("The user has 2 cats.", "The user has 3 cats.", True),
+    # (a review: a clause about the thing is its value: the son's age)
+    ("The user has a son who is 5 years old.", "The user has a son who is 6 years old.", True),
+    ("The user has a daughter aged 7.", "The user has a daughter aged 8.", True),
+    ("The user has a sister and works as a nurse.", "The user has a sister and works as a doctor.", True)])
 def test_a_newer_value_says_the_same_but_for_its_value(old, new, same):
     assert newer_value(old, new) is same and newer_value(new, old) is same
 
