@@ -142,7 +142,7 @@ def mentions_the_user(text: str) -> bool:
     me?"); a request's "me" to say or show something does not ("Tell me a joke.": a hostile probe's joke read the
     user's car into it); "US" is the country. Linear: each "me" looks back a few characters for its verb."""
     text = text.replace("\u2019", "'")
-    shouted = text.isupper()  # ("the US" is a country, "TELL US" a request)
+    shouted = text.isupper()  # ("the US" is a country; in a message all in capitals "US" is "us", as ever)
     found = [m for m in _FIRST_PERSON.finditer(text) if m[0] != "US" or shouted]
     return any(m[0].lower() not in ("me", "us") or not _ASKED_OF.search(text, max(0, m.start() - 12), m.start())
                for m in found) or (bool(found) and _KNOWN.search(text) is not None)
