@@ -257,7 +257,7 @@ def read_forgets(cases, keys, check) -> list[dict]:
 
 def forget_rules(threshold: float) -> dict:
     """Each rule: a row -> the indices of the memories it forgets."""
-    from chat.decision import FORGET_ALONE, FORGET_FLOOR, forget_reading, to_forget
+    from chat.naming import FORGET_ALONE, FORGET_FLOOR, forget_reading, to_forget
 
     def top(row):
         return max(range(len(row["scores"])), key=row["scores"].__getitem__)

@@ -1,6 +1,6 @@
 """What the chat reads for a question about its author, on the fit check's held-out people (`training.fits`): the
 memory head's score alone, with the fit check, and with the chat's words check after it
-(`chat.decision.speaks_of_another`: a memory about another thing of the user's than the one asked of is dropped).
+(`chat.naming.speaks_of_another`: a memory about another thing of the user's than the one asked of is dropped).
 
     .venv/bin/python bench/reading.py [--people 600] [--json out.json]
 
@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the table here")
     args = parser.parse_args()
 
-    from chat.decision import speaks_of_another
+    from chat.naming import speaks_of_another
     from models.fits import FitCheck
     from models.text_keys import TextEncoder
     from training.fits import embed, people, reads

@@ -50,7 +50,8 @@ from memory.personal import CLOSEST, Joined, Newest, Personal, PersonalMemory, S
 from memory.personal_milvus import MilvusPersonal, open_people
 from models import LoadedModel
 from chat.corrections import corrected
-from chat.decision import FORGET_CANDIDATES, Decision, decide, forget_reading, things, to_forget
+from chat.decision import Decision, decide
+from chat.naming import FORGET_CANDIDATES, forget_reading, things, to_forget
 from models.remember import WriteDecision, about_the_user, mentions_the_user
 
 CARRIED = ".carried.json"  # in a user's folder: {memory file: the earlier model's file it was filled from}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from chat.decision import speaks_of_another
+from chat.naming import speaks_of_another
 from decoding.engine import Recall
 from decoding.settings import RecallSettings
 from memory.personal import Only
@@ -43,7 +43,7 @@ def readable(lm: LoadedModel, memory_db, vector: torch.Tensor, settings: RecallS
     """What the memory head may read for a message: None when no memory scores `min_score` (the model answers from
     what it knows: `NoMemory`); for a message about its author with `fit_check` on, only the memories among the
     best `FIT_DEPTH` that the fit check admits (`models.fits`) and that are about what it asks of
-    (`chat.decision.speaks_of_another`); none admitted: None."""
+    (`chat.naming.speaks_of_another`); none admitted: None."""
     if not len(memory_db):
         return memory_db
     scores, ids = memory_db.topk(vector, FIT_DEPTH)

@@ -12,7 +12,8 @@ import pytest
 from chat.config import load_config
 from chat.operations import edit_memory, import_memories, my_memories, remember
 from chat.corrections import corrected, correction
-from chat.decision import Decision, decide, forget_reading, plain, to_forget, to_remember
+from chat.decision import Decision, decide, plain, to_remember
+from chat.naming import forget_reading, to_forget
 from chat.people import People
 from chat.service import Service
 from chat.worker import ServiceError
@@ -164,7 +165,7 @@ def test_kind_words_alone_ask_of_the_user_in_any_words_the_kind_says(what, memor
 def test_a_question_reads_no_memory_about_another_thing_of_the_users(question, memory, another):
     """(A hostile probe: beside "The user's sister is called Lena." the fit check admitted it for "What is my mother's
     name?", answered "Lena"; the grandfather's birth for the father's name, a neighbour's goat for the user's.)"""
-    from chat.decision import speaks_of_another
+    from chat.naming import speaks_of_another
 
     assert speaks_of_another(question, memory) is another
 
