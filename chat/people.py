@@ -24,15 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import re
-import tempfile
 import threading
-import time
 from collections.abc import Callable, Collection, Generator
-from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,11 +36,11 @@ import torch
 
 from chat.banks import empty_bank, store_layout
 from chat.changes import Imported, Remembered
-from chat.config import Config, ConfigError
+from chat.config import Config
+from chat.user_folders import carry_over, damaged, forget_files, owned, prepare
 from chat.users import Users, UsersError
 from chat.worker import Notice, ServiceError
 from memory import BankError, MemoryVectorDB
-from memory.files import atomic_write, read_bank
 from memory.milvus import MilvusBank
 from memory.personal import CLOSEST, Joined, Newest, Personal, PersonalMemory, Similar, twin
 from memory.personal_milvus import MilvusPersonal, open_people
@@ -54,10 +50,7 @@ from chat.decision import Decision, decide
 from chat.naming import FORGET_CANDIDATES, forget_reading, things, to_forget
 from models.remember import WriteDecision, about_the_user, mentions_the_user
 
-CARRIED = ".carried.json"  # in a user's folder: {memory file: the earlier model's file it was filled from}
 log = logging.getLogger(__name__)
-PRIVATE = 0o700  # the mode of memory.user_dir and of each user's folder in it (when this server makes them)
-OWNER = "owner.json"  # in a user's folder: when the user it belongs to was added (`People._owned`)
 ENCODE_BATCH = 16  # memories encoded in one forward (an import: one batch a worker round)
 EVERYTHING = re.compile(r"(?:everything|all)(?:\s+(?:of it|of them|of my memories|my memories|you know|about me))*"
                         r"\s*$", re.I)  # "forget everything (you know about me)"
@@ -67,17 +60,6 @@ def message_query(lm: LoadedModel, text: str) -> torch.Tensor:
     (one batch of the message and its words about the user: the recall that follows finds both embedded)."""
     lm.encoder.message_query(text)
     return lm.encoder.query(text)
-
-
-def _owner(path: Path) -> float | None:
-    """The time the owner of a user's folder was added, as its owner file says; `BankError` naming the file when it
-    cannot be read."""
-    try:
-        created = json.loads(path.read_text()).get("created")
-    except (ValueError, AttributeError, OSError) as e:
-        raise BankError(f"{path}: expected a JSON object {{\"created\": <time>}}, got one that cannot be read "
-                        f"({getattr(e, 'strerror', None) or e})") from None
-    return created
 
 
 @dataclass
@@ -95,17 +77,8 @@ class People:
     def __post_init__(self):
         """Users' memory files need a folder this process can write (one that was a file, or read-only, started the
         app, then failed every answer with a 500): checked at start, which it stops, naming the folder."""
-        if self.cfg.memory.store == "milvus":
-            return
-        try:
-            self.folder.mkdir(mode=PRIVATE, parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=self.folder).close()
-        except OSError as e:
-            raise ConfigError(f"memory.user_dir {str(self.folder)!r}: expected a folder this server can write users' "
-                              f"memories in, got {'a file' if self.folder.is_file() else e.strerror or e}") from None
-        for folder in (self.folder, *(p for p in self.folder.iterdir() if p.is_dir())):  # (a person's memories are
-            with suppress(OSError):  # no other account's: folders an older server made were 0755)
-                os.chmod(folder, PRIVATE)
+        if self.cfg.memory.store != "milvus":
+            prepare(self.folder)
 
     @property
     def folder(self) -> Path:
@@ -126,7 +99,7 @@ class People:
 
     def path(self, lm: LoadedModel, user: str) -> Path:
         """`user`'s memory file for this model: a memory is written by one model's encoder and read by it alone, so
-        each encoder has its own file (another model starts from an earlier one's memories: `_carry_over`)."""
+        each encoder has its own file (another model starts from an earlier one's memories: `user_folders.carry_over`)."""
         name = lm.encoder.name
         slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")[:60]
         return self.folder / user / f"{slug}-{hashlib.sha256(name.encode()).hexdigest()[:8]}.safetensors"
@@ -141,69 +114,21 @@ class People:
             if (user, created) not in self._open:
                 try:
                     self._open[user, created] = self._open_one(lm, user, created)
-                except (BankError, ValueError, OSError) as e:  # (OSError: its folder, `_owned`)
+                except (BankError, ValueError, OSError) as e:  # (OSError: its folder, `owned`)
                     raise BankError(f"the memories of {user!r} cannot be read: {e}") from None
             return self._open[user, created]
-
-    def _owned(self, user: str, created: float | None) -> None:
-        """The folder of `user`'s memories is theirs: one an earlier user of the name left (removed, and the name
-        added again: perhaps another person, who read them) is moved aside (`NAME+removed-<time>-<n>`), kept for the
-        operator, and this user starts with none. A folder with no owner yet (written before owners were kept) is
-        this user's."""
-        folder = self.folder / user
-        owner = folder / OWNER
-        if created is None:
-            return
-        if folder.exists() and not folder.is_dir():
-            raise BankError(f"{folder}: expected the folder of {user!r}'s memories, got a file")
-        if owner.is_file() and _owner(owner) != created:
-            stamp = time.strftime("%Y%m%d-%H%M%S")  # ("+": no user's name has one, so none reads these)
-            aside = next(p for n in range(1000) if not (p := folder.with_name(f"{user}+removed-{stamp}-{n}")).exists())
-            folder.rename(aside)
-            log.warning("the memories of an earlier user %r (removed; the name was added again) moved to %s", user,
-                        aside)
-        if not owner.is_file():
-            folder.mkdir(mode=PRIVATE, parents=True, exist_ok=True)
-            atomic_write(owner, lambda fh: fh.write(json.dumps({"created": created}).encode()))
 
     def _open_one(self, lm: LoadedModel, user: str, created: float | None) -> Personal:
         mem = self.cfg.memory
         if mem.store != "milvus":
-            self._owned(user, created)
+            owned(self.folder, user, created)
             memory = PersonalMemory(self.path(lm, user), check=lm.bank_check(), vocab_size=len(lm.tokenizer))
-            self._carry_over(lm, memory)
+            carry_over(memory, lm, lambda: empty_bank(self.cfg.memory, lm))
             return memory
         if self._store is None:
             self._store = open_people(mem.milvus_uri, f"{mem.milvus_collection}_people", store_layout(lm, mem),
                                       index=mem.index, hnsw_ef_search=mem.hnsw_ef_search, check=lm.bank_check())
         return MilvusPersonal(self._store, user)
-
-    def _carry_over(self, lm: LoadedModel, memory: PersonalMemory) -> None:
-        """A model with no file of a user yet (a new model, or a retrained adapter: another encoder) starts from the
-        newest file an earlier model wrote there: its memories re-encoded from their texts by this model, with their
-        ids, times and sources, and its history. Once a file (`CARRIED`), so memories deleted later stay deleted;
-        the earlier file stays as it was, for its model."""
-        folder, name = memory.path.parent, memory.path.name
-        done = json.loads((folder / CARRIED).read_text()) if (folder / CARRIED).is_file() else {}
-        earlier = [p for p in folder.glob("*.safetensors") if p.name != name]
-        if memory.path.exists() or name in done or not earlier:
-            return
-        source = max(earlier, key=lambda p: p.stat().st_mtime_ns)
-        try:
-            data = read_bank(source)
-        except BankError as e:  # (an unreadable earlier file: this model starts empty, the file stays as it is)
-            log.warning("memories of %s not carried over: %s", folder.name, e)
-            return
-        kept = [(t, m) for t, m in zip(data.texts or [], data.metadata or [None] * len(data.vectors)) if t]
-        if kept:
-            texts = [t for t, _ in kept]
-            keys, values = lm.encoder.encode(lm.model, lm.tokenizer, texts, batch_size=16, progress=False)
-            bank = empty_bank(self.cfg.memory, lm)
-            bank.add(keys, texts, [m or {} for _, m in kept], None if values is None else list(values))
-            bank.info = dict(bank.info, history=list(data.info.get("history", [])), carried_from=source.name)
-            if memory.adopt(bank):
-                log.info("%d memories of %s carried over from %s", len(kept), folder.name, source.name)
-        atomic_write(folder / CARRIED, lambda fh: fh.write(json.dumps({**done, name: source.name}).encode()))
 
     def _new_bank(self, lm: LoadedModel) -> Callable[[], MemoryVectorDB]:
         return lambda: empty_bank(self.cfg.memory, lm)
@@ -349,27 +274,14 @@ class People:
         try:
             n = self.of(lm, user).clear()
         except BankError:
-            if self.cfg.memory.store == "milvus" or not self._damaged(self.path(lm, user)):
+            if self.cfg.memory.store == "milvus" or not damaged(self.path(lm, user)):
                 raise
             log.warning("the memories of %r could not be read; deleted as they asked (forget everything)", user)
             self.path(lm, user).unlink(missing_ok=True)  # (another replica may have deleted it)
             n = 0
         if self.cfg.memory.store != "milvus":
-            for other in (self.folder / user).glob("*.safetensors"):
-                other.unlink(missing_ok=True)
-            (self.folder / user / CARRIED).unlink(missing_ok=True)
+            forget_files(self.folder / user)
         return n
-
-    @staticmethod
-    def _damaged(path: Path) -> bool:
-        """Whether the memory file at `path` is there and cannot be read as a bank."""
-        try:
-            read_bank(path)
-        except FileNotFoundError:
-            return False
-        except BankError:
-            return path.is_file()
-        return False
 
     def forget(self, lm: LoadedModel, user: str, what: str) -> Remembered:
         """Remove the memories of `user` that "forget `what`" is about (`to_forget`: none when no memory is), of
