@@ -99,7 +99,8 @@ class People:
 
     def path(self, lm: LoadedModel, user: str) -> Path:
         """`user`'s memory file for this model: a memory is written by one model's encoder and read by it alone, so
-        each encoder has its own file (another model starts from an earlier one's memories: `user_folders.carry_over`)."""
+        each encoder has its own file (another model starts from an earlier one's memories:
+        `user_folders.carry_over`)."""
         name = lm.encoder.name
         slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")[:60]
         return self.folder / user / f"{slug}-{hashlib.sha256(name.encode()).hexdigest()[:8]}.safetensors"
